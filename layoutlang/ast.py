@@ -1,0 +1,257 @@
+"""The syntax tree of a `.layout` file: frozen dataclasses, each with its span.
+
+Spans are excluded from equality so that two parses of equivalent text
+compare equal (the formatter's round-trip test relies on it).
+
+Notation::
+
+    Expr := Num | Name | Local | BinOp | Neg | Call
+    Mode := Plain | Product | Concat | Pad          (one dimension's structure)
+    Stmt := Header | Include | Arg | Const | MeshDecl | DefaultDtype | TensorDecl | ForLoop
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .diagnostics import Span
+
+
+def _span() -> Span:
+    return field(default=None, compare=False, repr=False)  # type: ignore[return-value]
+
+
+# ---- expressions -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Num:
+    value: int
+    text: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Name:
+    name: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Local:
+    """`x.local`: a loop variable's index within the rank's block."""
+
+    name: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str  # one of + - * / // %
+    left: "Expr"
+    right: "Expr"
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: "Expr"
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Call:
+    func: str  # min max cdiv roundup
+    args: tuple["Expr", ...]
+    span: Span = _span()
+
+
+Expr = Num | Name | Local | BinOp | Neg | Call
+
+
+# ---- tensor names ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interp:
+    """`{EXPR}` inside a tensor name."""
+
+    expr: Expr
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class NameTemplate:
+    """A dotted tensor name: literal text and interpolations, in order."""
+
+    text: str
+    pieces: tuple[str | Interp, ...]
+    span: Span = _span()
+
+
+# ---- dimension modes -------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plain:
+    extent: Expr
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Product:
+    """`(N, M)`: N consecutive copies of M, outer first."""
+
+    count: Expr
+    inner: "Mode"
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str | None
+    mode: "Mode"
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Concat:
+    """`(a: M1 | b: M2)`: parts in order (packed or strided storage)."""
+
+    parts: tuple[Part, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Pad:
+    """`M pad K`: stored extent rounded up to a multiple of K."""
+
+    inner: "Mode"
+    multiple: Expr
+    span: Span = _span()
+
+
+Mode = Plain | Product | Concat | Pad
+
+
+@dataclass(frozen=True)
+class AxisRef:
+    name: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    axis: AxisRef
+    align: Expr | None
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Dim:
+    mode: Mode
+    over: tuple[AxisRef, ...]  # empty: not split; several: a combined axis
+    chunk: Chunk | None
+    span: Span = _span()
+
+
+# ---- statements ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Binding:
+    name: str
+    value: Expr
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Header:
+    name: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Include:
+    path: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Arg:
+    bindings: tuple[Binding, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Const:
+    bindings: tuple[Binding, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class MeshDecl:
+    name: str
+    axes: tuple[Binding, ...]
+    offset: Expr | None
+    span: Span = _span()
+    name_span: Span = _span()
+
+
+@dataclass(frozen=True)
+class DefaultDtype:
+    dtype: str
+    span: Span = _span()
+    dtype_span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Ident:
+    name: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class Place:
+    axis: AxisRef
+    coord: Expr
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: NameTemplate
+    key: NameTemplate | None
+    dims: tuple[Dim, ...]
+    dtype: Ident | None
+    mesh: Ident | None
+    placement: tuple[Place, ...]
+    span: Span = _span()
+
+
+@dataclass(frozen=True)
+class ForLoop:
+    var: str
+    start: Expr
+    stop: Expr
+    over: AxisRef | None
+    sizes: tuple[Expr, ...] | None
+    body: tuple["Stmt", ...]
+    span: Span = _span()
+    var_span: Span = _span()
+    head_span: Span = _span()
+
+
+Stmt = Header | Include | Arg | Const | MeshDecl | DefaultDtype | TensorDecl | ForLoop
+
+
+@dataclass(frozen=True)
+class Comment:
+    """A `#` comment, kept for the formatter."""
+
+    text: str
+    line: int
+    col: int
+
+
+@dataclass(frozen=True)
+class File:
+    statements: tuple[Stmt, ...]
+    comments: tuple[Comment, ...] = field(default=(), compare=False, repr=False)
+    source: object = field(default=None, compare=False, repr=False)

@@ -1,0 +1,182 @@
+"""`layoutc`: the command line. Verbs: check, fmt (plan and run come later).
+
+Exit codes: 0 ok, 1 diagnostics (or `fmt --check` found a file to change),
+2 usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .diagnostics import LayoutError, UsageError
+from .elaborate import load
+
+EXIT_OK, EXIT_DIAGNOSTICS, EXIT_USAGE = 0, 1, 2
+
+
+def _console(stream) -> Console:
+    return Console(file=stream, highlight=False, soft_wrap=True)
+
+
+def _parse_sets(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items or []:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or not name.isidentifier():
+            raise UsageError(f"--set {item!r}: expected NAME=VALUE, e.g. --set TP=4")
+        try:
+            out[name] = int(value.replace("_", ""), 10)
+        except ValueError:
+            raise UsageError(f"--set {item!r}: {value!r} is not an integer") from None
+    return out
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024 or unit == "PiB":
+            return f"{n} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _print_error(err: LayoutError, err_console: Console) -> None:
+    text = err.render()
+    if err_console.is_terminal:
+        head, _, rest = text.partition("\n")
+        err_console.print(head, style="bold red", markup=False)
+        if rest:
+            err_console.print(rest, markup=False)
+    else:
+        err_console.print(text, markup=False)
+
+
+def cmd_check(ns, out: Console, err: Console) -> int:
+    args = _parse_sets(ns.set)
+    status = EXIT_OK
+    for path in ns.files:
+        try:
+            layout = load(path, args)
+        except UsageError as e:
+            _print_error(e, err)
+            return EXIT_USAGE
+        except LayoutError as e:
+            _print_error(e, err)
+            status = EXIT_DIAGNOSTICS
+            continue
+        summarize(layout, out)
+    return status
+
+
+def summarize(layout, out: Console) -> None:
+    per_rank = layout.bytes_per_rank()
+    held = [b for b in per_rank if b]
+    idle = len(per_rank) - len(held)
+    name = f" ({layout.name})" if layout.name else ""
+    out.print(f"{layout.path}{name}: ok", markup=False)
+    out.print(f"  ranks    {layout.ranks}" + (f" ({idle} idle)" if idle else ""), markup=False)
+    for m in layout.meshes:
+        axes = ", ".join(f"{a.name}={a.size}" for a in m.axes)
+        out.print(f"  mesh     {m.name} ({axes}) ranks {m.offset}..{m.end - 1}", markup=False)
+    out.print(f"  tensors  {len(layout.tensors)} instances, {len(layout.by_key)} keys", markup=False)
+    if held:
+        lo, hi = min(held), max(held)
+        lo_r, hi_r = per_rank.index(lo), per_rank.index(hi)
+        out.print(f"  bytes    per rank min {_human(lo)} (rank {lo_r}), max {_human(hi)} (rank {hi_r})",
+                  markup=False)
+    if layout.args:
+        out.print("  args     " + ", ".join(f"{n}={v}" for n, v in layout.args), markup=False)
+
+
+def cmd_fmt(ns, out: Console, err: Console) -> int:
+    from .fmt import format_text
+
+    paths: list[Path] = []
+    for item in ns.files:
+        p = Path(item)
+        paths.extend(sorted(p.rglob("*.layout")) if p.is_dir() else [p])
+    status = EXIT_OK
+    for path in paths:
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            try:
+                load(path)  # a positioned diagnostic for bad bytes
+            except LayoutError as e:
+                _print_error(e, err)
+                status = max(status, EXIT_DIAGNOSTICS)
+                continue
+            err.print(f"error: cannot read {path}", markup=False)
+            return EXIT_USAGE
+        try:
+            formatted = format_text(text, str(path))
+        except LayoutError as e:
+            _print_error(e, err)
+            status = max(status, EXIT_DIAGNOSTICS)
+            continue
+        if formatted == text:
+            continue
+        if ns.check or ns.diff:
+            status = max(status, EXIT_DIAGNOSTICS)
+            out.print(f"would reformat {path}", markup=False)
+            if ns.diff:
+                diff = difflib.unified_diff(text.splitlines(True), formatted.splitlines(True),
+                                            str(path), str(path) + " (formatted)")
+                out.print("".join(diff), markup=False, end="")
+        else:
+            path.write_text(formatted, "utf-8")
+            out.print(f"reformatted {path}", markup=False)
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="layoutc", description="Check, format and plan `.layout` sharding specs.")
+    parser.add_argument("--version", action="version", version=f"layoutc {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    check = sub.add_parser("check", help="check layouts and print a short summary",
+                           description="Check each layout and print ranks, meshes, tensors and "
+                                       "bytes per rank, or diagnostics.")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument("--set", action="append", metavar="NAME=VALUE",
+                       help="override an `arg` (repeatable)")
+    check.set_defaults(run=cmd_check)
+    fmt = sub.add_parser("fmt", help="rewrite layouts in the canonical style",
+                         description="Rewrite each layout (or every *.layout under a folder) in "
+                                     "the canonical style; comments are kept.")
+    fmt.add_argument("files", nargs="+", metavar="FILE")
+    fmt.add_argument("--check", action="store_true",
+                     help="change nothing; exit 1 if a file would be reformatted")
+    fmt.add_argument("--diff", action="store_true", help="change nothing; print a unified diff")
+    fmt.set_defaults(run=cmd_fmt)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    out, err = _console(sys.stdout), _console(sys.stderr)
+    try:
+        return ns.run(ns, out, err)
+    except UsageError as e:
+        _print_error(e, err)
+        return EXIT_USAGE
+    except LayoutError as e:
+        _print_error(e, err)
+        return EXIT_DIAGNOSTICS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

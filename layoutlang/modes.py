@@ -1,0 +1,368 @@
+"""The algebra of one dimension: logical order, `over`, `chunk`, and runs.
+
+Notation (LANGUAGE.md section 3)::
+
+    mode    := PlainM(E) | ProductM(N, mode) | ConcatM(parts) | PadM(mode, K)
+    logical := ext(mode)         elements of the logical tensor along the dim
+    stored  := stored(mode)      elements in storage, padding included
+    leaves  := hoisted part tree, flattened: every concatenation hoisted out of
+               every enclosing product, `(N, (a|b))` == `(a: (N, A) | b: (N, B))`
+
+A stored element of a mode maps to (leaf, offset in leaf); its logical index
+is start(leaf) + offset. `select` gives the stored intervals that one `over`
+coordinate holds; `chunk_intervals` cuts that local storage into chunks;
+`walk` turns stored intervals into runs of (local, logical, length).
+
+All values here are plain ints: the elaborator has already evaluated
+expressions and reported user errors with positions; functions here raise
+`SplitError`, which the elaborator turns into a positioned diagnostic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterator
+
+MAX_RUNS = 1 << 20  # per dim and rank: more is a fragmented layout, not a real one
+
+
+class SplitError(Exception):
+    """A split that the spec forbids; `node` is the mode at fault."""
+
+    def __init__(self, message: str, node: "ModeIR", help: str | None = None):
+        super().__init__(message)
+        self.message, self.node, self.help = message, node, help
+
+
+@dataclass(frozen=True)
+class Run:
+    """Local storage [local_start, +length) holds logical [logical_start, +length)."""
+
+    local_start: int
+    logical_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PadRun:
+    """Local storage [local_start, +length) is padding: never sent, zero on arrival."""
+
+    local_start: int
+    length: int
+
+
+RunLike = Run | PadRun
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A block of the hoisted part tree: `extent` consecutive logical elements."""
+
+    extent: int
+
+
+@dataclass(frozen=True)
+class PartNode:
+    """A concatenation level of the hoisted part tree."""
+
+    parts: tuple[tuple[str | None, "PartTree"], ...]
+
+
+PartTree = Leaf | PartNode
+
+
+# ---- the mode IR -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlainM:
+    extent: int
+    origin: object = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def logical(self) -> int:
+        return self.extent
+
+    @cached_property
+    def stored(self) -> int:
+        return self.extent
+
+    @cached_property
+    def leaf_extents(self) -> tuple[int, ...]:
+        return (self.extent,)
+
+    @cached_property
+    def identity(self) -> bool:
+        return True
+
+    @cached_property
+    def part_tree(self) -> PartTree:
+        return Leaf(self.extent)
+
+
+@dataclass(frozen=True)
+class ProductM:
+    count: int
+    inner: "ModeIR"
+    origin: object = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def logical(self) -> int:
+        return self.count * self.inner.logical
+
+    @cached_property
+    def stored(self) -> int:
+        return self.count * self.inner.stored
+
+    @cached_property
+    def leaf_extents(self) -> tuple[int, ...]:
+        return tuple(self.count * e for e in self.inner.leaf_extents)
+
+    @cached_property
+    def identity(self) -> bool:
+        return self.inner.identity
+
+    @cached_property
+    def part_tree(self) -> PartTree:
+        return _scale(self.inner.part_tree, self.count)
+
+
+@dataclass(frozen=True)
+class PartM:
+    name: str | None
+    mode: "ModeIR"
+
+
+@dataclass(frozen=True)
+class ConcatM:
+    parts: tuple[PartM, ...]
+    origin: object = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def logical(self) -> int:
+        return sum(p.mode.logical for p in self.parts)
+
+    @cached_property
+    def stored(self) -> int:
+        return sum(p.mode.stored for p in self.parts)
+
+    @cached_property
+    def leaf_extents(self) -> tuple[int, ...]:
+        return tuple(e for p in self.parts for e in p.mode.leaf_extents)
+
+    @cached_property
+    def identity(self) -> bool:
+        return False
+
+    @cached_property
+    def part_tree(self) -> PartTree:
+        return PartNode(tuple((p.name, p.mode.part_tree) for p in self.parts))
+
+
+@dataclass(frozen=True)
+class PadM:
+    inner: "ModeIR"
+    multiple: int
+    origin: object = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def logical(self) -> int:
+        return self.inner.logical
+
+    @cached_property
+    def stored(self) -> int:
+        return -(-self.inner.stored // self.multiple) * self.multiple
+
+    @cached_property
+    def leaf_extents(self) -> tuple[int, ...]:
+        return self.inner.leaf_extents
+
+    @cached_property
+    def identity(self) -> bool:
+        return self.inner.identity and self.stored == self.inner.stored
+
+    @cached_property
+    def part_tree(self) -> PartTree:
+        return self.inner.part_tree
+
+
+ModeIR = PlainM | ProductM | ConcatM | PadM
+
+
+def _scale(tree: PartTree, n: int) -> PartTree:
+    """Hoisting: N copies of a concatenation are a concatenation of N-copy parts."""
+    if isinstance(tree, Leaf):
+        return Leaf(tree.extent * n)
+    return PartNode(tuple((name, _scale(sub, n)) for name, sub in tree.parts))
+
+
+def leaf_starts(mode: ModeIR) -> tuple[int, ...]:
+    """Logical start of each hoisted leaf (prefix sums in part order)."""
+    starts, acc = [], 0
+    for e in mode.leaf_extents:
+        starts.append(acc)
+        acc += e
+    return tuple(starts)
+
+
+# ---- over: which stored intervals a coordinate holds -----------------------
+
+def check_split(mode: ModeIR, s: int, axis: str) -> None:
+    """Raise SplitError unless `mode over axis` (size s) is a legal split."""
+    match mode:
+        case PlainM(extent=e):
+            if e % s:
+                raise SplitError(
+                    f"split {e} over {axis}={s} leaves remainder {e % s}", mode,
+                    help=f"use `pad {s}` or change {axis}")
+        case ProductM(count=n):
+            if n % s and s % n:
+                raise SplitError(
+                    f"split ({n}, ...) over {axis}={s}: {n} copies are neither a multiple "
+                    f"nor a divisor of {s}", mode,
+                    help=f"use `chunk {axis}` to cut its storage contiguously, or change {axis}")
+        case ConcatM(parts=parts):
+            for part in parts:
+                check_split(part.mode, s, axis)
+        case PadM():
+            if mode.stored % s:
+                raise SplitError(
+                    f"padded extent {mode.stored} does not split over {axis}={s} "
+                    f"(remainder {mode.stored % s})", mode,
+                    help=f"pad to a multiple of {s}, e.g. `pad {mode.multiple * s}`")
+
+
+def select(mode: ModeIR, s: int, c: int, base: int = 0) -> list[tuple[int, int]]:
+    """Stored intervals [a, b) that coordinate c of s holds, in storage order.
+
+    Preserves: the pieces of all coordinates partition storage, except where a
+    product is replicated (s > N), where s/N coordinates hold the same copy.
+    """
+    match mode:
+        case PlainM(extent=e):
+            step = e // s
+            return [(base + c * step, base + (c + 1) * step)]
+        case ProductM(count=n, inner=inner):
+            if n % s == 0:
+                step = (n // s) * inner.stored
+                return [(base + c * step, base + (c + 1) * step)]
+            copy = c * n // s
+            return [(base + copy * inner.stored, base + (copy + 1) * inner.stored)]
+        case ConcatM(parts=parts):
+            out, offset = [], base
+            for part in parts:
+                out.extend(select(part.mode, s, c, offset))
+                offset += part.mode.stored
+            return out
+        case PadM():
+            step = mode.stored // s
+            return [(base + c * step, base + (c + 1) * step)]
+    raise AssertionError(mode)
+
+
+def chunk_intervals(intervals: list[tuple[int, int]], n_chunks: int, index: int,
+                    align: int | None) -> tuple[list[tuple[int, int]], int]:
+    """Cut local storage (the concatenated intervals) into equal chunks.
+
+    Returns chunk `index`'s stored intervals and the count of alignment padding
+    elements at its tail. Preserves order: chunk c is local [c*m, (c+1)*m).
+    """
+    n = sum(b - a for a, b in intervals)
+    total = n if align is None else -(-n // (align * n_chunks)) * (align * n_chunks)
+    m = total // n_chunks
+    lo, hi = index * m, (index + 1) * m
+    out, pos = [], 0
+    for a, b in intervals:
+        length = b - a
+        s, e = max(lo, pos), min(hi, pos + length)
+        if s < e:
+            out.append((a + s - pos, a + e - pos))
+        pos += length
+    tail = max(0, hi - max(lo, n))
+    return out, tail
+
+
+# ---- walk: stored interval -> runs ----------------------------------------
+
+def _walk(mode: ModeIR, a: int, b: int) -> Iterator[tuple[int, int, int, int] | tuple[int, int]]:
+    """Yield (stored_pos, leaf, offset, length) data pieces or (stored_pos, length) pads."""
+    if a >= b:
+        return
+    if mode.identity:
+        yield (a, 0, a, b - a)
+        return
+    match mode:
+        case PadM(inner=inner):
+            cut = min(b, inner.stored)
+            if a < cut:
+                yield from _walk(inner, a, cut)
+            if b > inner.stored:
+                start = max(a, inner.stored)
+                yield (start, b - start)
+        case ConcatM(parts=parts):
+            offset, leaf_base = 0, 0
+            for part in parts:
+                sub = part.mode
+                s, e = max(a, offset), min(b, offset + sub.stored)
+                if s < e:
+                    for piece in _walk(sub, s - offset, e - offset):
+                        if len(piece) == 4:
+                            pos, leaf, off, length = piece
+                            yield (pos + offset, leaf + leaf_base, off, length)
+                        else:
+                            yield (piece[0] + offset, piece[1])
+                offset += sub.stored
+                leaf_base += len(sub.leaf_extents)
+                if offset >= b:
+                    break
+        case ProductM(inner=inner):
+            size, ext = inner.stored, inner.leaf_extents
+            first, last = a // size, (b - 1) // size
+            for n in range(first, last + 1):
+                base = n * size
+                for piece in _walk(inner, max(a, base) - base, min(b, base + size) - base):
+                    if len(piece) == 4:
+                        pos, leaf, off, length = piece
+                        yield (pos + base, leaf, n * ext[leaf] + off, length)
+                    else:
+                        yield (piece[0] + base, piece[1])
+        case _:
+            raise AssertionError(mode)
+
+
+def runs(mode: ModeIR, intervals: list[tuple[int, int]], tail_pad: int) -> tuple[RunLike, ...]:
+    """Runs of local storage: the stored intervals in order, then `tail_pad` padding.
+
+    Adjacent runs are merged when both local and logical positions continue,
+    so a plain split is one run and a strided split one run per stride.
+    """
+    starts = leaf_starts(mode)
+    out: list[RunLike] = []
+    local = 0
+
+    def emit(run: RunLike) -> None:
+        if out:
+            prev = out[-1]
+            if isinstance(run, PadRun) and isinstance(prev, PadRun):
+                out[-1] = PadRun(prev.local_start, prev.length + run.length)
+                return
+            if (isinstance(run, Run) and isinstance(prev, Run)
+                    and prev.logical_start + prev.length == run.logical_start):
+                out[-1] = Run(prev.local_start, prev.logical_start, prev.length + run.length)
+                return
+        if len(out) >= MAX_RUNS:
+            raise SplitError(f"this dimension splits into more than {MAX_RUNS} runs on one rank",
+                             mode, help="a real layout is far less fragmented; check the counts")
+        out.append(run)
+
+    for a, b in intervals:
+        for piece in _walk(mode, a, b):
+            if len(piece) == 4:
+                pos, leaf, off, length = piece
+                emit(Run(local + pos - a, starts[leaf] + off, length))
+            else:
+                emit(PadRun(local + piece[0] - a, piece[1]))
+        local += b - a
+    if tail_pad:
+        emit(PadRun(local, tail_pad))
+    return tuple(out)

@@ -1,0 +1,406 @@
+"""Text -> AST. Lark (LALR, contextual lexer) plus one Transformer.
+
+Raw Lark errors never escape: each becomes a :class:`ParseError` whose message
+names what was found and, in plain words, what could come there instead.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import lark
+from lark import Lark, Token, Transformer, v_args
+from lark.lexer import PatternStr
+
+from . import ast
+from .diagnostics import ParseError, Source, Span
+
+MAX_NESTING = 64
+_INTERP = re.compile(r"\{([^{}\n]*)\}")
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "TNAME": "a tensor name",
+    "STRING": 'a quoted path ("...")',
+    "$END": "the end of the file",
+}
+
+
+def grammar_text() -> str:
+    """The grammar, shipped as package data `layoutlang/grammar/layout.lark`.
+
+    Installed from a wheel it sits beside this module; in an editable install
+    (the repository's top-level `grammar/` folder) it sits one level up.
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "grammar" / "layout.lark", here.parent / "grammar" / "layout.lark"):
+        if candidate.is_file():
+            return candidate.read_text("utf-8")
+    raise FileNotFoundError("layoutlang's grammar file layout.lark is missing from the install")
+
+
+class _Comments:
+    """Collects comments from the lexer for the parse in progress."""
+
+    sink: list[Token] | None = None
+
+    @classmethod
+    def collect(cls, token: Token) -> None:
+        if cls.sink is not None:
+            cls.sink.append(token)
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    return Lark(grammar_text(), parser="lalr", lexer="contextual",
+                propagate_positions=True, maybe_placeholders=False,
+                start=["start", "expr"],
+                lexer_callbacks={"COMMENT": _Comments.collect})
+
+
+def _describe(terminal: str) -> str:
+    if terminal in _TERMINAL_WORDS:
+        return _TERMINAL_WORDS[terminal]
+    for term in _lark().terminals:
+        if term.name == terminal and isinstance(term.pattern, PatternStr):
+            return f"`{term.pattern.value}`"
+    return terminal.lower()
+
+
+def _expected(names) -> str:
+    words = sorted({_describe(n) for n in names}, key=lambda w: (not w.startswith("`"), w))
+    if not words:
+        return "nothing more"
+    if len(words) == 1:
+        return words[0]
+    if len(words) > 8:
+        words = words[:8] + ["..."]
+    return "one of " + ", ".join(words)
+
+
+def _found(token: Token) -> str:
+    if token.type == "$END":
+        return "the end of the file"
+    text = str(token)
+    return f"`{text[:40]}`"
+
+
+class _Positions:
+    """Maps Lark's 1-based positions (of a whole file or of one `{EXPR}`)."""
+
+    def __init__(self, source: Source, line: int = 0, col: int = 0):
+        self.source, self.line, self.col = source, line, col
+
+    def span(self, line: int, col: int, end_line: int, end_col: int) -> Span:
+        if self.line:  # inside a tensor name: one line, shifted columns
+            return Span(self.source, self.line, self.col + col - 1, self.line, self.col + end_col - 1)
+        return Span(self.source, line, col, end_line, end_col)
+
+    def of_meta(self, meta) -> Span:
+        if getattr(meta, "empty", True):
+            return self.span(1, 1, 1, 1)
+        return self.span(meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def of_token(self, tok: Token) -> Span:
+        return self.span(tok.line, tok.column, tok.end_line, tok.end_column)
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    """One method per grammar rule; each returns an AST node with its span."""
+
+    def __init__(self, pos: _Positions):
+        super().__init__()
+        self.pos = pos
+
+    # -- expressions
+    def number(self, meta, c):
+        text = str(c[0])
+        return ast.Num(int(text.replace("_", "")), text, self.pos.of_meta(meta))
+
+    def name(self, meta, c):
+        return ast.Name(str(c[0]), self.pos.of_meta(meta))
+
+    def local_name(self, meta, c):
+        return ast.Local(str(c[0]), self.pos.of_meta(meta))
+
+    def call(self, meta, c):
+        return ast.Call(str(c[0]), tuple(c[1:]), self.pos.of_meta(meta))
+
+    def neg(self, meta, c):
+        return ast.Neg(c[0], self.pos.of_meta(meta))
+
+    def _bin(op):  # noqa: N805 - a small factory for the binary operators
+        def rule(self, meta, c):
+            return ast.BinOp(op, c[0], c[1], self.pos.of_meta(meta))
+        return rule
+
+    add, sub, mul = _bin("+"), _bin("-"), _bin("*")
+    exact_div, floor_div, mod = _bin("/"), _bin("//"), _bin("%")
+
+    # -- modes
+    def plain(self, meta, c):
+        return ast.Plain(c[0], self.pos.of_meta(meta))
+
+    def product(self, meta, c):
+        span = self.pos.of_meta(meta)
+        inner = c[-1]
+        for count in reversed(c[:-1]):
+            if not isinstance(count, ast.Plain):
+                raise ParseError(
+                    "the count of a product `(N, M)` must be an integer expression",
+                    count.span,
+                    help="only the last item of `( , )` may be a concatenation or `pad`; "
+                         "write `(N, (a | b))` to repeat a concatenation N times")
+            inner = ast.Product(count.extent, inner, span)
+        return inner
+
+    def named_part(self, meta, c):
+        return ast.Part(str(c[0]), c[1], self.pos.of_meta(meta))
+
+    def part(self, meta, c):
+        return ast.Part(None, c[0], self.pos.of_meta(meta))
+
+    def concat(self, meta, c):
+        return ast.Concat(tuple(c), self.pos.of_meta(meta))
+
+    def concat_one(self, meta, c):
+        span = self.pos.of_meta(meta)
+        return ast.Concat((ast.Part(str(c[0]), c[1], span),), span)
+
+    def pad(self, meta, c):
+        return ast.Pad(c[0], c[1], self.pos.of_meta(meta))
+
+    def over_one(self, meta, c):
+        return (self._axis(c[0]),)
+
+    def over_tuple(self, meta, c):
+        return tuple(self._axis(t) for t in c)
+
+    def chunk(self, meta, c):
+        align = c[1] if len(c) > 1 else None
+        return ast.Chunk(self._axis(c[0]), align, self.pos.of_meta(meta))
+
+    def align(self, meta, c):
+        return c[0]
+
+    def dim(self, meta, c):
+        mode, over, chunk = c[0], (), None
+        for item in c[1:]:
+            if isinstance(item, ast.Chunk):
+                chunk = item
+            else:
+                over = item
+        return ast.Dim(mode, over, chunk, self.pos.of_meta(meta))
+
+    def dims(self, meta, c):
+        return tuple(c)
+
+    def _axis(self, tok: Token) -> ast.AxisRef:
+        return ast.AxisRef(str(tok), self.pos.of_token(tok))
+
+    def _ident(self, tok: Token) -> ast.Ident:
+        return ast.Ident(str(tok), self.pos.of_token(tok))
+
+    # -- statements
+    def start(self, meta, c):
+        return tuple(c)
+
+    def binding(self, meta, c):
+        return ast.Binding(str(c[0]), c[1], self.pos.of_token(c[0]))
+
+    axis_def = binding
+
+    def header(self, meta, c):
+        return ast.Header(str(c[0]), self.pos.of_meta(meta))
+
+    def include(self, meta, c):
+        return ast.Include(str(c[0])[1:-1], self.pos.of_meta(meta))
+
+    def arg(self, meta, c):
+        return ast.Arg(tuple(c), self.pos.of_meta(meta))
+
+    def const(self, meta, c):
+        return ast.Const(tuple(c), self.pos.of_meta(meta))
+
+    def mesh_at(self, meta, c):
+        return ("at", c[0])
+
+    def mesh(self, meta, c):
+        offset = c[-1][1] if isinstance(c[-1], tuple) else None
+        axes = tuple(x for x in c[1:] if isinstance(x, ast.Binding))
+        return ast.MeshDecl(str(c[0]), axes, offset, self.pos.of_meta(meta), self.pos.of_token(c[0]))
+
+    def default_dtype(self, meta, c):
+        return ast.DefaultDtype(str(c[0]), self.pos.of_meta(meta), self.pos.of_token(c[0]))
+
+    def key(self, meta, c):
+        return ("key", self._template(c[0]))
+
+    def dtype(self, meta, c):
+        return ("dtype", self._ident(c[0]))
+
+    def on(self, meta, c):
+        return ("on", self._ident(c[0]))
+
+    def place(self, meta, c):
+        return ast.Place(self._axis(c[0]), c[1], self.pos.of_meta(meta))
+
+    def placement(self, meta, c):
+        return ("at", tuple(c))
+
+    def tensor(self, meta, c):
+        fields = {"key": None, "dims": (), "dtype": None, "on": None, "at": ()}
+        for item in c[1:]:
+            if isinstance(item, tuple) and item and isinstance(item[0], str):
+                fields[item[0]] = item[1]
+            else:
+                fields["dims"] = item
+        return ast.TensorDecl(self._template(c[0]), fields["key"], fields["dims"],
+                              fields["dtype"], fields["on"], fields["at"],
+                              self.pos.of_meta(meta))
+
+    def sizes(self, meta, c):
+        return ("sizes", tuple(c))
+
+    def loop_over(self, meta, c):
+        sizes = c[1][1] if len(c) > 1 else None
+        return ("over", self._axis(c[0]), sizes)
+
+    def for_loop(self, meta, c):
+        var, start, stop, rest = c[0], c[1], c[2], c[3:]
+        over, sizes = None, None
+        if rest and isinstance(rest[0], tuple) and rest[0] and rest[0][0] == "over":
+            _, over, sizes = rest[0]
+            rest = rest[1:]
+        head_end = (over or stop).span
+        head = self.pos.span(meta.line, meta.column, head_end.end_line, head_end.end_col)
+        return ast.ForLoop(str(var), start, stop, over, sizes, tuple(rest),
+                           self.pos.of_meta(meta), self.pos.of_token(var), head)
+
+    # -- tensor names
+    def _template(self, tok: Token) -> ast.NameTemplate:
+        text = str(tok)
+        pieces: list[str | ast.Interp] = []
+        last = 0
+        for m in _INTERP.finditer(text):
+            if m.start() > last:
+                pieces.append(text[last:m.start()])
+            col = tok.column + m.start(1)
+            span = Span(self.pos.source, tok.line, col - 1, tok.line, tok.column + m.end())
+            if not m.group(1).strip():
+                raise ParseError("empty `{}` in a tensor name", span,
+                                 help="write an integer expression inside, e.g. `{l}`")
+            expr = parse_expr(m.group(1), _Positions(self.pos.source, tok.line, col))
+            pieces.append(ast.Interp(expr, span))
+            last = m.end()
+        if last < len(text):
+            pieces.append(text[last:])
+        return ast.NameTemplate(text, tuple(pieces), self.pos.of_token(tok))
+
+
+def _check_nesting(source: Source) -> None:
+    """Refuse absurdly deep nesting before Lark and the Transformer recurse."""
+    depth, line, col = 0, 1, 0
+    for ch in source.text:
+        col += 1
+        if ch == "\n":
+            line, col = line + 1, 0
+        elif ch in "([{":
+            depth += 1
+            if depth > MAX_NESTING:
+                raise ParseError(f"brackets nest deeper than {MAX_NESTING} levels",
+                                 Span(source, line, col, line, col + 1),
+                                 help="a layout never needs this; check for a runaway bracket")
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+
+
+def _convert_error(err: Exception, pos: _Positions) -> ParseError:
+    if isinstance(err, lark.exceptions.UnexpectedToken):
+        tok = err.token
+        line = tok.line if tok.line is not None else err.line
+        col = tok.column if tok.column is not None else err.column
+        if tok.type == "$END":
+            lines = pos.source.text.split("\n")
+            line, col = len(lines), len(lines[-1]) + 1
+        width = max(1, len(str(tok))) if tok.type != "$END" else 1
+        found = "end of file" if tok.type == "$END" else _found(tok)
+        return ParseError(f"unexpected {found}; expected {_expected(err.expected)}",
+                          pos.span(line, col, line, col + width), help=_hint(err))
+    if isinstance(err, lark.exceptions.UnexpectedCharacters):
+        ch = err.char
+        shown = repr(ch)[1:-1] if not ch.isprintable() else ch
+        return ParseError(f"unexpected character `{shown}`; expected {_expected(err.allowed or ())}",
+                          pos.span(err.line, err.column, err.line, err.column + 1))
+    if isinstance(err, lark.exceptions.UnexpectedEOF):
+        lines = pos.source.text.split("\n")
+        return ParseError(f"unexpected end of file; expected {_expected(err.expected)}",
+                          pos.span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2))
+    raise err
+
+
+def _hint(err) -> str | None:
+    expected = set(err.expected)
+    if err.token.type == "$END" and "RBRACE" in expected:
+        return "a `for` block is missing its closing `}`"
+    if "RSQB" in expected and "COMMA" in expected:
+        return "separate dimensions with `,` and close the list with `]`"
+    return None
+
+
+def _run(text: str, start: str, pos: _Positions):
+    try:
+        return _lark().parse(text, start=start)
+    except lark.exceptions.UnexpectedInput as err:
+        raise _convert_error(err, pos) from None
+
+
+def _transform(tree, pos: _Positions):
+    try:
+        return _ToAst(pos).transform(tree)
+    except lark.exceptions.VisitError as err:
+        if isinstance(err.orig_exc, ParseError):
+            raise err.orig_exc from None
+        raise
+
+
+def parse_expr(text: str, pos: _Positions) -> ast.Expr:
+    return _transform(_run(text, "expr", pos), pos)
+
+
+def decode(data: bytes, path: str) -> Source:
+    """Bytes -> Source, with a positioned error for text that is not UTF-8."""
+    try:
+        return Source(path, data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        before = data[:err.start]
+        line = before.count(b"\n") + 1
+        col = err.start - (before.rfind(b"\n") + 1) + 1
+        text = data.decode("utf-8", errors="replace")
+        raise ParseError(f"the file is not UTF-8 text (byte 0x{data[err.start]:02x})",
+                         Span(Source(path, text), line, col, line, col + 1),
+                         help="`.layout` files are UTF-8 text") from None
+
+
+def parse_source(source: Source) -> ast.File:
+    """Parse one file. Raises ParseError; never a raw Lark or Python error."""
+    _check_nesting(source)
+    pos = _Positions(source)
+    comments: list[Token] = []
+    _Comments.sink = comments
+    try:
+        tree = _run(source.text, "start", pos)
+    finally:
+        _Comments.sink = None
+    statements = _transform(tree, pos)
+    return ast.File(statements,
+                    tuple(ast.Comment(str(t), t.line, t.column) for t in comments),
+                    source)
+
+
+def parse(text: str | bytes, path: str = "<string>") -> ast.File:
+    source = decode(text, path) if isinstance(text, bytes) else Source(path, text)
+    return parse_source(source)
