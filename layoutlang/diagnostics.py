@@ -99,7 +99,7 @@ class UsageError(LayoutError):
 
 
 def _snippet(span: Span) -> list[str]:
-    text = span.source.line_text(span.line).replace("\t", " ")
+    text = "".join(ch if ch.isprintable() else " " for ch in span.source.line_text(span.line))
     if span.end_line == span.line:
         end_col = max(span.end_col, span.col + 1)
     else:

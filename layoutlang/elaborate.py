@@ -18,7 +18,7 @@ from typing import Iterable
 from . import ast
 from .diagnostics import ElaborationError, LayoutError, Note, Source, Span, UsageError
 from .ir import DTYPES, MXFP8_BLOCK, Axis, ChunkSplit, DimIR, Layout, Mesh, Split, TensorIR, storage_bytes
-from .modes import ConcatM, PadM, PartM, PlainM, ProductM, SplitError, check_split
+from .modes import MAX_RUNS, ConcatM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
 from .parser import decode, parse_source
 
 INT64_MAX = (1 << 63) - 1
@@ -339,6 +339,10 @@ class _Elaborator:
         dims = []
         for d in stmt.dims:
             mode = self.mode(d.mode)
+            if fragments(mode) > MAX_RUNS:
+                raise _err(f"this dimension's storage alternates in {fragments(mode)} pieces; at most "
+                           f"{MAX_RUNS} are supported", d.mode.span,
+                           help="a real layout is far less fragmented; check the counts")
             over = None
             if d.over:
                 idx = tuple(use_axis(ref, "by `over`") for ref in d.over)

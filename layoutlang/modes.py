@@ -189,6 +189,20 @@ class PadM:
 ModeIR = PlainM | ProductM | ConcatM | PadM
 
 
+def fragments(mode: ModeIR) -> int:
+    """An upper bound on the runs of the whole stored dim (strided layouts are many)."""
+    if mode.identity:
+        return 1
+    match mode:
+        case PadM(inner=inner):
+            return fragments(inner) + 1
+        case ConcatM(parts=parts):
+            return sum(fragments(p.mode) for p in parts)
+        case ProductM(count=n, inner=inner):
+            return n * fragments(inner)
+    return 1
+
+
 def _scale(tree: PartTree, n: int) -> PartTree:
     """Hoisting: N copies of a concatenation are a concatenation of N-copy parts."""
     if isinstance(tree, Leaf):

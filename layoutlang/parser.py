@@ -18,6 +18,8 @@ from . import ast
 from .diagnostics import ParseError, Source, Span
 
 MAX_NESTING = 64
+KEYWORDS = frozenset("layout include arg const mesh at default dtype tensor as on for in over "
+                     "sizes pad chunk align local".split())
 _INTERP = re.compile(r"\{([^{}\n]*)\}")
 _TERMINAL_WORDS = {
     "NAME": "a name",
@@ -114,6 +116,14 @@ class _ToAst(Transformer):
     def __init__(self, pos: _Positions):
         super().__init__()
         self.pos = pos
+
+    def __default_token__(self, tok: Token):
+        # The contextual lexer would accept a keyword as a NAME where no keyword
+        # can stand; the language reserves them everywhere, so refuse here.
+        if tok.type == "NAME" and str(tok) in KEYWORDS:
+            raise ParseError(f"`{tok}` is a reserved word and cannot be used as a name",
+                             self.pos.of_token(tok), help=f"rename it, e.g. `{tok}_`")
+        return tok
 
     # -- expressions
     def number(self, meta, c):

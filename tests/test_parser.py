@@ -1,0 +1,64 @@
+"""The parser: text -> AST with spans; syntax errors in plain words."""
+
+import pytest
+
+from layoutlang import ast
+from layoutlang.diagnostics import ParseError
+from layoutlang.parser import parse
+
+
+def test_tensor_statement_clauses_and_spans():
+    f = parse("mesh m (tp=2)\ntensor a.{l}.b as k.{l} [(KV, (q: 2 | k: 1)) over tp chunk g align 16, H] fp32 on m at pp=0")
+    t = f.statements[1]
+    assert isinstance(t, ast.TensorDecl)
+    assert t.name.text == "a.{l}.b" and t.key.text == "k.{l}"
+    assert t.name.pieces[0] == "a." and isinstance(t.name.pieces[1], ast.Interp)
+    assert (t.name.pieces[1].expr.span.line, t.name.pieces[1].expr.span.col) == (2, 11)
+    dim = t.dims[0]
+    assert isinstance(dim.mode, ast.Product)
+    assert [p.name for p in dim.mode.inner.parts] == ["q", "k"]
+    assert [a.name for a in dim.over] == ["tp"] and dim.chunk.axis.name == "g"
+    assert dim.chunk.align == ast.Num(16, "16")
+    assert t.dtype.name == "fp32" and t.mesh.name == "m"
+    assert t.placement[0].axis.name == "pp"
+    assert (t.span.line, t.span.col) == (2, 1)
+
+
+def test_products_nest_to_the_right():
+    f = parse("mesh m (tp=1)\ntensor t [(2, 3, 4)]")
+    mode = f.statements[1].dims[0].mode
+    assert mode == ast.Product(ast.Num(2, "2"), ast.Product(ast.Num(3, "3"), ast.Plain(ast.Num(4, "4"))))
+
+
+def test_pad_binds_tighter_than_over_and_parens_are_arithmetic():
+    f = parse("mesh m (tp=1)\ntensor t [(V) pad 128*TP over tp]")
+    dim = f.statements[1].dims[0]
+    assert isinstance(dim.mode, ast.Pad) and dim.mode.inner == ast.Plain(ast.Name("V"))
+    assert dim.mode.multiple == ast.BinOp("*", ast.Num(128, "128"), ast.Name("TP"))
+    assert dim.over == (ast.AxisRef("tp"),)
+
+
+def test_underscored_integers_and_comments():
+    f = parse("# header\nconst V = 128_256  # vocab\n")
+    assert f.statements[0].bindings[0].value == ast.Num(128256, "128_256")
+    assert [c.text for c in f.comments] == ["# header", "# vocab"]
+
+
+@pytest.mark.parametrize("text, line, col, words", [
+    ("mesh m (tp=2)\ntensor x [4 over tp", 2, 20, "unexpected end of file"),
+    ("mesh m (tp=2)\ntensor x [4] bf16 tensor", 2, 25, "expected a tensor name"),
+    ("mesh m (tp=2)\nfor l in 0..4 {\n", 3, 1, "unexpected end of file"),
+    ("mesh m (tp=2) $", 1, 15, "unexpected character `$`"),
+    ("const pad = 3", 1, 7, "`pad` is a reserved word"),
+])
+def test_syntax_errors_in_plain_words(text, line, col, words):
+    with pytest.raises(ParseError) as e:
+        parse(text)
+    assert (e.value.line, e.value.col) == (line, col)
+    assert words in e.value.message
+
+
+def test_product_count_must_be_plain():
+    with pytest.raises(ParseError) as e:
+        parse("mesh m (tp=1)\ntensor t [((a: 1 | b: 1), 4)]")
+    assert "count of a product" in e.value.message and (e.value.line, e.value.col) == (2, 12)
