@@ -7,6 +7,7 @@ names what was found and, in plain words, what could come there instead.
 from __future__ import annotations
 
 import re
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from .diagnostics import ParseError, Source, Span
 MAX_NESTING = 64
 KEYWORDS = frozenset("layout include arg const mesh at default dtype tensor as on for in over "
                      "sizes pad chunk align local".split())
-_INTERP = re.compile(r"\{([^{}\n]*)\}")
+_INTERP = re.compile(r"\{([^{}\n#]*)\}")
 _TERMINAL_WORDS = {
     "NAME": "a name",
     "INT": "an integer",
@@ -47,6 +48,7 @@ class _Comments:
     """Collects comments from the lexer for the parse in progress."""
 
     sink: list[Token] | None = None
+    lock = threading.Lock()  # one parse at a time owns the sink
 
     @classmethod
     def collect(cls, token: Token) -> None:
@@ -285,7 +287,7 @@ class _ToAst(Transformer):
         if rest and isinstance(rest[0], tuple) and rest[0] and rest[0][0] == "over":
             _, over, sizes = rest[0]
             rest = rest[1:]
-        head_end = (over or stop).span
+        head_end = (sizes[-1] if sizes else over or stop).span
         head = self.pos.span(meta.line, meta.column, head_end.end_line, head_end.end_col)
         return ast.ForLoop(str(var), start, stop, over, sizes, tuple(rest),
                            self.pos.of_meta(meta), self.pos.of_token(var), head)
@@ -368,7 +370,23 @@ def _run(text: str, start: str, pos: _Positions):
         raise _convert_error(err, pos) from None
 
 
+MAX_DEPTH = 200
+
+
+def _check_depth(tree, pos: _Positions) -> None:
+    """Refuse trees deeper than MAX_DEPTH (a chain like `1+1+...+1` of thousands
+    of terms) before the recursive Transformer and evaluator meet them."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ParseError(f"expression nests deeper than {MAX_DEPTH} levels", pos.of_meta(node.meta),
+                             help="split it with `const` definitions")
+        stack.extend((child, depth + 1) for child in node.children if isinstance(child, lark.Tree))
+
+
 def _transform(tree, pos: _Positions):
+    _check_depth(tree, pos)
     try:
         return _ToAst(pos).transform(tree)
     except lark.exceptions.VisitError as err:
@@ -400,11 +418,12 @@ def parse_source(source: Source) -> ast.File:
     _check_nesting(source)
     pos = _Positions(source)
     comments: list[Token] = []
-    _Comments.sink = comments
-    try:
-        tree = _run(source.text, "start", pos)
-    finally:
-        _Comments.sink = None
+    with _Comments.lock:
+        _Comments.sink = comments
+        try:
+            tree = _run(source.text, "start", pos)
+        finally:
+            _Comments.sink = None
     statements = _transform(tree, pos)
     return ast.File(statements,
                     tuple(ast.Comment(str(t), t.line, t.column) for t in comments),
