@@ -117,10 +117,11 @@ def test_ir_memory_is_independent_of_rank_count():
     def peak(dp):
         tracemalloc.start()
         layout = loads(text, args={"DP": dp})
-        layout.bytes_per_rank()
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
+        assert len(layout.tensors) == 512
         return top
 
+    peak(1)  # warm the parser so that neither measurement pays for building it
     small, large = peak(1), peak(1024)
-    assert large < 1.5 * small, (small, large)
+    assert large < 1.2 * small, (small, large)
