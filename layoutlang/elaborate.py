@@ -112,6 +112,10 @@ class _Elaborator:
     def include(self, stmt: ast.Include, source: Source) -> None:
         if self.loops:
             raise _err("`include` must be at the top level of a file, not inside `for`", stmt.span)
+        if "\x00" in stmt.path:
+            shown = stmt.path.replace("\x00", "\\x00")
+            raise _err(f"cannot include \"{shown}\": a path cannot contain a NUL character", stmt.span,
+                       help="remove the NUL character from the path")
         base = os.path.dirname(source.path) if source.path != "<string>" else os.getcwd()
         path = os.path.normpath(os.path.join(base, stmt.path))
         real = os.path.realpath(path)
@@ -229,15 +233,17 @@ class _Elaborator:
             blocks = [n // size] * size
         else:
             blocks = [self.eval(e) for e in node.sizes]
+            first, last = node.sizes[0].span, node.sizes[-1].span
+            entries = Span(first.source, first.line, first.col, last.end_line, last.end_col)
             if len(blocks) != size:
                 raise _err(f"`sizes` has {len(blocks)} entries but {node.over.name} has size {size}",
-                           node.sizes[0].span, help="give one entry per coordinate of the axis")
+                           entries, help="give one entry per coordinate of the axis")
             for e, b in zip(node.sizes, blocks):
                 if b < 0:
                     raise _err(f"block size {b} is negative", e.span)
             if sum(blocks) != n:
                 raise _err(f"`sizes` sum to {sum(blocks)} but the range {frame.start}..{frame.stop} "
-                           f"has {n} iterations", node.sizes[0].span,
+                           f"has {n} iterations", entries,
                            help="the entries must sum to the number of iterations")
         starts, acc = [], frame.start
         for b in blocks:
@@ -258,11 +264,12 @@ class _Elaborator:
         mesh = self.tensor_mesh(stmt)
         used: dict[str, Span] = {}
 
-        def use_axis(ref: ast.AxisRef, what: str, extra_notes=()) -> int:
+        def use_axis(ref: ast.AxisRef, what: str, extra_notes=(), loop: bool = False) -> int:
             idx = mesh.axis_index(ref.name)
             if idx is None:
-                raise _err(f"axis `{ref.name}` is not in mesh `{mesh.name}` of this tensor", ref.span,
-                           notes=list(extra_notes),
+                whose = "a tensor inside this loop" if loop else "this tensor"
+                raise _err(f"axis `{ref.name}` is not in mesh `{mesh.name}` of {whose}", ref.span,
+                           notes=[Note("the tensor", stmt.name.span)] if loop else list(extra_notes),
                            help=f"mesh `{mesh.name}` has axes: {', '.join(a.name for a in mesh.axes)}"
                                 + (f"; use `on MESH` to pick another mesh" if len(self.meshes) > 1 else ""))
             if ref.name in used:
@@ -277,7 +284,8 @@ class _Elaborator:
             node = frame.node
             if node.over is None:
                 continue
-            idx = use_axis(node.over, "by an enclosing `for ... over`", [Note("the loop", node.head_span)])
+            idx = use_axis(node.over, "by an enclosing `for ... over`", [Note("the loop", node.head_span)],
+                           loop=True)
             self.loop_blocks(frame, mesh.axes[idx].size, mesh, stmt.span)
             fixed.append((idx, self.owner(frame)[0]))
         dims = self.tensor_dims(stmt, mesh, use_axis)
@@ -414,33 +422,32 @@ class _Elaborator:
         """Keys unique per statement (replicas across statements); names unique per rank."""
         sig = (t.logical_shape, tuple(d.part_tree for d in t.dims))
         prior = self.keys.get(t.key)
-        if prior is not None:
-            stmt_id, other, other_sig = prior
-            if stmt_id == id(stmt):
-                raise _err(f"key `{t.key}` repeats across iterations of this statement", stmt.name.span,
-                           help="interpolate every loop variable into the name, e.g. `{l}`")
-            if other_sig != sig:
-                raise _err(f"key `{t.key}` is declared again with a different logical tensor "
-                           f"({_shape(t.logical_shape)} vs {_shape(other.logical_shape)})", stmt.name.span,
-                           notes=[Note("first declared here", other.span)],
-                           help="statements may share a key only as replicas of one weight; "
-                                "use `as KEY` to give this one its own key")
-        else:
+        if prior is not None and prior[0] == id(stmt):
+            raise _err(f"key `{t.key}` repeats across iterations of this statement", stmt.name.span,
+                       help="interpolate every loop variable into the name, e.g. `{l}`")
+        self.check_name(t, stmt)
+        if prior is None:
             self.keys[t.key] = (id(stmt), t, sig)
+        elif prior[2] != sig:
+            other = prior[1]
+            raise _err(f"key `{t.key}` is declared again with a different logical tensor "
+                       f"({_shape(t.logical_shape)} vs {_shape(other.logical_shape)})", stmt.name.span,
+                       notes=[Note("first declared here", other.span)],
+                       help="statements may share a key only as replicas of one weight; "
+                            "use `as KEY` to give this one its own key")
+
+    def check_name(self, t: TensorIR, stmt: ast.TensorDecl) -> None:
+        """A NAME is declared once per rank (LANGUAGE.md 2.4)."""
         group_key = (t.mesh.name, tuple(i for i, _ in t.fixed))
         by_group = self.names.setdefault(t.name, {})
         coords = tuple(c for _, c in t.fixed)
-        same = by_group.get(group_key, {}).get(coords)
-        clash = same
+        clash = by_group.get(group_key, {}).get(coords)
         if clash is None:
             for gk, members in by_group.items():
                 if gk == group_key:
                     continue
-                for other in members.values():
-                    if _intersect(t, other):
-                        clash = other
-                        break
-                if clash:
+                clash = next((other for other in members.values() if _intersect(t, other)), None)
+                if clash is not None:
                     break
         if clash is not None:
             rank = next(r for r in t.ranks() if clash.holds(r))
@@ -609,9 +616,9 @@ def _text(expr: ast.Expr) -> str:
     return span.source.line_text(span.line)[span.col - 1:span.end_col - 1]
 
 
-def _finish(el: _Elaborator, path: str) -> Layout:
+def _finish(el: _Elaborator, path: str, unknown_args: str = "error") -> Layout:
     unknown = sorted(set(el.overrides) - el.used_overrides)
-    if unknown:
+    if unknown and unknown_args == "error":
         name = unknown[0]
         if name in el.values:
             raise UsageError(f"--set {name}: `{name}` is a const, not an arg", None,
@@ -622,7 +629,8 @@ def _finish(el: _Elaborator, path: str) -> Layout:
     return Layout(path, el.header, tuple(el.meshes.values()), tuple(el.tensors), tuple(el.arg_values))
 
 
-def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None = None) -> Layout:
+def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None = None,
+          *, unknown_args: str = "error") -> Layout:
     """Elaborate layout text. Raises LayoutError (with position) for any user error.
 
     >>> loads("mesh m (tp=2)\\ntensor w [(gate: 4 | up: 4) over tp]").tensors[0].local_shape
@@ -631,15 +639,19 @@ def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None
     el = _Elaborator(args or {})
     source = decode(text, path) if isinstance(text, bytes) else Source(path, text)
     el.run_file(source)
-    return _finish(el, path)
+    return _finish(el, path, unknown_args)
 
 
-def load(path: str | os.PathLike, args: dict[str, int] | None = None) -> Layout:
-    """Read and elaborate a `.layout` file (includes are relative to it)."""
+def load(path: str | os.PathLike, args: dict[str, int] | None = None,
+         *, unknown_args: str = "error") -> Layout:
+    """Read and elaborate a `.layout` file (includes are relative to it).
+
+    `unknown_args="ignore"` lets one set of args serve two layouts (a plan).
+    """
     path = os.fspath(path)
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return loads(data, path, args)
+    return loads(data, path, args, unknown_args=unknown_args)

@@ -16,7 +16,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.lexer import PatternStr
 
 from . import ast
-from .diagnostics import ParseError, Source, Span
+from .diagnostics import Note, ParseError, Source, Span
 
 MAX_NESTING = 64
 KEYWORDS = frozenset("layout include arg const mesh at default dtype tensor as on for in over "
@@ -130,7 +130,11 @@ class _ToAst(Transformer):
     # -- expressions
     def number(self, meta, c):
         text = str(c[0])
-        return ast.Num(int(text.replace("_", "")), text, self.pos.of_meta(meta))
+        digits = text.replace("_", "").lstrip("0") or "0"
+        if len(digits) > 19 or int(digits) >= 1 << 63:
+            raise ParseError("value does not fit in a signed 64-bit integer", self.pos.of_meta(meta),
+                             help="extents, counts and byte sizes must be below 2**63")
+        return ast.Num(int(digits), text, self.pos.of_meta(meta))
 
     def name(self, meta, c):
         return ast.Name(str(c[0]), self.pos.of_meta(meta))
@@ -330,34 +334,80 @@ def _check_nesting(source: Source) -> None:
             depth = max(0, depth - 1)
 
 
+def _accepts(err) -> set[str]:
+    """Terminals that really advance the parser here (Lark's `expected` over-approximates)."""
+    try:
+        if getattr(err, "interactive_parser", None) is not None:
+            return set(err.interactive_parser.accepts())
+        if getattr(err, "state", None) is not None:
+            from lark.lexer import LexerThread
+            from lark.parsers.lalr_interactive_parser import InteractiveParser
+            return set(InteractiveParser(_lark().parser.parser.parser, err.state,
+                                         LexerThread(None, None)).accepts())
+    except Exception:  # noqa: BLE001 - best effort: fall back to Lark's own set
+        pass
+    return set(getattr(err, "expected", None) or getattr(err, "allowed", None) or ())
+
+
+def _open_block(text: str) -> tuple[int, int] | None:
+    """(line, col) of the innermost `{` of a `for` that is never closed."""
+    stack: list[tuple[int, int]] = []
+    line, col, in_comment, in_string = 1, 0, False, False
+    for ch in text:
+        col += 1
+        if ch == "\n":
+            line, col, in_comment, in_string = line + 1, 0, False, False
+        elif in_comment:
+            continue
+        elif ch == '"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif ch == "#":
+            in_comment = True
+        elif ch == "{":
+            stack.append((line, col))
+        elif ch == "}" and stack:
+            stack.pop()
+    return stack[-1] if stack else None
+
+
 def _convert_error(err: Exception, pos: _Positions) -> ParseError:
+    lines = pos.source.text.split("\n")
     if isinstance(err, lark.exceptions.UnexpectedToken):
         tok = err.token
+        accepts = _accepts(err)
+        if tok.type == "$END":
+            line, col = len(lines), len(lines[-1]) + 1
+            span = pos.span(line, col, line, col + 1)
+            opened = _open_block(pos.source.text) if not pos.line else None
+            if "RBRACE" in accepts and opened:
+                return ParseError("unexpected end of file; expected `}` to close the `for` block", span,
+                                  notes=(Note("the block opened here",
+                                              pos.span(opened[0], opened[1], opened[0], opened[1] + 1)),),
+                                  help="a `for` block is missing its closing `}`")
+            return ParseError(f"unexpected end of file; expected {_expected(accepts)}", span)
         line = tok.line if tok.line is not None else err.line
         col = tok.column if tok.column is not None else err.column
-        if tok.type == "$END":
-            lines = pos.source.text.split("\n")
-            line, col = len(lines), len(lines[-1]) + 1
-        width = max(1, len(str(tok))) if tok.type != "$END" else 1
-        found = "end of file" if tok.type == "$END" else _found(tok)
-        return ParseError(f"unexpected {found}; expected {_expected(err.expected)}",
-                          pos.span(line, col, line, col + width), help=_hint(err))
+        return ParseError(f"unexpected {_found(tok)}; expected {_expected(accepts)}",
+                          pos.span(line, col, line, col + max(1, len(str(tok)))), help=_hint(accepts))
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
         ch = err.char
+        if ch == '"' and not pos.line:
+            rest = lines[err.line - 1] if err.line <= len(lines) else ""
+            return ParseError("unterminated string",
+                              pos.span(err.line, err.column, err.line, len(rest) + 1),
+                              help='close the path with `"` on the same line')
         shown = repr(ch)[1:-1] if not ch.isprintable() else ch
-        return ParseError(f"unexpected character `{shown}`; expected {_expected(err.allowed or ())}",
+        return ParseError(f"unexpected character `{shown}`; expected {_expected(_accepts(err))}",
                           pos.span(err.line, err.column, err.line, err.column + 1))
     if isinstance(err, lark.exceptions.UnexpectedEOF):
-        lines = pos.source.text.split("\n")
         return ParseError(f"unexpected end of file; expected {_expected(err.expected)}",
                           pos.span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2))
     raise err
 
 
-def _hint(err) -> str | None:
-    expected = set(err.expected)
-    if err.token.type == "$END" and "RBRACE" in expected:
-        return "a `for` block is missing its closing `}`"
+def _hint(expected: set[str]) -> str | None:
     if "RSQB" in expected and "COMMA" in expected:
         return "separate dimensions with `,` and close the list with `]`"
     return None
@@ -371,18 +421,22 @@ def _run(text: str, start: str, pos: _Positions):
 
 
 MAX_DEPTH = 200
+_EXPR_RULES = frozenset("add sub mul exact_div floor_div mod neg number name local_name call".split())
 
 
 def _check_depth(tree, pos: _Positions) -> None:
     """Refuse trees deeper than MAX_DEPTH (a chain like `1+1+...+1` of thousands
     of terms) before the recursive Transformer and evaluator meet them."""
-    stack = [(tree, 1)]
+    stack = [(tree, 1, None)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, root = stack.pop()
+        if root is None and node.data in _EXPR_RULES:
+            root = node  # the outermost expression on this path
         if depth > MAX_DEPTH:
-            raise ParseError(f"expression nests deeper than {MAX_DEPTH} levels", pos.of_meta(node.meta),
+            raise ParseError(f"expression nests deeper than {MAX_DEPTH} levels",
+                             pos.of_meta((root or node).meta),
                              help="split it with `const` definitions")
-        stack.extend((child, depth + 1) for child in node.children if isinstance(child, lark.Tree))
+        stack.extend((child, depth + 1, root) for child in node.children if isinstance(child, lark.Tree))
 
 
 def _transform(tree, pos: _Positions):
@@ -406,7 +460,7 @@ def decode(data: bytes, path: str) -> Source:
     except UnicodeDecodeError as err:
         before = data[:err.start]
         line = before.count(b"\n") + 1
-        col = err.start - (before.rfind(b"\n") + 1) + 1
+        col = len(before[before.rfind(b"\n") + 1:].decode("utf-8", errors="replace")) + 1
         text = data.decode("utf-8", errors="replace")
         raise ParseError(f"the file is not UTF-8 text (byte 0x{data[err.start]:02x})",
                          Span(Source(path, text), line, col, line, col + 1),

@@ -1,0 +1,72 @@
+"""Choosing a sender among every rank that holds a piece.
+
+Load is network bytes sent: a local copy uses no link, so it adds none.
+
+`Balanced` (the default) prefers the receiving rank itself (a local copy),
+then ranks on the receiver's node (`ranks_per_node`), then the least-loaded
+sender so far; ties go to the lowest rank, so the choice is deterministic.
+`RoundRobin` is the rule of Megatron-LM's refit planner, kept to be measured
+against: requests rotate over the candidates, the rotation restarting for
+every tensor, so with fewer requests per tensor than replicas the first
+replicas do all the work.
+
+Selectors take a *batch*: the same request made by `n` tensors that share a
+template (identical layers or experts). Cost grows with templates, not tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+
+class Balanced:
+    name = "balanced"
+
+    def __init__(self, world: int, ranks_per_node: int | None):
+        self.load = [0] * world
+        self.ranks_per_node = ranks_per_node
+
+    def candidates(self, receiver: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        if receiver in ranks:
+            return (receiver,)
+        rpn = self.ranks_per_node
+        if rpn:
+            near = tuple(r for r in ranks if r // rpn == receiver // rpn)
+            if near:
+                return near
+        return ranks
+
+    def pick(self, receiver: int, ranks: tuple[int, ...], n: int, nbytes: int, ordinal: int) -> list[int]:
+        """Senders for n identical requests of `nbytes` each, in member order."""
+        cands = self.candidates(receiver, ranks)
+        load = self.load
+        if len(cands) == 1:
+            if cands[0] != receiver:
+                load[cands[0]] += n * nbytes
+            return [cands[0]] * n
+        heap = [(load[r], r) for r in cands]
+        heapq.heapify(heap)
+        out = []
+        for _ in range(n):
+            lo, r = heap[0]
+            out.append(r)
+            heapq.heapreplace(heap, (lo + nbytes, r))
+        for lo, r in heap:
+            load[r] = lo
+        return out
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self, world: int, ranks_per_node: int | None):
+        self.load = [0] * world
+
+    def pick(self, receiver: int, ranks: tuple[int, ...], n: int, nbytes: int, ordinal: int) -> list[int]:
+        r = ranks[ordinal % len(ranks)]
+        if r != receiver:
+            self.load[r] += n * nbytes
+        return [r] * n
+
+
+SELECTORS = {"balanced": Balanced, "round_robin": RoundRobin}

@@ -1,0 +1,206 @@
+"""Golden diagnostics: every broken input renders exactly the message we promise.
+
+Each case is a pair in `tests/diagnostics/`:
+
+    NAME.layout     a broken layout (one mistake each; a comment-free, minimal file)
+    NAME.expected   the exact text `layoutc check tests/diagnostics/NAME.layout`
+                    prints on stderr, i.e. `LayoutError.render()` plus a newline
+
+Files under `tests/diagnostics/inc/` are helpers that cases include; they are
+not cases themselves. Paths are rendered relative to the repository root, so
+every test here runs with the repository root as the working directory.
+
+An `.expected` file states what the front end SHOULD print (position, wording,
+notes, help), decided from LANGUAGE.md — not whatever it happens to print.
+
+Regenerating: after an intended change of wording, rewrite the goldens with
+
+    REGEN_GOLDEN=1 .venv/bin/pytest tests/test_diagnostics.py
+
+(add `-k NAME` to rewrite only some), then READ `git diff tests/diagnostics/`:
+every changed golden is a changed promise to users. A new case is a new
+`NAME.layout`; the regeneration run writes its `NAME.expected` for review.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import layoutlang
+from layoutlang import LayoutError
+from layoutlang.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES_DIR = Path("tests") / "diagnostics"  # relative to ROOT: rendered paths stay stable
+REGEN = bool(os.environ.get("REGEN_GOLDEN"))
+HEADER = re.compile(r"^tests/diagnostics/[A-Za-z0-9_/.]+\.layout:\d+:\d+: error: \S")
+
+CASES = sorted(p.stem for p in (ROOT / CASES_DIR).glob("*.layout"))
+
+# A handful also run through the CLI (exit code and stderr).
+CLI_CASES = ["syntax_missing_rbracket", "syntax_binary_garbage", "undefined_name",
+             "over_plain_indivisible", "include_cycle", "loop_uneven", "duplicate_tensor_name"]
+
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def _layout_path(name: str) -> str:
+    return (CASES_DIR / f"{name}.layout").as_posix()
+
+
+def _expected_path(name: str) -> Path:
+    return ROOT / CASES_DIR / f"{name}.expected"
+
+
+def _read_expected(name: str) -> str:
+    path = _expected_path(name)
+    if not path.exists():
+        pytest.fail(f"{path.name} is missing; run REGEN_GOLDEN=1 pytest {__file__} -k {name}")
+    with open(path, encoding="utf-8", newline="") as fh:
+        return fh.read()
+
+
+def _render(name: str) -> str:
+    with pytest.raises(LayoutError) as info:
+        layoutlang.load(_layout_path(name))
+    return info.value.render() + "\n"
+
+
+def test_there_are_enough_cases():
+    assert len(CASES) >= 40
+    for name in CASES:
+        assert (ROOT / CASES_DIR / f"{name}.layout").is_file()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden(name):
+    actual = _render(name)
+    if REGEN:
+        with open(_expected_path(name), "w", encoding="utf-8", newline="") as fh:
+            fh.write(actual)
+        return
+    assert actual == _read_expected(name)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_error_position_is_inside_the_file(name):
+    with pytest.raises(LayoutError) as info:
+        layoutlang.load(_layout_path(name))
+    err = info.value
+    assert err.span is not None, "every diagnostic of a file points into it"
+    text = (ROOT / err.span.source.path).read_bytes().decode("utf-8", "replace")
+    lines = text.split("\n")
+    assert 1 <= err.line <= len(lines)
+    assert 1 <= err.col <= len(lines[err.line - 1]) + 1
+    assert err.message and "Traceback" not in err.render()
+
+
+def test_goldens_have_the_header_and_no_traceback():
+    for name in CASES:
+        text = _read_expected(name)
+        assert HEADER.match(text), f"{name}.expected does not start with `path:line:col: error:`"
+        assert "Traceback" not in text, name
+        assert text.endswith("\n") and not text.endswith("\n\n"), name
+
+
+def test_no_stray_goldens():
+    stray = sorted(p.stem for p in (ROOT / CASES_DIR).glob("*.expected") if p.stem not in CASES)
+    assert not stray, f"goldens without a case: {stray}"
+
+
+def test_whole_golden_set_has_no_traceback(capsys):
+    """Through the API and the CLI: only diagnostics, never an escaped Python error."""
+    problems, out = [], []
+    for name in CASES:
+        try:
+            layoutlang.load(_layout_path(name))
+            problems.append(f"{name}: loads without an error")
+        except LayoutError as err:
+            out.append(err.render())
+        except Exception as exc:  # noqa: BLE001 - the point is to catch anything
+            problems.append(f"{name}: load raised {type(exc).__name__}: {str(exc)[:200]}")
+        try:
+            code = main(["check", _layout_path(name)])
+            if code != 1:
+                problems.append(f"{name}: `layoutc check` exited {code}, not 1")
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"{name}: `layoutc check` raised {type(exc).__name__}: {str(exc)[:200]}")
+        captured = capsys.readouterr()
+        out += [captured.out, captured.err]
+    text = "\n".join(out)
+    assert not problems, "\n".join(problems)
+    assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("name", CLI_CASES)
+def test_cli_check_prints_the_golden(name, capsys):
+    assert name in CASES
+    code = main(["check", _layout_path(name)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out == ""
+    assert captured.err == _read_expected(name)
+
+
+def test_cli_check_continues_after_a_broken_file(tmp_path, capsys):
+    ok = tmp_path / "ok.layout"
+    ok.write_text("mesh m (tp=2)\ntensor w [8 over tp]\n")
+    code = main(["check", _layout_path("undefined_name"), str(ok)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.err == _read_expected("undefined_name")
+    assert f"{ok}: ok" in captured.out
+
+
+def test_cli_set_unknown_arg_is_a_usage_error(tmp_path, capsys):
+    ok = tmp_path / "ok.layout"
+    ok.write_text("arg TP = 2\nmesh m (tp=TP)\ntensor w [8 over tp]\n")
+    assert main(["check", "--set", "TP=4", str(ok)]) == 0
+    capsys.readouterr()
+    code = main(["check", "--set", "PP=4", str(ok)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "PP" in captured.err and "TP" in captured.err  # names the bad arg and the known ones
+    assert "Traceback" not in captured.err
+
+
+def test_cli_set_of_a_const_is_a_usage_error(tmp_path, capsys):
+    ok = tmp_path / "ok.layout"
+    ok.write_text("const TP = 2\nmesh m (tp=TP)\ntensor w [8 over tp]\n")
+    code = main(["check", "--set", "TP=4", str(ok)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "const" in captured.err
+
+
+@pytest.mark.parametrize("item", ["X", "=4", "TP=", "TP=four", "1TP=4"])
+def test_cli_malformed_set_is_a_usage_error(item, tmp_path, capsys):
+    ok = tmp_path / "ok.layout"
+    ok.write_text("arg TP = 2\nmesh m (tp=TP)\ntensor w [8 over tp]\n")
+    code = main(["check", "--set", item, str(ok)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "--set" in captured.err and "Traceback" not in captured.err
+
+
+def test_cli_missing_file_is_a_usage_error(capsys):
+    code = main(["check", "tests/diagnostics/no_such_file.layout"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "no_such_file.layout" in captured.err and "Traceback" not in captured.err
+
+
+def test_keywords_are_not_names_anywhere():
+    """`for in in ...` is the golden case; the same holds for every reserved word."""
+    for word in ("tensor", "over", "at", "pad", "local", "sizes"):
+        with pytest.raises(LayoutError) as info:
+            layoutlang.loads(f"mesh m (tp=2)\nconst {word} = 4\n")
+        assert info.value.line == 2 and info.value.col == 7, word
+        assert "reserved" in info.value.message
