@@ -1,0 +1,180 @@
+"""Per-rank execution graphs and the buckets that bound staging memory.
+
+Buckets are global: contiguous runs of destination instances in plan order,
+closed as soon as adding the next instance would push some rank's staging
+past the budget (an instance larger than the budget alone is its own
+bucket). Every rank computes the same buckets, so every rank walks them in
+the same order and batched point-to-point exchanges pair up.
+
+A rank's graph (networkx.DiGraph), per bucket::
+
+    dequantize(src) -> send(op) / copy(op)
+    recv(op) / copy(op) -> assemble(dst) [-> quantize(dst)] -> done(dst)
+    ... every node of bucket k -> barrier(k) -> the roots of bucket k+1
+
+Staging a rank needs (what the budget limits): a quantized destination is
+assembled whole in bf16; a quantized source is dequantized whole to bf16; a
+slice that is not contiguous in local storage, or whose dtype changes on the
+wire, goes through a buffer of its own size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import networkx as nx
+
+from layoutlang.ir import QUANTIZED
+
+from .plan import Op, Plan, wire_dtype
+
+
+def contiguous(sl: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
+    """Is this slice one contiguous block of a row-major tensor of `shape`?"""
+    k = 0
+    while k < len(sl) and sl[k][1] - sl[k][0] == 1:
+        k += 1  # leading dims of extent one
+    return all(sl[i] == (0, shape[i]) for i in range(k + 1, len(sl)))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    first_instance: int  # range of Plan.matches
+    stop_instance: int
+    first_op: int        # range of op ids
+    stop_op: int
+
+
+def _op_staging(plan: Plan, i: int, j: int, sender: int) -> tuple[int, int]:
+    """(sender bytes, receiver bytes) of staging for request j of match i."""
+    t, _ = plan._template_of[i]
+    m = plan.matches[i]
+    rank, k = t.requests[j]
+    piece = t.piece_list[k]
+    nbytes = piece.elements * t.wire_bytes
+    if sender == rank:
+        return 0, 0  # a local copy casts in place of its destination view
+    src_inst = m.src[t.source_for(k, sender).instance]
+    src = t.source_for(k, sender)
+    send = 0 if (contiguous(src.src_slice, src_inst.local_shape)
+                 and src_inst.dtype == wire_dtype(m.dst.dtype)) else nbytes
+    recv = 0 if (m.dst.dtype not in QUANTIZED and contiguous(piece.dst_slice, m.dst.local_shape)) else nbytes
+    if m.dst.dtype in QUANTIZED:
+        recv = 0  # lands in the whole-tensor bf16 assembly buffer, counted per instance
+    return send, recv
+
+
+def instance_staging(plan: Plan, i: int) -> dict[int, int]:
+    """Staging bytes per rank that destination instance i needs while it moves."""
+    t, member = plan._template_of[i]
+    m = plan.matches[i]
+    out: dict[int, int] = {}
+    if m.dst.dtype in QUANTIZED:
+        whole = prod(m.dst.local_shape) * 2
+        for r in {rank for rank, _ in t.requests}:
+            out[r] = out.get(r, 0) + whole
+    dequantized: set[tuple[int, int]] = set()
+    for j, (rank, k) in enumerate(t.requests):
+        sender = t.picks[j][member]
+        send, recv = _op_staging(plan, i, j, sender)
+        src = m.src[t.source_for(k, sender).instance]
+        if src.dtype in QUANTIZED and (sender, id(src)) not in dequantized:
+            dequantized.add((sender, id(src)))
+            send += prod(src.local_shape) * 2
+        if send:
+            out[sender] = out.get(sender, 0) + send
+        if recv:
+            out[rank] = out.get(rank, 0) + recv
+    return out
+
+
+def buckets(plan: Plan, budget_bytes: int | None) -> tuple[Bucket, ...]:
+    """Split the plan into buckets whose staging stays under the budget on every rank."""
+    offsets = plan._offsets
+    n = len(plan.matches)
+    if budget_bytes is None:
+        return (Bucket(0, 0, n, 0, offsets[n]),) if n else ()
+    out: list[Bucket] = []
+    start, used = 0, {}
+    for i in range(n):
+        need = instance_staging(plan, i)
+        fits = all(used.get(r, 0) + b <= budget_bytes for r, b in need.items())
+        if not fits and i > start:
+            out.append(Bucket(len(out), start, i, offsets[start], offsets[i]))
+            start, used = i, {}
+        for r, b in need.items():
+            used[r] = used.get(r, 0) + b
+    if n > start:
+        out.append(Bucket(len(out), start, n, offsets[start], offsets[n]))
+    return tuple(out)
+
+
+def staging_per_bucket(plan: Plan, bucket: Bucket) -> dict[int, int]:
+    used: dict[int, int] = {}
+    for i in range(bucket.first_instance, bucket.stop_instance):
+        for r, b in instance_staging(plan, i).items():
+            used[r] = used.get(r, 0) + b
+    return used
+
+
+def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None) -> nx.DiGraph:
+    """The steps `rank` executes, as a DAG (checked), with a `bucket` on every node."""
+    g = nx.DiGraph()
+    ops = plan.ops_for_rank(rank)
+    bucket_list = buckets(plan, budget_bytes)
+    stops = [b.stop_op for b in bucket_list]
+    entry = {e.key: e for e in plan.tensors}
+
+    def bucket_of(op: Op) -> int:
+        import bisect
+        return bisect.bisect_right(stops, op.id)
+
+    prev_barrier = None
+    by_bucket: dict[int, list[Op]] = {}
+    for op in ops:
+        by_bucket.setdefault(bucket_of(op), []).append(op)
+    for b in range(len(bucket_list)):
+        nodes = []
+        for op in by_bucket.get(b, []):
+            e = entry[op.key]
+            if op.src_rank == rank:
+                step = ("copy", op.id) if op.local else ("send", op.id)
+                g.add_node(step, bucket=b, op=op)
+                nodes.append(step)
+                if e.src_dtype in QUANTIZED:
+                    deq = ("dequantize", op.src_name, b)
+                    g.add_node(deq, bucket=b)
+                    g.add_edge(deq, step)
+                    nodes.append(deq)
+            if op.dst_rank == rank:
+                step = ("copy", op.id) if op.local else ("recv", op.id)
+                g.add_node(step, bucket=b, op=op)
+                nodes.append(step)
+                asm = ("assemble", op.dst_name)
+                g.add_node(asm, bucket=b, key=op.key)
+                g.add_edge(step, asm)
+                last = asm
+                if e.dst_dtype in QUANTIZED:
+                    q = ("quantize", op.dst_name)
+                    g.add_node(q, bucket=b)
+                    g.add_edge(asm, q)
+                    last = q
+                done = ("done", op.dst_name)
+                g.add_node(done, bucket=b)
+                g.add_edge(last, done)
+                nodes.extend([asm, last, done])
+        barrier = ("barrier", b)
+        g.add_node(barrier, bucket=b)
+        for n_ in nodes:
+            if prev_barrier is not None and g.in_degree(n_) == 0:
+                g.add_edge(prev_barrier, n_)
+            if g.out_degree(n_) == 0:
+                g.add_edge(n_, barrier)
+        if prev_barrier is not None and not nodes:
+            g.add_edge(prev_barrier, barrier)
+        prev_barrier = barrier
+    if not nx.is_directed_acyclic_graph(g):
+        raise AssertionError(f"rank {rank}'s graph has a cycle")
+    return g
