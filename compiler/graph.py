@@ -135,8 +135,26 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None) -> nx.DiG
     by_bucket: dict[int, list[Op]] = {}
     for op in ops:
         by_bucket.setdefault(bucket_of(op), []).append(op)
+    held: dict[int, list] = {}  # instances this rank holds, even those that receive nothing
+    for b in bucket_list:
+        for i in range(b.first_instance, b.stop_instance):
+            if plan.matches[i].dst.holds(rank):
+                held.setdefault(b.index, []).append(plan.matches[i].dst)
     for b in range(len(bucket_list)):
         nodes = []
+        for t in held.get(b, []):  # padding-only tensors are still zeroed (assembled)
+            e = entry[t.key]
+            asm, done = ("assemble", t.name), ("done", t.name)
+            g.add_node(asm, bucket=b, key=t.key)
+            g.add_node(done, bucket=b)
+            if e.dst_dtype in QUANTIZED:
+                q = ("quantize", t.name)
+                g.add_node(q, bucket=b)
+                g.add_edge(asm, q)
+                g.add_edge(q, done)
+            else:
+                g.add_edge(asm, done)
+            nodes.extend([asm, done])
         for op in by_bucket.get(b, []):
             e = entry[op.key]
             if op.src_rank == rank:
@@ -152,19 +170,7 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None) -> nx.DiG
                 step = ("copy", op.id) if op.local else ("recv", op.id)
                 g.add_node(step, bucket=b, op=op)
                 nodes.append(step)
-                asm = ("assemble", op.dst_name)
-                g.add_node(asm, bucket=b, key=op.key)
-                g.add_edge(step, asm)
-                last = asm
-                if e.dst_dtype in QUANTIZED:
-                    q = ("quantize", op.dst_name)
-                    g.add_node(q, bucket=b)
-                    g.add_edge(asm, q)
-                    last = q
-                done = ("done", op.dst_name)
-                g.add_node(done, bucket=b)
-                g.add_edge(last, done)
-                nodes.extend([asm, last, done])
+                g.add_edge(step, ("assemble", op.dst_name))
         barrier = ("barrier", b)
         g.add_node(barrier, bucket=b)
         for n_ in nodes:

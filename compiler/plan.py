@@ -115,13 +115,26 @@ class Template:
         raise AssertionError((k, rank))
 
 
+def _logical(runs, a: int, b: int) -> str:
+    """Logical range of local [a, b) of one dim, where one run holds its start."""
+    for r in runs:
+        if r.local_start <= a < r.local_start + r.length:
+            if hasattr(r, "logical_start"):
+                lo = r.logical_start + a - r.local_start
+                return f"{lo}:{lo + min(b, r.local_start + r.length) - a}"
+            return "padding"
+    return "?"
+
+
 def _coverage_error(m: Match, shard: Shard, fault) -> PlanError:
     rank = shard.ranks[0]
     region = ", ".join(f"{a}:{b}" for a, b in fault.local)
+    logical = ", ".join(_logical(runs, a, b) for runs, (a, b) in zip(shard.runs, fault.local))
+    region += f"] (logical [{logical}])"
     what = {"gap": "no source covers", "overlap": "two sources cover",
             "padding": "a source would write padding at"}[fault.kind]
     return PlanError(
-        f"`{m.dst.key}` on destination rank {rank}: {what} local [{region}]", m.dst.span,
+        f"`{m.dst.key}` on destination rank {rank}: {what} local [{region}", m.dst.span,
         notes=[Note("the source declaration", m.src[0].span)],
         help="the destination must receive every logical element exactly once")
 
@@ -259,6 +272,14 @@ class Plan:
             for j, (rank, k) in enumerate(t.requests):
                 recv[rank] += t.piece_list[k].elements * t.wire_bytes * len(t.members)
         return recv
+
+    @cached_property
+    def digest(self) -> str:
+        """Identifies the plan: it is a pure function of these inputs (DESIGN.md)."""
+        import hashlib
+
+        inputs = (FORMAT, self.src.digest, self.dst.digest, self.ranks_per_node, self.selector_name)
+        return hashlib.sha256(repr(inputs).encode("utf-8")).hexdigest()
 
     def one_line(self) -> str:
         s = self.stats

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -73,12 +74,14 @@ class _Elaborator:
         self.names: dict[str, dict[tuple, dict[tuple, TensorIR]]] = {}
         self.dim_memo: dict[tuple, tuple[DimIR, ...]] = {}
         self.free_memo: dict[int, tuple[str, ...]] = {}
+        self.texts: list[str] = []  # every source read, in order: the layout's digest
 
     # ---- files and statements -------------------------------------------
     def run_file(self, source: Source, span: Span | None = None) -> None:
         real = os.path.realpath(source.path) if source.path != "<string>" else "<string>"
         self.include_stack.append(real)
         self.included.add(real)
+        self.texts.append(source.text)
         file = parse_source(source)
         for i, stmt in enumerate(file.statements):
             if isinstance(stmt, ast.Header):
@@ -626,7 +629,12 @@ def _finish(el: _Elaborator, path: str, unknown_args: str = "error") -> Layout:
         args = [n for n, v in el.values.items() if v.kind == "arg"]
         raise UsageError(f"--set {name}: the layout has no arg `{name}`", None,
                          help=("args are: " + ", ".join(args)) if args else "the layout declares no args")
-    return Layout(path, el.header, tuple(el.meshes.values()), tuple(el.tensors), tuple(el.arg_values))
+    h = hashlib.sha256()
+    for text in el.texts:
+        h.update(len(text).to_bytes(8, "little") + text.encode("utf-8"))
+    h.update(repr(el.arg_values).encode("utf-8"))
+    return Layout(path, el.header, tuple(el.meshes.values()), tuple(el.tensors), tuple(el.arg_values),
+                  h.hexdigest())
 
 
 def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None = None,

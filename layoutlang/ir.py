@@ -225,6 +225,7 @@ class Layout:
     meshes: tuple[Mesh, ...]
     tensors: tuple[TensorIR, ...]
     args: tuple[tuple[str, int], ...]
+    digest: str = ""  # sha256 of every source text read (includes too) and the args
 
     @cached_property
     def ranks(self) -> int:
