@@ -109,7 +109,7 @@ def _rank_stats(plan: Plan, rank: int, ops: tuple[Op, ...]) -> dict:
 
 def _layout_json(layout: Layout) -> dict:
     return {"layout": layout.path, "name": layout.name, "ranks": covered_ranks(layout),
-            "args": dict(layout.args)}
+            "args": dict(layout.args), "digest": layout.digest}
 
 
 def _stats_json(stats: dict) -> dict:
@@ -139,7 +139,7 @@ def iter_json(plan: Plan, rank: int | None = None) -> Iterator[str]:
     """The JSON plan in pieces that concatenate to :func:`render_json`'s text."""
     check_rank(plan, rank)
     ops = plan.ops if rank is None else plan.ops_for_rank(rank)
-    head = {"format": FORMAT, "src": _layout_json(plan.src), "dst": _layout_json(plan.dst),
+    head = {"format": FORMAT, "digest": plan.digest, "src": _layout_json(plan.src), "dst": _layout_json(plan.dst),
             "selector": plan.selector_name, "ranks_per_node": plan.ranks_per_node, "rank": rank}
     yield "{" + ",\n ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in head.items())
     yield ',\n "tensors": '
@@ -157,8 +157,9 @@ def iter_json(plan: Plan, rank: int | None = None) -> Iterator[str]:
 def render_json(plan: Plan, rank: int | None = None) -> str:
     """The plan as LANGUAGE.md 6 JSON, keys in a fixed order, one op per line.
 
-    Extra fields beyond the required ones: per layout `name` and `args`;
-    top-level `selector`, `ranks_per_node`, `rank`, `unused_keys`; every
+    Extra fields beyond the required ones: per layout `name`, `args` and
+    `digest` (of its sources and args); top-level `digest` (of the plan's
+    inputs, the same on every rank), `selector`, `ranks_per_node`, `rank`, `unused_keys`; every
     `stats` entry of the plan; with `rank`, `rank_stats` for the ops listed.
     """
     return "".join(iter_json(plan, rank))
@@ -171,6 +172,11 @@ def _dot_string(text: object) -> str:
     return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+def _counted(n: int, noun: str) -> str:
+    """`1 op`, `2 ops`."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 @functools.cache
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False,
@@ -178,6 +184,7 @@ def _env() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined)
     env.filters["human"] = human_bytes
     env.filters["dot"] = _dot_string
+    env.filters["counted"] = _counted
     return env
 
 
@@ -225,7 +232,7 @@ def render_text(plan: Plan, rank: int | None = None, top: int = 8, max_ops: int 
         "src_ranks": rank_ranges(covered_ranks(plan.src)),
         "dst_ranks": rank_ranges(covered_ranks(plan.dst)),
         "selector": plan.selector_name, "ranks_per_node": plan.ranks_per_node,
-        "stats": stats, "keys": len(plan.tensors),
+        "digest": plan.digest[:12], "stats": stats, "keys": len(plan.tensors),
         "senders": _top(plan.send_load, top), "sending": sum(1 for b in plan.send_load if b),
         "receivers": _top(plan.recv_load, top), "receiving": sum(1 for b in plan.recv_load if b),
         "tensors": tensors, "ops_keys": len(per_key),

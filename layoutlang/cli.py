@@ -1,4 +1,4 @@
-"""`layoutc`: the command line. Verbs: check, fmt (plan and run come later).
+"""`layoutc`: the command line. Verbs: check, fmt, plan (run comes later).
 
 Exit codes: 0 ok, 1 diagnostics (or `fmt --check` found a file to change),
 2 usage errors.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from pathlib import Path
 
@@ -137,6 +138,61 @@ def cmd_fmt(ns, out: Console, err: Console) -> int:
     return status
 
 
+PLAN_FORMATS = ("text", "json", "dot")
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the exit flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def cmd_plan(ns, out: Console, err: Console) -> int:
+    from layoutlang.compiler import compile_plan
+    from layoutlang.compiler.render import check_rank, iter_json, render_dot, render_text, unused_warning
+    from layoutlang.compiler.select import SELECTORS
+
+    args = _parse_sets(ns.set)
+    if ns.selector not in SELECTORS:
+        raise UsageError(f"--selector {ns.selector}: expected one of {', '.join(sorted(SELECTORS))}")
+    if ns.ranks_per_node is not None and ns.ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node {ns.ranks_per_node}: expected a positive integer")
+    if ns.rank is not None and ns.format == "dot":
+        raise UsageError("--rank filters ops in text and json output; dot shows the whole plan")
+    plan = compile_plan(ns.src, ns.dst, args=args, ranks_per_node=ns.ranks_per_node,
+                        selector=ns.selector)
+    check_rank(plan, ns.rank)
+    if ns.format == "json":
+        chunks = iter_json(plan, ns.rank)
+    elif ns.format == "dot":
+        chunks = iter([render_dot(plan)])
+    else:
+        chunks = iter([render_text(plan, ns.rank)])
+    warning = unused_warning(plan)
+    if warning:
+        err.print(warning, style="yellow" if err.is_terminal else None, markup=False)
+    if ns.output is None:
+        try:
+            for chunk in chunks:
+                out.file.write(chunk)
+            out.file.flush()
+        except BrokenPipeError:  # `layoutc plan ... | head`: the reader has what it wanted
+            _silence_stdout()
+        return EXIT_OK
+    try:
+        first = next(chunks)  # render errors surface before the file is touched
+        with open(ns.output, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(first)
+            for chunk in chunks:
+                fh.write(chunk)
+    except OSError as exc:
+        raise UsageError(f"-o {ns.output}: cannot write: {exc.strerror or exc}") from None
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layoutc", description="Check, format and plan `.layout` sharding specs.")
@@ -158,6 +214,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="change nothing; exit 1 if a file would be reformatted")
     fmt.add_argument("--diff", action="store_true", help="change nothing; print a unified diff")
     fmt.set_defaults(run=cmd_fmt)
+    plan = sub.add_parser("plan", help="compile the transfer plan between two layouts",
+                          description="Compile the plan that moves every destination tensor's data "
+                                      "from the source layout, and print a report (text), the "
+                                      "plan itself (json) or rank-to-rank traffic (dot).")
+    plan.add_argument("src", metavar="SRC", help="the source layout (e.g. the trainer)")
+    plan.add_argument("dst", metavar="DST", help="the destination layout (e.g. the inference engine)")
+    plan.add_argument("--set", action="append", metavar="NAME=VALUE",
+                      help="override an `arg` in each layout that declares it (repeatable)")
+    plan.add_argument("--format", choices=PLAN_FORMATS, default="text",
+                      help="text (default): a report; json: the plan; dot: a Graphviz traffic graph")
+    plan.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    plan.add_argument("--rank", type=int, metavar="R",
+                      help="text and json: only the ops rank R sends or receives")
+    plan.add_argument("--ranks-per-node", type=int, metavar="N",
+                      help="ranks r and s share a node when r // N == s // N: prefer senders on the "
+                           "receiver's node and report intra-/inter-node bytes")
+    plan.add_argument("--selector", default="balanced", metavar="NAME",
+                      help="how a sender is chosen among the replicas: balanced (default) or "
+                           "round_robin")
+    plan.set_defaults(run=cmd_plan)
     return parser
 
 

@@ -12,6 +12,7 @@ that every local tensor has the layout's shape and dtype.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from math import prod
@@ -100,6 +101,8 @@ class Refitter:
                     self.dst_by_bucket[b.index].append(t)
         self.meter = StagingMeter()
         self.sent_bytes = self.received_bytes = self.local_bytes = 0
+        self._store = _default_store()
+        self._step = 0
 
     # ---- collectives ----------------------------------------------------------
     def _device(self, tensors) -> torch.device:
@@ -159,13 +162,50 @@ class Refitter:
         dst = {k: as_quantized(v, self.dst_held[k].dtype) if k in self.dst_held else v
                for k, v in (dst_tensors or {}).items()}
         device = self._device(list(src.values()) + list(dst.values()))
+        self._step += 1
         self._agree(src_tensors, dst_tensors, device)
         self.meter = StagingMeter()
         mismatches: list[str] = []
         for b in self.buckets:
-            mismatches += self._bucket(b.index, src, dst, device)
+            try:
+                mismatches += self._bucket(b.index, src, dst, device)
+            except RefitError as exc:
+                self._fence(b.index, failure=str(exc))
+                raise
+            self._fence(b.index)
         if self.verify:
             self._verify_result(mismatches, device)
+
+    def _fence(self, b: int, failure: str | None = None) -> None:
+        """Wait until every rank has finished bucket b; name the ranks that never do.
+
+        Uses the process group's store, not a collective: a collective with a
+        dead peer fails without saying who, and on NCCL may never return.
+        """
+        store = self._store
+        if store is None:
+            return
+        prefix = f"layoutlang/{self.plan.digest[:16]}/{self._step}/{b}"
+        if failure is not None:
+            store.set(f"{prefix}/failed/{self.rank}", failure[:200])
+            return
+        store.set(f"{prefix}/done/{self.rank}", "1")
+        keys = [f"{prefix}/done/{r}" for r in range(self.world)]
+        try:
+            store.wait(keys, self.timeout)
+        except Exception:  # noqa: BLE001 - a timeout: find out who is missing
+            time.sleep(1.0)  # let ranks that failed at the same moment say so
+            missing = [r for r in range(self.world) if not store.check([keys[r]])]
+            failed = [r for r in missing if store.check([f"{prefix}/failed/{r}"])]
+            silent = [r for r in missing if r not in failed]
+            parts = []
+            if silent:
+                parts.append(f"peer rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                             f"did not finish bucket {b} within {self.timeout.total_seconds():g} s (died or stalled)")
+            if failed:
+                parts.append(f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed in "
+                             f"bucket {b}")
+            raise RefitError(f"rank {self.rank}: bucket {b}: " + "; ".join(parts)) from None
 
     def _bucket(self, b: int, src, dst, device) -> list[str]:
         plan, me = self.plan, self.rank
@@ -222,7 +262,11 @@ class Refitter:
                 pending.append((buf, view))
                 self.received_bytes += op.bytes
         if p2p:
-            works = dist.batch_isend_irecv([p for p, _ in p2p])
+            try:
+                works = dist.batch_isend_irecv([p for p, _ in p2p])
+            except Exception as exc:  # noqa: BLE001
+                raise RefitError(f"rank {me}: bucket {b}: posting {len(p2p)} transfers failed: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
             for work, (_, op) in zip(works, p2p):
                 peer = op.dst_rank if op.src_rank == me else op.src_rank
                 try:
@@ -288,6 +332,15 @@ class Refitter:
         bad = [m for m in messages if m]
         if bad:
             raise RefitError("verification failed: destination contents differ from the source: " + "; ".join(bad))
+
+
+def _default_store():
+    """The default process group's store (for fences that name a dead peer), if any."""
+    try:
+        from torch.distributed import distributed_c10d
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - without a store, fences are skipped
+        return None
 
 
 def _wire(entry) -> torch.dtype:

@@ -1,0 +1,450 @@
+"""A slow, obviously-correct executor of a plan, and the checks it makes.
+
+Why: the compiler proves coverage symbolically (compiler/verify.py) with
+rectangle sweeps. This module checks the same promise (LANGUAGE.md 5,
+DESIGN.md invariant 1) the dumbest possible way: it materializes every local
+tensor of both layouts on the CPU, runs every op as a tensor slice copy, and
+looks at every destination element.
+
+    source    every DATA element holds a value unique to (key, logical index);
+              every PADDING element holds NaN
+    dest      every element starts as SENTINEL, with a write counter of 0
+    ops       dst[dst_slice] = src[src_slice]; counter[dst_slice] += 1
+    then      every destination DATA element (every rank that holds the
+              tensor, replicas included) was written exactly once and equals
+              the value of its logical index; every PADDING element was never
+              written (the runtime zeroes it; padding is never sent)
+
+and per op: the named tensors exist on the named ranks, slices lie inside the
+local shapes and have equal extents, the source slice holds no padding, the
+keys agree, `op.id` is the op's position, and `op.bytes` is elements times the
+wire size (the destination dtype's size; bf16 for a quantized destination).
+
+Which local element is which logical index comes from a *view* of a layout:
+
+- `ReferenceView(layout, spec)`: for layouts generated from a
+  `reference_enumerator.LayoutSpec` (the property tests). Holders and the
+  per-element logical indices come from the reference enumerator, which was
+  written from the spec alone; the front end is used only to pair each IR
+  instance with its reference instance (checked by key and name).
+- `RunsView(layout)`: for hand-written layouts (the examples). Holders come from
+  `t.ranks()` and the maps from expanding `t.runs(rank)`, which
+  tests/test_runs_property.py checks against the reference.
+
+`simulate` returns a `SimReport` (bytes per rank, local vs network bytes, ops
+per key) or raises AssertionError naming key, rank, tensor, local index and
+expected vs actual values. `check_plan_views` and `check_stats` check the
+plan's bookkeeping (ops_for_rank, stats) against the op list.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+with warnings.catch_warnings():  # torch warns when numpy is absent; we never use numpy
+    warnings.simplefilter("ignore")
+    import torch
+
+from reference_enumerator import LayoutSpec, dim_local, instances, logical_extent
+
+SENTINEL = -1e30
+WIRE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "mxfp8")
+MAX_PROBLEMS = 12
+
+LocalMap = list[list[int | None]]  # per dim, per local element: logical index or None (padding)
+
+
+def wire_size(dst_dtype: str) -> int:
+    """Bytes per element on the wire (LANGUAGE.md 4): quantized values travel as bf16."""
+    return 2 if dst_dtype in QUANTIZED else WIRE_BYTES[dst_dtype]
+
+
+# ---------------------------------------------------------------------------
+# Views: who holds a tensor instance, and which logical index each local element is
+
+
+class RunsView:
+    """Holders from `t.ranks()`, maps from `t.runs(rank)` (hand-written layouts)."""
+
+    source = "runs"
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def holders(self, t) -> list[int]:
+        return sorted(t.ranks())
+
+    def logical_shape(self, t) -> tuple[int, ...]:
+        return tuple(t.logical_shape)
+
+    def local(self, t, rank: int) -> LocalMap:
+        out: LocalMap = []
+        for dim_runs in t.runs(rank):
+            xs: list[int | None] = []
+            for run in dim_runs:
+                assert run.local_start == len(xs), f"runs of {t.name} on rank {rank} do not tile"
+                if hasattr(run, "logical_start"):
+                    xs.extend(range(run.logical_start, run.logical_start + run.length))
+                else:
+                    xs.extend([None] * run.length)
+            out.append(xs)
+        return out
+
+
+class ReferenceView:
+    """Holders and maps from the reference enumerator (layouts rendered from a LayoutSpec)."""
+
+    source = "reference"
+
+    def __init__(self, layout, spec: LayoutSpec):
+        self.layout, self.spec = layout, spec
+        expected = instances(spec)
+        got = [(t.key, t.name) for t in layout.tensors]
+        want = [(e.key, e.name) for e in expected]
+        assert got == want, f"front end and reference disagree on instances: {got} vs {want}"
+        self._inst = {id(t): e for t, e in zip(layout.tensors, expected)}
+
+    def holders(self, t) -> list[int]:
+        return sorted(self._inst[id(t)].holders)
+
+    def logical_shape(self, t) -> tuple[int, ...]:
+        return tuple(logical_extent(d.mode) for d in self._inst[id(t)].spec.dims)
+
+    def local(self, t, rank: int) -> LocalMap:
+        mesh = self.spec.mesh
+        coords = mesh.coords(rank)
+        assert coords is not None, f"rank {rank} is outside mesh {mesh}"
+        return [dim_local(d, mesh.sizes, coords) for d in self._inst[id(t)].spec.dims]
+
+
+# ---------------------------------------------------------------------------
+# Materialized local tensors
+
+
+@dataclass
+class Local:
+    """One tensor instance on one rank: values, padding mask, write counts (destination)."""
+
+    tensor: object
+    rank: int
+    maps: LocalMap
+    values: torch.Tensor
+    pad: torch.Tensor
+    expected: torch.Tensor
+    writes: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(xs) for xs in self.maps)
+
+    def logical_of(self, index: tuple[int, ...]) -> tuple[int | None, ...]:
+        return tuple(self.maps[d][i] for d, i in enumerate(index))
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def _materialize(maps: LocalMap, logical_shape: tuple[int, ...], base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expected values, padding mask): value = base + 1 + row-major logical index."""
+    shape = [len(xs) for xs in maps]
+    values = torch.full(shape, float(base + 1), dtype=torch.float64)
+    pad = torch.zeros(shape, dtype=torch.bool)
+    for d, (xs, stride) in enumerate(zip(maps, _strides(logical_shape))):
+        view = [1] * len(shape)
+        view[d] = len(xs)
+        idx = torch.tensor([0 if x is None else x * stride for x in xs], dtype=torch.float64)
+        values = values + idx.view(view)
+        pad = pad | torch.tensor([x is None for x in xs], dtype=torch.bool).view(view)
+    return values, pad
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...] | None:
+    """The first (row-major) index where mask is true, or None."""
+    if mask.dim() == 0:
+        return () if bool(mask) else None
+    hits = mask.nonzero()
+    return tuple(int(v) for v in hits[0]) if len(hits) else None
+
+
+def _region(sl: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in sl)
+
+
+def _fmt_slice(sl) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in sl) + "]"
+
+
+# ---------------------------------------------------------------------------
+# The report
+
+
+@dataclass
+class SimReport:
+    ops: int = 0
+    elements: int = 0
+    bytes: int = 0
+    local_bytes: int = 0
+    network_bytes: int = 0
+    sent: Counter = field(default_factory=Counter)        # rank -> network bytes sent
+    received: Counter = field(default_factory=Counter)    # rank -> bytes received (local included)
+    ops_per_key: Counter = field(default_factory=Counter)
+    dst_locals: int = 0                                   # (rank, tensor) pairs checked
+    dst_data_elements: int = 0
+    dst_pad_elements: int = 0
+    src_pad_elements: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def max_send_bytes(self) -> int:
+        return max(self.sent.values(), default=0)
+
+    @property
+    def max_recv_bytes(self) -> int:
+        return max(self.received.values(), default=0)
+
+
+class _Failed(Exception):
+    pass
+
+
+class _Collector:
+    def __init__(self, report: SimReport):
+        self.report = report
+
+    def __call__(self, message: str) -> None:
+        self.report.problems.append(message)
+        if len(self.report.problems) >= MAX_PROBLEMS:
+            raise _Failed
+
+
+# ---------------------------------------------------------------------------
+# The simulation
+
+
+def simulate(src_view, dst_view, plan, *, raise_on_failure: bool = True) -> SimReport:
+    """Run `plan` element by element between the two layouts the views describe."""
+    report = SimReport()
+    problem = _Collector(report)
+    try:
+        _simulate(src_view, dst_view, plan, report, problem)
+    except _Failed:
+        pass
+    if report.problems and raise_on_failure:
+        more = "" if len(report.problems) < MAX_PROBLEMS else "\n  ... (stopped at the first problems)"
+        raise AssertionError(
+            f"plan simulation failed ({len(report.problems)} problems; maps from "
+            f"{src_view.source}/{dst_view.source}):\n  " + "\n  ".join(report.problems) + more)
+    return report
+
+
+def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
+    src, dst = src_view.layout, dst_view.layout
+
+    # Logical shapes and value bases: keys in sorted order, bases cumulative.
+    shapes: dict[str, tuple[int, ...]] = {}
+    for view in (dst_view, src_view):
+        for t in view.layout.tensors:
+            shape = view.logical_shape(t)
+            if shapes.setdefault(t.key, shape) != shape and view is dst_view:
+                problem(f"key {t.key}: destination statements disagree on the logical shape")
+    for t in dst.tensors:
+        s_shapes = {src_view.logical_shape(s) for s in src.tensors if s.key == t.key}
+        if not s_shapes:
+            problem(f"key {t.key}: destination tensor {t.name} has no source tensor")
+        elif s_shapes != {dst_view.logical_shape(t)}:
+            problem(f"key {t.key}: logical shape {dst_view.logical_shape(t)} in the destination, "
+                    f"{sorted(s_shapes)} in the source")
+    base, acc = {}, 0
+    for key in sorted(shapes):
+        base[key] = acc
+        acc += math.prod(shapes[key])
+    assert acc + 1 < 2**53, "values would not be exact in float64"
+
+    def build(view, t, rank, is_dst: bool) -> Local:
+        maps = view.local(t, rank)
+        lshape = view.logical_shape(t)
+        if tuple(len(xs) for xs in maps) != tuple(t.local_shape):
+            problem(f"key {t.key}: {t.name} on rank {rank}: map shape "
+                    f"{tuple(len(xs) for xs in maps)} != local_shape {tuple(t.local_shape)}")
+        for d, xs in enumerate(maps):
+            data = [x for x in xs if x is not None]
+            if any(not 0 <= x < lshape[d] for x in data) or len(set(data)) != len(data):
+                problem(f"key {t.key}: {t.name} on rank {rank}, dim {d}: bad logical map {xs}")
+        expected, pad = _materialize(maps, shapes[t.key], base[t.key])
+        if is_dst:
+            values = torch.full(expected.shape, SENTINEL, dtype=torch.float64)
+            writes = torch.zeros(expected.shape, dtype=torch.int64)
+            return Local(t, rank, maps, values, pad, expected, writes)
+        values = expected.clone()
+        values[pad] = math.nan
+        return Local(t, rank, maps, values, pad, expected)
+
+    def store(view, is_dst: bool) -> dict[tuple[int, str], Local]:
+        out: dict[tuple[int, str], Local] = {}
+        for t in view.layout.tensors:
+            for rank in view.holders(t):
+                if (rank, t.name) in out:
+                    problem(f"name {t.name} is held twice on rank {rank}")
+                out[(rank, t.name)] = build(view, t, rank, is_dst)
+        return out
+
+    src_store = store(src_view, False)
+    dst_store = store(dst_view, True)
+    report.src_pad_elements = sum(int(x.pad.sum()) for x in src_store.values())
+
+    # Apply every op in order.
+    for position, op in enumerate(plan.ops):
+        report.ops += 1
+        where = f"op {op.id} ({op.key}: rank {op.src_rank} {op.src_name}{_fmt_slice(op.src_slice)} -> " \
+                f"rank {op.dst_rank} {op.dst_name}{_fmt_slice(op.dst_slice)})"
+        if op.id != position:
+            problem(f"{where}: id {op.id} at position {position}")
+        s = src_store.get((op.src_rank, op.src_name))
+        d = dst_store.get((op.dst_rank, op.dst_name))
+        if s is None:
+            problem(f"{where}: source rank {op.src_rank} holds no tensor named {op.src_name}")
+            continue
+        if d is None:
+            problem(f"{where}: destination rank {op.dst_rank} holds no tensor named {op.dst_name}")
+            continue
+        if s.tensor.key != op.key or d.tensor.key != op.key:
+            problem(f"{where}: op key {op.key}, source tensor key {s.tensor.key}, "
+                    f"destination tensor key {d.tensor.key}")
+            continue
+        bad = False
+        for what, sl, local in (("src_slice", op.src_slice, s), ("dst_slice", op.dst_slice, d)):
+            if len(sl) != len(local.shape) or any(
+                    not 0 <= a < b <= n for (a, b), n in zip(sl, local.shape)):
+                problem(f"{where}: {what} {_fmt_slice(sl)} is empty or outside local shape "
+                        f"{local.shape} of {local.tensor.name} on rank {local.rank}")
+                bad = True
+        if bad:
+            continue
+        extents = [b - a for a, b in op.src_slice]
+        if extents != [b - a for a, b in op.dst_slice]:
+            problem(f"{where}: slice extents differ: {extents} vs {[b - a for a, b in op.dst_slice]}")
+            continue
+        elements = math.prod(extents)
+        want_bytes = elements * wire_size(d.tensor.dtype)
+        if op.bytes != want_bytes:
+            problem(f"{where}: bytes {op.bytes}, expected {elements} elements x "
+                    f"{wire_size(d.tensor.dtype)} B ({d.tensor.dtype} destination) = {want_bytes}")
+        src_region, dst_region = _region(op.src_slice), _region(op.dst_slice)
+        hit = _first(s.pad[src_region])
+        if hit is not None:
+            index = tuple(a + i for (a, _), i in zip(op.src_slice, hit))
+            problem(f"{where}: the source slice covers padding at local index {index} of "
+                    f"{op.src_name} on rank {op.src_rank}")
+        d.values[dst_region] = s.values[src_region]
+        d.writes[dst_region] += 1
+        report.elements += elements
+        report.bytes += op.bytes
+        report.ops_per_key[op.key] += 1
+        report.received[op.dst_rank] += op.bytes
+        if op.src_rank == op.dst_rank:
+            report.local_bytes += op.bytes
+        else:
+            report.network_bytes += op.bytes
+            report.sent[op.src_rank] += op.bytes
+
+    # Check every destination element.
+    for (rank, name), d in sorted(dst_store.items(), key=lambda kv: kv[0]):
+        report.dst_locals += 1
+        data = ~d.pad
+        report.dst_data_elements += int(data.sum())
+        report.dst_pad_elements += int(d.pad.sum())
+        head = f"key {d.tensor.key}: {name} on destination rank {rank}"
+        for mask, what in (
+            (data & (d.writes == 0), "data element never written"),
+            (data & (d.writes > 1), "data element written more than once"),
+            (d.pad & (d.writes > 0), "padding element written (padding is never sent)"),
+        ):
+            hit = _first(mask)
+            if hit is not None:
+                problem(f"{head}: {what} at local index {hit} (logical {d.logical_of(hit)}), "
+                        f"{int(d.writes[hit])} writes, {int(mask.sum())} such elements")
+        wrong = data & (d.writes == 1) & (d.values != d.expected)
+        hit = _first(wrong)
+        if hit is not None:
+            got = float(d.values[hit])
+            problem(f"{head}: wrong value at local index {hit} (logical {d.logical_of(hit)}): "
+                    f"expected {float(d.expected[hit]):.0f}, got {_describe_value(got, base, shapes)}; "
+                    f"{int(wrong.sum())} wrong elements")
+
+
+def _describe_value(v: float, base: dict[str, int], shapes: dict[str, tuple[int, ...]]) -> str:
+    """Decode a value back to (key, logical index) so a wrong copy says what it copied."""
+    if math.isnan(v):
+        return "NaN (source padding)"
+    if v == SENTINEL:
+        return "the sentinel"
+    flat = int(v) - 1
+    for key in sorted(base, key=base.get, reverse=True):
+        if flat >= base[key]:
+            rest, index = flat - base[key], []
+            for n in reversed(shapes[key]):
+                rest, i = divmod(rest, n) if n else (rest, 0)
+                index.append(i)
+            return f"{v:.0f} = {key}{tuple(reversed(index))}"
+    return f"{v!r}"
+
+
+# ---------------------------------------------------------------------------
+# Bookkeeping checks
+
+
+def check_plan_views(plan, ranks: Iterable[int]) -> None:
+    """`ops_for_rank(r)` equals filtering `plan.ops`; ids are positions."""
+    ops = plan.ops
+    for i, op in enumerate(ops):
+        assert op.id == i, f"op at position {i} has id {op.id}"
+    for r in ranks:
+        want = tuple(op for op in ops if r in (op.src_rank, op.dst_rank))
+        got = tuple(plan.ops_for_rank(r))
+        assert got == want, (f"ops_for_rank({r}) differs from filtering plan.ops: "
+                             f"{len(got)} vs {len(want)} ops; first difference "
+                             f"{next(((g, w) for g, w in zip(got, want) if g != w), None)}")
+
+
+def check_stats(plan, report: SimReport | None = None) -> None:
+    """stats agree with the op list: ops, bytes, max send (network) / recv, local / network bytes."""
+    ops, stats = plan.ops, plan.stats
+    sent: Counter = Counter()
+    received: Counter = Counter()
+    local = 0
+    for op in ops:
+        received[op.dst_rank] += op.bytes
+        if op.src_rank == op.dst_rank:
+            local += op.bytes
+        else:
+            sent[op.src_rank] += op.bytes
+    total = sum(op.bytes for op in ops)
+    assert stats["ops"] == len(ops), (stats["ops"], len(ops))
+    assert stats["bytes"] == total, (stats["bytes"], total)
+    assert stats["max_send_bytes"] == max(sent.values(), default=0), (stats["max_send_bytes"], sent)
+    assert stats["max_recv_bytes"] == max(received.values(), default=0), (stats["max_recv_bytes"], received)
+    assert stats["local_bytes"] == local, (stats["local_bytes"], local)
+    assert stats["network_bytes"] == total - local, (stats["network_bytes"], total - local)
+    if report is not None:
+        assert report.bytes == total and report.local_bytes == local
+
+
+def per_rank_bytes(ops) -> tuple[dict[int, int], dict[int, int]]:
+    """(network bytes sent per rank, bytes received per rank)."""
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    for op in ops:
+        received[op.dst_rank] += op.bytes
+        if op.src_rank != op.dst_rank:
+            sent[op.src_rank] += op.bytes
+    return dict(sent), dict(received)
