@@ -16,7 +16,7 @@ import torch
 from layoutlang.ir import QUANTIZED, TensorIR
 from layoutlang.modes import Run
 
-from .quant import PLAIN_DTYPES, quantize
+from .quant import PLAIN_DTYPES, dequantize, quantize
 
 
 def logical_index(t: TensorIR, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +53,29 @@ def source_tensor(t: TensorIR, rank: int, device="cpu"):
     return v.to(PLAIN_DTYPES[t.dtype]).to(device)
 
 
-def expected_destination(t: TensorIR, rank: int) -> torch.Tensor:
-    """bf16/fp16/fp32 values the destination must hold (padding zero), before quantization."""
+def expected_destination(t: TensorIR, rank: int, plan=None) -> torch.Tensor:
+    """bf16/fp16/fp32 values the destination must hold (padding zero), before quantization.
+
+    A quantized source cannot carry the exact values: each element is what the
+    sending shard holds after its own quantization (rebuilt from the plan's op
+    that delivered it; the op's slices were proven against logical
+    coordinates, the values come from the source's logical fill).
+    """
+    wire = torch.bfloat16 if t.dtype in QUANTIZED else PLAIN_DTYPES[t.dtype]
     flat, mask = logical_index(t, rank)
-    v = torch.where(mask, values(t.key, flat), torch.zeros_like(flat, dtype=torch.float32))
-    return v.to(torch.bfloat16 if t.dtype in QUANTIZED else PLAIN_DTYPES[t.dtype])
+    v = torch.where(mask, values(t.key, flat), torch.zeros_like(flat, dtype=torch.float32)).to(wire)
+    if plan is None:
+        return v
+    entry = next(e for e in plan.tensors if e.key == t.key)
+    if entry.src_dtype not in QUANTIZED:
+        return v
+    sources = {s.name: s for s in plan.src.tensors if s.key == t.key}
+    for op in plan.ops_for_rank(rank):
+        if op.dst_rank == rank and op.dst_name == t.name:
+            src = sources[op.src_name]
+            sent = dequantize(source_tensor(src, op.src_rank), src.dtype)
+            v[tuple(slice(a, b) for a, b in op.dst_slice)] = sent[tuple(slice(a, b) for a, b in op.src_slice)].to(wire)
+    return v
 
 
 def empty_destination(t: TensorIR, device="cpu"):
@@ -67,9 +85,9 @@ def empty_destination(t: TensorIR, device="cpu"):
     return torch.full(t.local_shape, float("nan"), dtype=PLAIN_DTYPES[t.dtype], device=device)
 
 
-def check_destination(t: TensorIR, rank: int, value) -> str | None:
+def check_destination(t: TensorIR, rank: int, value, plan=None) -> str | None:
     """None if `value` holds exactly what the plan promises; else what is wrong."""
-    want = expected_destination(t, rank)
+    want = expected_destination(t, rank, plan)
     if t.dtype in QUANTIZED:
         ref = quantize(want, t.dtype)
         got_data = value.data.to(torch.float32)

@@ -57,7 +57,7 @@ def run(job: dict, rank: int, timeout: timedelta) -> dict:
         dist.barrier()
         times.append(time.perf_counter() - start)
     errors = [e for t in plan.dst.tensors if t.name in dst and t.holds(rank)
-              for e in [check_destination(t, rank, dst[t.name])] if e]
+              for e in [check_destination(t, rank, dst[t.name], plan)] if e]
     moved = [name for name, v in dst.items()
              if (v.data_ptr() if isinstance(v, torch.Tensor) else v.data.data_ptr()) != storage[name]]
     if moved:
