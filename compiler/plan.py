@@ -228,7 +228,7 @@ class Plan:
     # ---- statistics -------------------------------------------------------------
     @cached_property
     def stats(self) -> dict:
-        recv = [0] * self.world
+        recv = [0] * self.world  # network bytes received
         local = intra = inter = 0
         rpn = self.ranks_per_node
         senders_possible: set[int] = set()
@@ -237,10 +237,11 @@ class Plan:
                 nbytes = t.piece_list[k].elements * t.wire_bytes
                 senders_possible.update(t.senders[j])
                 for s in t.picks[j]:
-                    recv[rank] += nbytes
                     if s == rank:
                         local += nbytes
-                    elif rpn and s // rpn == rank // rpn:
+                        continue
+                    recv[rank] += nbytes
+                    if rpn and s // rpn == rank // rpn:
                         intra += nbytes
                     else:
                         inter += nbytes
@@ -251,7 +252,7 @@ class Plan:
         floor = total / usable if usable else 0.0
         busiest = max(range(self.world), key=lambda r: (self.send_load[r], -r)) if self.world else 0
         receiver = max(range(self.world), key=lambda r: (recv[r], -r)) if self.world else 0
-        dst_floor = total / max(1, sum(1 for b in recv if b))
+        dst_floor = (intra + inter) / max(1, sum(1 for b in recv if b))
         return {
             "ops": self.op_count, "bytes": total,
             "max_send_bytes": self.send_load[busiest] if self.world else 0,
@@ -260,7 +261,7 @@ class Plan:
             "usable_senders": usable, "send_floor_bytes": floor,
             "send_balance": (self.send_load[busiest] / floor) if floor else 0.0,
             "recv_balance": (recv[receiver] / dst_floor) if dst_floor else 0.0,
-            "local_bytes": local, "intra_node_bytes": intra,
+            "local_bytes": local, "intra_node_bytes": intra if rpn else None,
             "inter_node_bytes": inter if rpn else None, "network_bytes": intra + inter,
             "templates": len(self.templates), "tensors": len(self.matches),
         }
@@ -304,6 +305,10 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
     """
     from layoutlang.diagnostics import UsageError
 
+    if selector not in SELECTORS:
+        raise UsageError(f"selector {selector!r}: expected one of {', '.join(sorted(SELECTORS))}")
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise UsageError(f"ranks_per_node {ranks_per_node}: expected a positive integer")
     common = dict(args or {})
     s_args = {**common, **(src_args or {})}
     d_args = {**common, **(dst_args or {})}

@@ -4,6 +4,11 @@
 >>> Refitter(plan, verify=True).refit(src_tensors, dst_tensors)  # doctest: +SKIP
 """
 
+import warnings
+
+# torch warns once at import when NumPy is absent; layoutlang never needs NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 from .quant import Fp8Tensor, MXFP8Tensor, dequantize, quantize
 from .refit import Refitter, RefitError
 
