@@ -241,10 +241,10 @@ PAIRS = [
      {"TP": 4, "GTP": 2, "DP": 2}, {"TP": 8, "DP": 2, "AT": 8}),
     ("DeepSeek-V3-style MoE, 10 layers x 8 experts: trainer 32 ranks -> engine 8 ranks, collocated",
      "deepseek_v3_moe.layout", "deepseek_v3_infer.layout", {"L": 10, "E": 8},
-     {"TP": 2, "DP": 2, "EP": 2, "ETP": 2}, {"TP": 4, "DP": 2, "EP": 8, "ETP": 1}),
+     {"TP": 2, "DP": 2, "EP": 2, "ETP": 2}, {"ENGINE_TP": 4, "ENGINE_DP": 2, "ENGINE_EP": 8, "ENGINE_ETP": 1}),
     ("DeepSeek-V3-style MoE, 10 layers x 8 experts: trainer 32 ranks -> engine EP4xETP2 at 32",
      "deepseek_v3_moe.layout", "deepseek_v3_infer.layout", {"L": 10, "E": 8},
-     {"TP": 2, "DP": 2, "EP": 2, "ETP": 2}, {"TP": 4, "DP": 2, "EP": 4, "ETP": 2, "AT": 32}),
+     {"TP": 2, "DP": 2, "EP": 2, "ETP": 2}, {"ENGINE_TP": 4, "ENGINE_DP": 2, "ENGINE_EP": 4, "ENGINE_ETP": 2, "AT": 32}),
 ]
 
 

@@ -44,11 +44,11 @@ SRC = ROOT / "examples" / "deepseek_v3_moe.layout"
 DST = ROOT / "examples" / "deepseek_v3_infer.layout"
 
 FULL = {"common": {"L": 61, "E": 256},
-        "src": {"TP": 2, "DP": 64, "EP": 64, "ETP": 2},          # 1024 ranks
-        "dst": {"TP": 8, "DP": 32, "EP": 256, "ETP": 1}}         # 256 ranks
+        "src": {"TP": 2, "DP": 64, "EP": 64, "ETP": 2},  # 1024 ranks
+        "dst": {"ENGINE_TP": 8, "ENGINE_DP": 32, "ENGINE_EP": 256, "ENGINE_ETP": 1}}  # 256 ranks
 QUICK = {"common": {"L": 10, "E": 16},
-         "src": {"TP": 2, "DP": 4, "EP": 4, "ETP": 2},            # 64 ranks
-         "dst": {"TP": 8, "DP": 2, "EP": 16, "ETP": 1}}           # 16 ranks
+         "src": {"TP": 2, "DP": 4, "EP": 4, "ETP": 2},  # 64 ranks
+         "dst": {"ENGINE_TP": 8, "ENGINE_DP": 2, "ENGINE_EP": 16, "ENGINE_ETP": 1}}  # 16 ranks
 
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 GIB = 2**30
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
 
     sizes = QUICK if ns.quick else FULL
     src_ranks = 8 * sizes["src"]["DP"] * sizes["src"]["TP"]
-    dst_ranks = sizes["dst"]["DP"] * sizes["dst"]["TP"]
+    dst_ranks = sizes["dst"]["ENGINE_DP"] * sizes["dst"]["ENGINE_TP"]
     at = src_ranks if ns.at is None else ns.at
     layers = ns.naive_layers if ns.naive_layers is not None else 0
     base = {"sizes": sizes, "at": at, "naive_layers": layers}
@@ -313,9 +313,10 @@ def main(argv=None) -> int:
                   f"({naive['ops']} ops; the templates planner has {f['subset_ops']} on the same subset); "
                   f"it has no per-rank shortcut (a balanced choice depends on every earlier request)")
         same = naive["subset_digest"] == f["subset_digest"]
-        print(f"naive vs templates pieces (dst rank, name, slice) on the subset: "
+        where = "on every tensor" if layers <= 0 else f"on the subset (non-layer tensors, layers 0..{layers - 1})"
+        print(f"naive vs templates pieces (dst rank, name, slice) {where}: "
               f"{'IDENTICAL' if same else 'DIFFERENT'} (digest {naive['subset_digest']} / {f['subset_digest']})")
-    print("\nratios (target):")
+    print("\nratios (target" + ("s are for the full size; --quick is a smoke run" if ns.quick else "") + "):")
     if naive:
         print(f"  naive / templates, planning time (compile + ops, load excluded): "
               f"{est / planning:.0f}x (>= 20x){'' if naive['ops'] == f['ops'] else ' [naive estimated]'}")

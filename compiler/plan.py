@@ -232,11 +232,13 @@ class Plan:
         local = intra = inter = 0
         rpn = self.ranks_per_node
         senders_possible: set[int] = set()
+        receivers: set[int] = set()
         for t in self.templates:
             for j, (rank, k) in enumerate(t.requests):
                 nbytes = t.piece_list[k].elements * t.wire_bytes
                 senders_possible.update(t.senders[j])
                 for s in t.picks[j]:
+                    receivers.add(rank)
                     if s == rank:
                         local += nbytes
                         continue
@@ -252,7 +254,7 @@ class Plan:
         floor = total / usable if usable else 0.0
         busiest = max(range(self.world), key=lambda r: (self.send_load[r], -r)) if self.world else 0
         receiver = max(range(self.world), key=lambda r: (recv[r], -r)) if self.world else 0
-        dst_floor = (intra + inter) / max(1, sum(1 for b in recv if b))
+        dst_floor = total / max(1, len(receivers))  # like the send floor: all bytes, evenly
         return {
             "ops": self.op_count, "bytes": total,
             "max_send_bytes": self.send_load[busiest] if self.world else 0,

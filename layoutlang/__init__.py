@@ -10,7 +10,15 @@ from .diagnostics import LayoutError, ParseError, ElaborationError, UsageError
 from .elaborate import load, loads
 from .ir import Layout, Mesh, Axis, TensorIR, DimIR, Run, PadRun
 
+
+def compile_plan(src, dst, **kwargs):
+    """Compile the plan between two layouts (see layoutlang.compiler.compile_plan)."""
+    from layoutlang.compiler import compile_plan as compile_
+
+    return compile_(src, dst, **kwargs)
+
+
 __version__ = "0.1.0"
 
-__all__ = ["load", "loads", "Layout", "Mesh", "Axis", "TensorIR", "DimIR", "Run", "PadRun",
+__all__ = ["load", "loads", "compile_plan", "Layout", "Mesh", "Axis", "TensorIR", "DimIR", "Run", "PadRun",
            "LayoutError", "ParseError", "ElaborationError", "UsageError", "__version__"]

@@ -196,7 +196,7 @@ class SimReport:
     local_bytes: int = 0
     network_bytes: int = 0
     sent: Counter = field(default_factory=Counter)        # rank -> network bytes sent
-    received: Counter = field(default_factory=Counter)    # rank -> bytes received (local included)
+    received: Counter = field(default_factory=Counter)    # rank -> network bytes received
     ops_per_key: Counter = field(default_factory=Counter)
     dst_locals: int = 0                                   # (rank, tensor) pairs checked
     dst_data_elements: int = 0
@@ -350,12 +350,12 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
         report.elements += elements
         report.bytes += op.bytes
         report.ops_per_key[op.key] += 1
-        report.received[op.dst_rank] += op.bytes
         if op.src_rank == op.dst_rank:
             report.local_bytes += op.bytes
         else:
             report.network_bytes += op.bytes
             report.sent[op.src_rank] += op.bytes
+            report.received[op.dst_rank] += op.bytes
 
     # Check every destination element.
     for (rank, name), d in sorted(dst_store.items(), key=lambda kv: kv[0]):
@@ -417,34 +417,39 @@ def check_plan_views(plan, ranks: Iterable[int]) -> None:
 
 
 def check_stats(plan, report: SimReport | None = None) -> None:
-    """stats agree with the op list: ops, bytes, max send (network) / recv, local / network bytes."""
+    """stats agree with the op list.
+
+    ops and bytes count every op; `max_send_bytes` / `max_recv_bytes` are the
+    busiest rank's NETWORK bytes (a local copy, src_rank == dst_rank, uses no
+    link: select.py, DESIGN.md performance model); local + network == bytes.
+    """
     ops, stats = plan.ops, plan.stats
-    sent: Counter = Counter()
-    received: Counter = Counter()
-    local = 0
-    for op in ops:
-        received[op.dst_rank] += op.bytes
-        if op.src_rank == op.dst_rank:
-            local += op.bytes
-        else:
-            sent[op.src_rank] += op.bytes
+    sent, received = per_rank_bytes(ops)
+    local = sum(op.bytes for op in ops if op.src_rank == op.dst_rank)
     total = sum(op.bytes for op in ops)
     assert stats["ops"] == len(ops), (stats["ops"], len(ops))
     assert stats["bytes"] == total, (stats["bytes"], total)
-    assert stats["max_send_bytes"] == max(sent.values(), default=0), (stats["max_send_bytes"], sent)
-    assert stats["max_recv_bytes"] == max(received.values(), default=0), (stats["max_recv_bytes"], received)
+    assert stats["max_send_bytes"] == max(sent.values(), default=0), \
+        f"max_send_bytes {stats['max_send_bytes']}, network bytes sent per rank {sent}"
+    assert stats["max_recv_bytes"] == max(received.values(), default=0), \
+        f"max_recv_bytes {stats['max_recv_bytes']}, network bytes received per rank {received}"
     assert stats["local_bytes"] == local, (stats["local_bytes"], local)
     assert stats["network_bytes"] == total - local, (stats["network_bytes"], total - local)
+    rpn = getattr(plan, "ranks_per_node", None)
+    if rpn:
+        inter = sum(op.bytes for op in ops if op.src_rank // rpn != op.dst_rank // rpn)
+        assert stats["inter_node_bytes"] == inter, (stats["inter_node_bytes"], inter)
+        assert stats["intra_node_bytes"] == total - local - inter, (stats["intra_node_bytes"], total - local - inter)
     if report is not None:
         assert report.bytes == total and report.local_bytes == local
 
 
 def per_rank_bytes(ops) -> tuple[dict[int, int], dict[int, int]]:
-    """(network bytes sent per rank, bytes received per rank)."""
+    """(network bytes sent per rank, network bytes received per rank); local copies excluded."""
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
     for op in ops:
-        received[op.dst_rank] += op.bytes
         if op.src_rank != op.dst_rank:
             sent[op.src_rank] += op.bytes
+            received[op.dst_rank] += op.bytes
     return dict(sent), dict(received)

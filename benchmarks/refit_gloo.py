@@ -1,0 +1,291 @@
+"""Refit runtime on local gloo processes: layoutlang vs naive all-gather vs DTensor vs hand p2p.
+
+One command, in one run, on 4 and on 8 local gloo processes (127.0.0.1, a free
+port, a hard timeout; every worker process is killed when the run ends, however
+it ends). Per world size W the tensor-parallel degrees scale with W (k = W/4):
+
+    tp4-tp2-d0     TP4k -> TP2k, split on dim 0        (destination on the first 2k ranks)
+    tp4-tp2-d1     TP4k -> TP2k, split on dim 1
+    tp2-tp4        TP2k -> TP4k                         (source on the first 2k ranks only)
+    tp2dp2-tp4     TP2k x DP2 replicas -> TP4k          (replicas share the sending)
+    gtp            TP2k x GTP2 -> TP2k, Megatron fc1 `[(gate | up) over tp chunk gtp, C]`
+    tp4-tp2dp2     TP4k -> TP2k x DP2 (a collocated engine with two replicas; DTensor can say it)
+
+with N weights of [R, C] bf16 each (defaults: 8 x [4096, 4096], 256 MiB of
+weights). The `.layout` texts are written to a temporary directory; every
+worker compiles the same plan from them. Methods (benchmarks/refit_gloo_worker.py):
+layoutlang `Refitter.refit`; naive all-gather + cat + slice (what RL frameworks
+do); DTensor `redistribute` where one DeviceMesh and Shard/Replicate placements
+express both layouts (the output says why not elsewhere); hand-written
+isend/irecv of the plan's slices with buffers allocated before timing.
+
+Steady state: one warm-up step, then K steps (`--steps`), each between two
+barriers; a step's time is the max over ranks, the figure printed is the median
+of the K. Correctness (untimed, once per case): layoutlang's and hand p2p's
+destinations with `layoutlang.runtime.fill.check_destination`; naive's and
+DTensor's compared element for element with layoutlang's checked result.
+"Net MiB" is network bytes summed over ranks per step (layoutlang: the plan's;
+naive: all-gather and broadcast receipts). Local copies are not counted.
+
+    .venv/bin/python benchmarks/refit_gloo.py                  # W=4 and W=8, ~2-3 min on 2 cores
+    .venv/bin/python benchmarks/refit_gloo.py --worlds 4 --tensors 2 --rows 1024 --cols 1024   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "refit_gloo_worker.py"
+MIB = 2**20
+TARGET_NAIVE = 2.0    # naive / layoutlang on the first case, at least
+TARGET_HAND = 1.2     # layoutlang / hand p2p, at most
+
+
+# ---- cases ---------------------------------------------------------------------------
+
+def _layout(name: str, mesh: str, dim: str, n: int, r: int, c: int) -> str:
+    return (f"layout {name}\nconst R = {r}, C = {c}\nmesh {mesh}\n"
+            f"for i in 0..{n} {{\n  tensor layers.{{i}}.weight [{dim}]\n}}\n")
+
+
+def cases(world: int, n: int, r: int, c: int) -> list[dict]:
+    """(name, label, source text, destination text, DTensor spec or why not) per case."""
+    if world % 4:
+        raise SystemExit(f"--worlds: {world} is not a multiple of 4 (the cases scale TP by world/4)")
+    k = world // 4
+    t2, t4 = 2 * k, 4 * k
+    rows, cols = "R over tp, C", "R, C over tp"
+    gtp_src, gtp_dst = "(gate: R/2 | up: R/2) over tp chunk gtp, C", "(gate: R/2 | up: R/2) over tp, C"
+    other_mesh = (f"the source spans ranks 0-{t4 - 1} and the destination ranks 0-{t2 - 1}: two different "
+                  "meshes; DTensor.redistribute only changes placements within one DeviceMesh")
+    return [
+        {"name": "tp4-tp2-d0", "label": f"TP{t4} -> TP{t2}, dim 0",
+         "src": _layout("train", f"train (tp={t4})", rows, n, r, c),
+         "dst": _layout("infer", f"infer (tp={t2})", rows, n, r, c), "dtensor": None, "why_not": other_mesh},
+        {"name": "tp4-tp2-d1", "label": f"TP{t4} -> TP{t2}, dim 1",
+         "src": _layout("train", f"train (tp={t4})", cols, n, r, c),
+         "dst": _layout("infer", f"infer (tp={t2})", cols, n, r, c), "dtensor": None, "why_not": other_mesh},
+        {"name": "tp2-tp4", "label": f"TP{t2} -> TP{t4}",
+         "src": _layout("train", f"train (tp={t2})", rows, n, r, c),
+         "dst": _layout("infer", f"infer (tp={t4})", rows, n, r, c), "dtensor": None,
+         "why_not": f"the source lives on ranks 0-{t2 - 1} only, the destination on 0-{t4 - 1}: a DTensor "
+                    "must have a local shard on every rank of its mesh, so the two are different meshes"},
+        {"name": "tp2dp2-tp4", "label": f"TP{t2} x DP2 -> TP{t4}",
+         "src": _layout("train", f"train (dp=2, tp={t2})", rows, n, r, c),
+         "dst": _layout("infer", f"infer (tp={t4})", rows, n, r, c),
+         "dtensor": {"mesh": [2, t2], "names": ["dp", "tp"], "src": ["R", "S0"], "dst": ["S0", "S0"]}},
+        {"name": "gtp", "label": f"TP{t2} x GTP2 -> TP{t2}, (gate|up)",
+         "src": _layout("train", f"train (gtp=2, tp={t2})", gtp_src, n, r, c),
+         "dst": _layout("infer", f"infer (tp={t2})", gtp_dst, n, r, c), "dtensor": None,
+         "why_not": "no DTensor placement says a strided `(gate | up) over tp` split (each rank holds a piece of "
+                    "every part) nor GTP's `chunk gtp` of a rank's local storage; the destination is also a "
+                    f"{t2}-rank mesh inside the {world}-rank source mesh"},
+        {"name": "tp4-tp2dp2", "label": f"TP{t4} -> TP{t2} x DP2",
+         "src": _layout("train", f"train (tp={t4})", rows, n, r, c),
+         "dst": _layout("infer", f"infer (dp=2, tp={t2})", rows, n, r, c),
+         "dtensor": {"mesh": [2, t2], "names": ["dp", "tp"], "src": ["S0", "S0"], "dst": ["R", "S0"]}},
+    ]
+
+
+# ---- launching -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise _Terminated()
+
+
+def launch(job: dict, world: int, tmp: Path, timeout: float) -> tuple[list[dict | None], list[str], bool]:
+    """Run the job on `world` local gloo workers; (results, stderr tails, timed out). No worker outlives it."""
+    job_path = tmp / f"job{world}.json"
+    job_path.write_text(json.dumps(job))
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                       GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+            err = open(tmp / f"stderr{world}-{rank}.txt", "w")
+            procs.append((subprocess.Popen(
+                [sys.executable, str(WORKER), str(job_path), str(tmp / f"out{world}-{rank}.json")],
+                env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True), err))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs):
+            if any(p.poll() not in (None, 0) for p, _ in procs):
+                time.sleep(2.0)  # a rank failed: give the others a moment to write what they have
+                break
+            time.sleep(0.1)
+        timed_out = any(p.poll() is None for p, _ in procs)
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+            err.close()
+    results, errs = [], []
+    for rank in range(world):
+        out = tmp / f"out{world}-{rank}.json"
+        results.append(json.loads(out.read_text()) if out.exists() else None)
+        errs.append("\n".join((tmp / f"stderr{world}-{rank}.txt").read_text().strip().splitlines()[-5:]))
+    return results, errs, timed_out
+
+
+# ---- reporting -------------------------------------------------------------------------
+
+def _step_time(per_rank: list[list[float]]) -> tuple[float, float]:
+    """(median, best) over steps of the max over ranks."""
+    steps = [max(ts) for ts in zip(*per_rank)]
+    return statistics.median(steps), min(steps)
+
+
+def summarize(world: int, specs: list[dict], results: list[dict | None]) -> list[dict]:
+    rows = []
+    done = [r for r in results if r is not None]
+    n_cases = min((len(r["cases"]) for r in done), default=0) if len(done) == len(results) else 0
+    for i in range(n_cases):
+        spec, per_rank = specs[i], [r["cases"][i] for r in results]
+        row = {"case": spec["name"], "label": spec["label"], "world": world,
+               "plan_ms": 1e3 * max(c["plan_seconds"] for c in per_rank),
+               "ll_net_mib": per_rank[0]["plan_stats"]["network_bytes"] / MIB,
+               "ll_local_mib": per_rank[0]["plan_stats"]["local_bytes"] / MIB,
+               "naive_net_mib": sum(c["methods"]["naive"]["recv_bytes"] for c in per_rank) / MIB,
+               "why_not": spec.get("why_not"), "errors": [], "ms": {}, "best_ms": {}}
+        for m in ("layoutlang", "naive", "dtensor", "hand_p2p"):
+            if m not in per_rank[0]["methods"]:
+                continue
+            med, best = _step_time([c["methods"][m]["seconds"] for c in per_rank])
+            row["ms"][m], row["best_ms"][m] = 1e3 * med, 1e3 * best
+            row["errors"] += [f"{m}: {e}" for c in per_rank for e in c["methods"][m]["errors"]]
+        busiest = per_rank[0]["plan_stats"]["busiest_receiver"]
+        row["profile_rank"] = busiest
+        row["profile"] = per_rank[busiest]["methods"]["layoutlang"]["profile"]
+        rows.append(row)
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def table(world: int, rows: list[dict], steps: int) -> str:
+    head = (f"| case (W={world}) | net MiB ll / naive | plan ms | layoutlang ms | naive ms | DTensor ms | "
+            f"hand p2p ms | naive/ll | ll/hand | check |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        ms = r["ms"]
+        dt = f"{ms['dtensor']:.1f}" if "dtensor" in ms else "n/a*"
+        lines.append(
+            f"| {r['label']} | {r['ll_net_mib']:.0f} / {r['naive_net_mib']:.0f} | {r['plan_ms']:.0f} | "
+            f"{ms['layoutlang']:.1f} | {ms['naive']:.1f} | {dt} | {ms['hand_p2p']:.1f} | "
+            f"{_ratio(ms['naive'], ms['layoutlang'])} | {_ratio(ms['layoutlang'], ms['hand_p2p'])} | "
+            f"{'ok' if not r['errors'] else 'FAIL'} |")
+    lines.append(f"(median over {steps} steps of the max over ranks; after 1 warm-up step)")
+    return "\n".join(lines)
+
+
+def notes(world: int, rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        if r["why_not"]:
+            out.append(f"  * DTensor, {r['label']}: cannot: {r['why_not']}.")
+    for r in rows:
+        for e in r["errors"][:3]:
+            out.append(f"  ! {r['label']}: {e}")
+    for r in rows:
+        ms = r["ms"]
+        missed = []
+        if r["case"] == "tp4-tp2-d0" and ms["naive"] / ms["layoutlang"] < TARGET_NAIVE:
+            missed.append(f"naive/layoutlang {ms['naive'] / ms['layoutlang']:.2f}x < {TARGET_NAIVE}x")
+        if ms["layoutlang"] / ms["hand_p2p"] > TARGET_HAND:
+            missed.append(f"layoutlang/hand {ms['layoutlang'] / ms['hand_p2p']:.2f}x > {TARGET_HAND}x")
+        if missed:
+            out.append(f"  - target missed on {r['label']} (W={world}): {'; '.join(missed)}. cProfile of one "
+                       f"layoutlang step on rank {r['profile_rank']} (the busiest receiver), top by own time:")
+            for where, nc, tt, ct in r["profile"][:8]:
+                out.append(f"      {tt * 1e3:8.1f} ms own {ct * 1e3:8.1f} ms cum {nc:>6} calls  {where}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", default="4,8", help="comma-separated process counts, multiples of 4 (default 4,8)")
+    ap.add_argument("--tensors", type=int, default=8, help="weights per case (default 8)")
+    ap.add_argument("--rows", type=int, default=4096, help="rows of each weight (default 4096)")
+    ap.add_argument("--cols", type=int, default=4096, help="columns of each weight (default 4096)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method after one warm-up (default 5)")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default all)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="hard limit per world size, seconds (default 300)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    worlds = [int(w) for w in args.worlds.split(",")]
+    all_rows, failed = [], False
+    print(f"refit on local gloo: {args.tensors} x [{args.rows}, {args.cols}] bf16 "
+          f"({args.tensors * args.rows * args.cols * 2 / MIB:.0f} MiB of weights), worlds {worlds}, "
+          f"{os.cpu_count()} CPUs", flush=True)
+    with tempfile.TemporaryDirectory(prefix="layoutlang-refit-gloo-") as tmp_name:
+        tmp = Path(tmp_name)
+        for world in worlds:
+            specs = cases(world, args.tensors, args.rows, args.cols)
+            if args.cases:
+                wanted = args.cases.split(",")
+                specs = [s for s in specs if s["name"] in wanted]
+            job_cases = []
+            for s in specs:
+                src, dst = tmp / f"{s['name']}-w{world}-src.layout", tmp / f"{s['name']}-w{world}-dst.layout"
+                src.write_text(s["src"])
+                dst.write_text(s["dst"])
+                job_cases.append({"name": s["name"], "src": str(src), "dst": str(dst), "dtensor": s["dtensor"]})
+            job = {"cases": job_cases, "steps": args.steps, "collective_timeout": max(30.0, args.timeout / 2)}
+            start = time.monotonic()
+            try:
+                results, errs, timed_out = launch(job, world, tmp, args.timeout)
+            except (KeyboardInterrupt, _Terminated):
+                print("interrupted: every worker was killed", file=sys.stderr)
+                return 130
+            rows = summarize(world, specs, results)
+            print(f"\nW={world}: {time.monotonic() - start:.0f} s wall\n" + table(world, rows, args.steps), flush=True)
+            text = notes(world, rows)
+            if text:
+                print(text, flush=True)
+            bad = [(rank, r, e) for rank, (r, e) in enumerate(zip(results, errs)) if r is None or not r.get("ok")]
+            if timed_out or bad:
+                failed = True
+                print(f"W={world}: {'hard timeout hit; ' if timed_out else ''}"
+                      f"{len(bad)} rank(s) failed", file=sys.stderr)
+                for rank, r, e in bad[:4]:
+                    print(f"  rank {rank}: {(r or {}).get('error') or e or 'no output'}", file=sys.stderr)
+            if any(r["errors"] for r in rows):
+                failed = True
+            all_rows += rows
+    if args.json:
+        args.json.write_text(json.dumps(all_rows, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
