@@ -1,0 +1,41 @@
+"""The pygments lexer: registered for `pygmentize -l layout`, no error tokens on examples."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from pygments.lexers import get_lexer_by_name, get_lexer_for_filename
+from pygments.token import Comment, Error, Keyword, Name, Number, String
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = sorted(ROOT.glob("examples/**/*.layout"))
+
+
+def tokens(text):
+    return [(t, v) for t, v in get_lexer_by_name("layout").get_tokens(text) if v.strip()]
+
+
+def test_lexer_is_registered_by_name_and_filename():
+    assert get_lexer_by_name("layout").name == "layout"
+    assert get_lexer_for_filename("train.layout").name == "layout"
+
+
+def test_token_classes():
+    toks = tokens("tensor a.{l.local}.w as k.{l} [(q: 4 | k: 2) over tp, H] mxfp8  # c")
+    assert (Keyword.Declaration, "tensor") in toks
+    assert (String.Interpol, "{") in toks and (Keyword.Pseudo, "local") in toks
+    assert (Name.Label, "q") in toks and (Keyword, "over") in toks
+    assert (Keyword.Type, "mxfp8") in toks and (Number.Integer, "4") in toks
+    assert (Comment.Single, "# c") in toks
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_lex_without_errors(path):
+    assert not [v for t, v in tokens(path.read_text()) if t is Error]
+
+
+def test_pygmentize_cli():
+    exe = Path(__import__("sys").executable).parent / "pygmentize"
+    out = subprocess.run([str(exe), "-l", "layout", "-f", "html", str(EXAMPLES[0])],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and '<span class="k' in out.stdout
