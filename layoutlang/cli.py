@@ -240,6 +240,27 @@ def cmd_run(ns, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def cmd_explain(ns, out: Console, err: Console) -> int:
+    from layoutlang.compiler import compile_plan
+    from layoutlang.compiler.explain import explain
+
+    if len(ns.items) not in (2, 3):
+        raise UsageError("expected SRC [DST] KEY", help="e.g. layoutc explain train.layout infer.layout "
+                                                        "decoder.layers.0.mlp.linear_fc1.weight")
+    args = _parse_sets(ns.set)
+    src_path, key = ns.items[0], ns.items[-1]
+    src = load(src_path, args, unknown_args="ignore")
+    dst = plan = None
+    if len(ns.items) == 3:
+        dst = load(ns.items[1], args, unknown_args="ignore")
+        plan = compile_plan(src, dst)
+    world = plan.world if plan else src.ranks
+    if ns.rank is not None and not 0 <= ns.rank < world:
+        raise UsageError(f"--rank {ns.rank}: the layouts span ranks 0..{world - 1}")
+    out.print(explain(src, key, dst, plan, ns.rank))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layoutc", description="Check, format and plan `.layout` sharding specs.")
@@ -281,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how a sender is chosen among the replicas: balanced (default) or "
                            "round_robin")
     plan.set_defaults(run=cmd_plan)
+    exp = sub.add_parser("explain", help="picture one tensor: parts, who holds what, the ops that move it",
+                         description="Show one tensor (by KEY): its logical shape and parts, which ranks "
+                                     "hold which block in SRC (and DST), and with DST the ops that move it.")
+    exp.add_argument("items", nargs="+", metavar="SRC [DST] KEY")
+    exp.add_argument("--rank", type=int, default=None, help="only this rank's shards and ops")
+    exp.add_argument("--set", action="append", metavar="NAME=VALUE", help="override an `arg` in both layouts")
+    exp.set_defaults(run=cmd_explain)
     run = sub.add_parser("run", help="refit across local gloo processes and check every element",
                          description="Spawn N local gloo processes, fill the source with deterministic "
                                      "data, refit, and check every destination element.")

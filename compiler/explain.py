@@ -1,0 +1,159 @@
+"""`layoutc explain`: one tensor as a terminal picture.
+
+For a key: its logical shape and parts, and for each layout the shards (which
+ranks hold which block, as runs of local -> logical) with a bar per split dim
+showing who holds which logical range; with a destination, the ops that move
+it. Rendered with rich; `explain_text` gives the same as plain text.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from layoutlang.diagnostics import UsageError
+from layoutlang.ir import Layout, TensorIR
+from layoutlang.modes import Leaf, PartTree, Run
+
+from .shards import placement_of, shards
+
+BAR = 64
+COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
+          "bright_green", "bright_yellow", "bright_blue", "bright_red")
+GLYPHS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def rank_ranges(ranks) -> str:
+    """`0-3,8,10-11`: a sorted rank list, compressed."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    text = ",".join(out)
+    return text if len(text) <= 48 else text[:45] + f"... ({len(ranks)} ranks)"
+
+
+def _parts(tree: PartTree, start: int = 0, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(label, logical start, stop) of every leaf part, in logical order."""
+    if isinstance(tree, Leaf):
+        return [(prefix or "", start, start + tree.extent)]
+    out, pos = [], start
+    for i, (name, sub) in enumerate(tree.parts):
+        label = f"{prefix}.{name or i}" if prefix else (name or str(i))
+        leaves = _parts(sub, pos, label)
+        out.extend(leaves)
+        pos = leaves[-1][2] if leaves else pos
+    return out
+
+
+def _instances(layout: Layout, key: str) -> tuple[TensorIR, ...]:
+    found = layout.by_key.get(key)
+    if found is None:
+        import difflib
+        close = difflib.get_close_matches(key, list(layout.by_key), n=3, cutoff=0.6)
+        raise UsageError(f"key `{key}` is not in {layout.path}",
+                         help=("did you mean: " + ", ".join(f"`{c}`" for c in close)) if close
+                         else "`layoutc plan --format json` lists every key")
+    return found
+
+
+def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
+    out: list = []
+    for t in _instances(layout, key):
+        p = placement_of(t)
+        shard_list = shards(p)
+        axes = ", ".join(f"{a.name}={a.size}" for a in t.mesh.axes)
+        out.append(Text.assemble((f"{title} ", "bold"), f"{layout.path}: ", (t.name, "bold"),
+                                 f"  {t.dtype} on mesh {t.mesh.name} ({axes})  local {list(t.local_shape)}",
+                                 f"  replicas over {', '.join(t.replica_axes) or 'none'}"))
+        for d in range(len(t.dims)):
+            if len({s.runs[d] for s in shard_list}) > 1:
+                out.append(_bar(t, d, shard_list))
+        table = Table(show_edge=False, box=None, pad_edge=False)
+        table.add_column("shard", justify="right")
+        table.add_column("ranks")
+        for d in range(len(t.dims)):
+            table.add_column(f"dim {d}: local -> logical")
+        if rank is not None and not t.holds(rank):
+            out.append(Text(f"  rank {rank} holds no part of it"))
+            continue
+        for i, s in enumerate(shard_list):
+            if rank is not None and rank not in s.ranks:
+                continue
+            cells = [_runs_text(runs) for runs in s.runs]
+            table.add_row(Text(GLYPHS[i % len(GLYPHS)], style=COLORS[i % len(COLORS)]),
+                          rank_ranges(s.ranks), *cells)
+        out.append(table)
+    return out
+
+
+def _runs_text(runs) -> str:
+    parts = []
+    for r in runs[:6]:
+        if isinstance(r, Run):
+            parts.append(f"{r.local_start}:{r.local_start + r.length}->{r.logical_start}:{r.logical_start + r.length}")
+        else:
+            parts.append(f"{r.local_start}:{r.local_start + r.length} pad")
+    if len(runs) > 6:
+        parts.append(f"... {len(runs)} runs")
+    return " ".join(parts)
+
+
+def _bar(t: TensorIR, d: int, shard_list) -> Text:
+    """Who holds each logical range of dim d: one glyph per cell, coloured per shard."""
+    extent = t.logical_shape[d]
+    cells = min(BAR, extent)
+    owner = [None] * cells
+    for i, s in enumerate(shard_list):
+        for r in s.runs[d]:
+            if isinstance(r, Run):
+                a = r.logical_start * cells // extent
+                b = max(a + 1, (r.logical_start + r.length) * cells // extent)
+                for c in range(a, min(b, cells)):
+                    if owner[c] is None:
+                        owner[c] = i
+    text = Text(f"  dim {d} [0, {extent}) ")
+    for o in owner:
+        text.append(GLYPHS[o % len(GLYPHS)] if o is not None else "?", style=COLORS[o % len(COLORS)] if o is not None else "")
+    return text
+
+
+def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: int | None = None,
+            max_ops: int = 40) -> Group:
+    t = _instances(src, key)[0]
+    parts = []
+    head = Text.assemble((key, "bold"), f"  logical {list(t.logical_shape)}")
+    parts.append(head)
+    for d, dim in enumerate(t.dims):
+        leaves = _parts(dim.part_tree)
+        if len(leaves) > 1:
+            desc = "  ".join(f"{label} [{a}, {b})" for label, a, b in leaves[:8])
+            parts.append(Text(f"  dim {d} parts: {desc}" + (" ..." if len(leaves) > 8 else "")))
+    parts.extend(_side(src, key, "source", rank))
+    if dst is not None:
+        parts.extend(_side(dst, key, "destination", rank))
+    if plan is not None:
+        ops = [op for op in (plan.ops_for_rank(rank) if rank is not None else plan.ops) if op.key == key]
+        table = Table(title=f"{len(ops)} ops", show_edge=False, box=None, title_justify="left")
+        for col in ("op", "from", "to", "source slice", "destination slice", "bytes"):
+            table.add_column(col, justify="right" if col in ("op", "bytes") else "left")
+        for op in ops[:max_ops]:
+            sl = lambda s: "[" + ", ".join(f"{a}:{b}" for a, b in s) + "]"
+            table.add_row(str(op.id), f"rank {op.src_rank}", f"rank {op.dst_rank}" + (" (local)" if op.local else ""),
+                          sl(op.src_slice), sl(op.dst_slice), str(op.bytes))
+        parts.append(table)
+        if len(ops) > max_ops:
+            parts.append(Text(f"... {len(ops) - max_ops} more ops"))
+    return Group(*parts)
+
+
+def explain_text(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: int | None = None,
+                 width: int = 120) -> str:
+    console = Console(width=width, record=True, file=open("/dev/null", "w"), color_system=None)
+    console.print(explain(src, key, dst, plan, rank))
+    return console.export_text()
