@@ -99,10 +99,12 @@ class Refitter:
                 t = plan.matches[i].dst
                 if t.name in self.dst_held and self.dst_held[t.name] is t:
                     self.dst_by_bucket[b.index].append(t)
+        self.entry = {e.key: e for e in plan.tensors}
         self.meter = StagingMeter()
         self.sent_bytes = self.received_bytes = self.local_bytes = 0
         self._store = _default_store()
         self._step = 0
+        self._keys: list[str] = []
 
     # ---- collectives ----------------------------------------------------------
     def _device(self, tensors) -> torch.device:
@@ -124,8 +126,18 @@ class Refitter:
         return [bytes(g.cpu().tolist()).rstrip(b"\0").decode("utf-8", errors="replace") for g in gathered]
 
     def _agree(self, src_tensors, dst_tensors, device) -> None:
+        """Same plan everywhere, right tensors everywhere: one small all_reduce per step.
+
+        The digest travels as two int64 halves reduced with MAX of (x, -x): equal
+        everywhere iff max == -max(-x). Details are exchanged only on trouble.
+        """
         digest = hashlib.sha256(f"{self.plan.digest}/{self.budget_bytes}".encode()).hexdigest()
         problems = self._check_tensors(src_tensors, dst_tensors)
+        word = int(digest[:15], 16)
+        flags = torch.tensor([word, -word, 1 if problems else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if flags[0].item() == -flags[1].item() and flags[2].item() == 0:
+            return
         messages = self._all_messages(digest + "\n" + "\n".join(problems), device)
         digests = [m.split("\n", 1)[0] for m in messages]
         if len(set(digests)) != 1:
@@ -163,6 +175,133 @@ class Refitter:
                for k, v in (dst_tensors or {}).items()}
         device = self._device(list(src.values()) + list(dst.values()))
         self._step += 1
+        self._forget_old_keys()
+        self._agree(src_tensors, dst_tensors, device)
+        self.meter = StagingMeter()
+        mismatches: list[str] = []
+        for b in self.buckets:
+            try:
+                mismatches += self._bucket(b.index, src, dst, device)
+            except RefitError as exc:
+                self._fence(b.index, failure=str(exc))
+                raise
+            self._fence(b.index)
+        if self.verify:
+            self._verify_result(mismatches, device)
+
+    def _fence(self, b: int, failure: str | None = None) -> None:
+        """Wait until every rank has finished bucket b; name the ranks that never do.
+
+        Uses the process group's store, not a collective: a collective with a
+        dead peer fails without saying who, and on NCCL may never return. One
+        counter per bucket: the last rank to arrive opens the gate key that the
+        others wait on, so the store sees O(ranks) requests per bucket.
+        """
+        store = self._store
+        if store is None:
+            return
+        prefix = self._prefix(self._step, b)
+        self._keys.append(f"{prefix}/done/{self.rank}")
+        if failure is not None:
+            store.set(f"{prefix}/failed/{self.rank}", failure[:200])
+            self._keys.append(f"{prefix}/failed/{self.rank}")
+            return
+        store.set(f"{prefix}/done/{self.rank}", "1")
+        if store.add(f"{prefix}/count", 1) == self.world:
+            store.set(f"{prefix}/gate", "1")
+        try:
+            store.wait([f"{prefix}/gate"], self.timeout)
+        except Exception:  # noqa: BLE001 - a timeout: find out who is missing
+            time.sleep(1.0)  # let ranks that failed at the same moment say so
+            missing = [r for r in range(self.world) if not store.check([f"{prefix}/done/{r}"])]
+            failed = [r for r in missing if store.check([f"{prefix}/failed/{r}"])]
+            silent = [r for r in missing if r not in failed]
+            parts = []
+            if silent:
+                parts.append(f"peer rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                             f"did not finish bucket {b} within {self.timeout.total_seconds():g} s (died or stalled)")
+            if failed:
+                parts.append(f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed in "
+                             f"bucket {b}")
+            raise RefitError(f"rank {self.rank}: bucket {b}: " + "; ".join(parts)) from None
+
+    def _prefix(self, step: int, b: int) -> str:
+        return f"layoutlang/{self.plan.digest[:16]}/{step}/{b}"
+
+    def _forget_old_keys(self) -> None:
+        """Every rank passed step-1's fences, so step-2's keys are unused: delete ours."""
+        store = self._store
+        if store is None:
+            return
+        keep, self._keys = [], self._keys
+        for key in self._keys:
+            if f"/{self._step - 2}/" in key:
+                try:
+                    store.delete_key(key)
+                except Exception:  # noqa: BLE001 - a store without delete keeps them
+                    pass
+            else:
+                keep.append(key)
+        if self.rank == 0:
+            for b in range(len(self.buckets)):
+                for name in ("count", "gate"):
+                    try:
+                        store.delete_key(f"{self._prefix(self._step - 2, b)}/{name}")
+                    except Exception:  # noqa: BLE001
+                        pass
+        self._keys = keep
+
+    def _agree(self, src_tensors, dst_tensors, device) -> None:
+        """Same plan everywhere, right tensors everywhere: one small all_reduce per step.
+
+        The digest travels as two int64 halves reduced with MAX of (x, -x): equal
+        everywhere iff max == -max(-x). Details are exchanged only on trouble.
+        """
+        digest = hashlib.sha256(f"{self.plan.digest}/{self.budget_bytes}".encode()).hexdigest()
+        problems = self._check_tensors(src_tensors, dst_tensors)
+        word = int(digest[:15], 16)
+        flags = torch.tensor([word, -word, 1 if problems else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if flags[0].item() == -flags[1].item() and flags[2].item() == 0:
+            return
+        messages = self._all_messages(digest + "\n" + "\n".join(problems), device)
+        digests = [m.split("\n", 1)[0] for m in messages]
+        if len(set(digests)) != 1:
+            odd = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise RefitError(f"ranks hold different plans: rank 0 has {digests[0][:12]}, ranks {odd} differ "
+                             "(compile the same two layouts with the same args and budget everywhere)")
+        bad = [(r, m.split("\n", 1)[1]) for r, m in enumerate(messages) if "\n" in m and m.split("\n", 1)[1]]
+        if bad:
+            text = "; ".join(f"rank {r}: {p}" for r, p in bad)
+            raise RefitError(f"local tensors do not match the layouts, nothing was moved: {text}")
+
+    def _check_tensors(self, src_tensors, dst_tensors) -> list[str]:
+        problems = []
+        for side, held, given in (("source", self.src_held, src_tensors), ("destination", self.dst_held, dst_tensors)):
+            if held and given is None:
+                problems.append(f"{side} tensors are None but this rank holds {len(held)} {side} tensors")
+                continue
+            for name, t in held.items():
+                if name not in given:
+                    problems.append(f"{side} tensor `{name}` is missing")
+                    continue
+                problem = _shape_problem(t, given[name])
+                if problem:
+                    problems.append(f"{side} tensor `{name}`: {problem}")
+                    if len(problems) > 8:
+                        return problems
+        return problems
+
+    # ---- the step ---------------------------------------------------------------
+    def refit(self, src_tensors, dst_tensors) -> None:
+        """Move every destination tensor's data into place; raise RefitError on any fault."""
+        src = {k: as_quantized(v, self.src_held[k].dtype) if k in self.src_held else v
+               for k, v in (src_tensors or {}).items()}
+        dst = {k: as_quantized(v, self.dst_held[k].dtype) if k in self.dst_held else v
+               for k, v in (dst_tensors or {}).items()}
+        device = self._device(list(src.values()) + list(dst.values()))
+        self._step += 1
+        self._forget_old_keys()
         self._agree(src_tensors, dst_tensors, device)
         self.meter = StagingMeter()
         mismatches: list[str] = []
@@ -208,8 +347,7 @@ class Refitter:
             raise RefitError(f"rank {self.rank}: bucket {b}: " + "; ".join(parts)) from None
 
     def _bucket(self, b: int, src, dst, device) -> list[str]:
-        plan, me = self.plan, self.rank
-        entry = {e.key: e for e in plan.tensors}
+        me, entry = self.rank, self.entry
         ops = self.ops_by_bucket[b]
         dequantized: dict[str, torch.Tensor] = {}
         assembly: dict[str, torch.Tensor] = {}
@@ -237,13 +375,10 @@ class Refitter:
                 return view, None
             return self.meter.alloc(torch.empty(view.shape, dtype=_wire(entry[op.key]), device=device)), view
 
-        p2p, pending, sums = [], [], {}
+        p2p, pending, local = [], [], []
         for op in ops:
             if op.local:
-                target_view = (assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name])[
-                    _slices(op.dst_slice)]
-                target_view.copy_(source_view(op))
-                self.local_bytes += op.bytes
+                local.append(op)
                 continue
             if op.src_rank == me:
                 view = source_view(op)
@@ -261,12 +396,19 @@ class Refitter:
                 p2p.append((dist.P2POp(dist.irecv, buf, self._peer(op.src_rank), self.group), op))
                 pending.append((buf, view))
                 self.received_bytes += op.bytes
+        works = []
         if p2p:
             try:
                 works = dist.batch_isend_irecv([p for p, _ in p2p])
             except Exception as exc:  # noqa: BLE001
                 raise RefitError(f"rank {me}: bucket {b}: posting {len(p2p)} transfers failed: "
                                  f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+        for op in local:  # while the network works
+            target_view = (assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name])[
+                _slices(op.dst_slice)]
+            target_view.copy_(source_view(op))
+            self.local_bytes += op.bytes
+        if works:
             for work, (_, op) in zip(works, p2p):
                 peer = op.dst_rank if op.src_rank == me else op.src_rank
                 try:
@@ -293,8 +435,7 @@ class Refitter:
     # ---- verification ---------------------------------------------------------------
     def _bucket_checksums(self, ops, src, dst, assembly, source_view, device, b) -> list[str]:
         """Per op: the sender's checksum of what it sent vs the receiver's of what landed."""
-        me = self.rank
-        entry = {e.key: e for e in self.plan.tensors}
+        me, entry = self.rank, self.entry
         mismatches = []
         outgoing, incoming = [], []
         for op in ops:

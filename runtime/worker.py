@@ -3,7 +3,8 @@
 The job (JSON) names the two layouts and their args, and optionally a
 budget, `verify`, a number of `steps`, and test faults: `die` (a rank exits
 at the start of a bucket), `stall` (a rank sleeps there), `corrupt` (a rank
-changes one element of a send buffer).
+changes one element of a send buffer), `wrong_shape` (a rank passes a
+truncated source tensor), `odd_args` (a rank compiles another plan).
 """
 
 from __future__ import annotations
@@ -42,12 +43,20 @@ def run(job: dict, rank: int, timeout: timedelta) -> dict:
     from .fill import check_destination, empty_destination, source_tensor
     from .refit import Refitter
 
+    dst_args = job.get("dst_args")
+    odd = job.get("odd_args")  # test fault: one rank compiles with other args
+    if odd and odd["rank"] == rank:
+        dst_args = {**(dst_args or {}), **odd["dst_args"]}
     plan = compile_plan(job["src"], job["dst"], args=job.get("args"), src_args=job.get("src_args"),
-                        dst_args=job.get("dst_args"), ranks_per_node=job.get("ranks_per_node"))
+                        dst_args=dst_args, ranks_per_node=job.get("ranks_per_node"))
     _install_faults(job, rank, refit_module)
     refitter = Refitter(plan, budget_bytes=job.get("budget"), timeout=timeout, verify=job.get("verify", False))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
+    wrong = job.get("wrong_shape")  # test fault: one rank passes a tensor of another shape
+    if wrong and wrong["rank"] == rank and src:
+        name = sorted(src)[0]
+        src[name] = src[name][:1] if isinstance(src[name], torch.Tensor) else src[name]
     storage = {name: (v.data_ptr() if isinstance(v, torch.Tensor) else v.data.data_ptr()) for name, v in dst.items()}
     times = []
     for _ in range(job.get("steps", 1)):

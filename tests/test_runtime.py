@@ -92,3 +92,22 @@ def test_killed_peer_fails_every_survivor_naming_it(pair):
             continue
         error = r.result["error"]
         assert f"rank {r.rank}: bucket 1" in error and "peer rank" in error and "1" in error, error
+
+
+@pytest.mark.timeout(180)
+def test_wrong_local_shape_stops_every_rank_before_moving(pair):
+    src, dst = pair
+    results = launch({"src": src, "dst": dst, "wrong_shape": {"rank": 2}}, 8, timeout=150)
+    for r in results:
+        error = r.result["error"]
+        assert "nothing was moved" in error and "rank 2: source tensor `emb`" in error, error
+        assert "expected [52, 32] torch.bfloat16, got [1, 32] torch.bfloat16" in error
+
+
+@pytest.mark.timeout(180)
+def test_ranks_with_different_plans_refuse_to_start(pair):
+    src, dst = pair
+    results = launch({"src": src, "dst": dst, "dst_args": {"AT": 8}, "odd_args": {"rank": 3, "dst_args": {"AT": 7}}},
+                     10, timeout=150)
+    for r in results:
+        assert r.result and "ranks hold different plans" in r.result["error"] and "[3]" in r.result["error"]
