@@ -143,8 +143,9 @@ class Plan:
     """The compiled plan: ops (lazily), statistics, and per-rank views."""
 
     def __init__(self, src: Layout, dst: Layout, *, ranks_per_node: int | None = None,
-                 selector: str = "balanced"):
+                 selector: str = "balanced", progress=None):
         self.src, self.dst = src, dst
+        self._progress = progress or (lambda stage, done, total: None)
         self.ranks_per_node = ranks_per_node
         self.selector_name = selector
         self.matches, self.unused_keys = match(src, dst)
@@ -165,7 +166,10 @@ class Plan:
 
     def _group(self) -> None:
         by_sig: dict[tuple, Template] = {}
+        total = len(self.matches)
         for i, m in enumerate(self.matches):
+            if i % 512 == 0:
+                self._progress("templates", i, total)
             wire = ELEMENT_BYTES[wire_dtype(m.dst.dtype)]
             sig = (placement_of(m.dst), tuple(placement_of(s) for s in m.src), wire)
             t = by_sig.get(sig)
@@ -179,12 +183,16 @@ class Plan:
 
     def _select(self) -> None:
         selector = SELECTORS[self.selector_name](self.world, self.ranks_per_node)
-        for t in self.templates:
+        self._progress("templates", len(self.matches), len(self.matches))
+        for i, t in enumerate(self.templates):
+            if i % 64 == 0:
+                self._progress("senders", i, len(self.templates))
             n = len(t.members)
             for j, (rank, k) in enumerate(t.requests):
                 nbytes = t.piece_list[k].elements * t.wire_bytes
                 t.picks.append(selector.pick(rank, t.senders[j], n, nbytes, j))
         self.send_load = selector.load
+        self._progress("senders", len(self.templates), len(self.templates))
 
     # ---- ops ------------------------------------------------------------------
     @cached_property
@@ -298,7 +306,7 @@ def _as_layout(x, args) -> Layout:
 
 def compile_plan(src, dst, *, args: dict[str, int] | None = None,
                  src_args: dict[str, int] | None = None, dst_args: dict[str, int] | None = None,
-                 ranks_per_node: int | None = None, selector: str = "balanced") -> Plan:
+                 ranks_per_node: int | None = None, selector: str = "balanced", progress=None) -> Plan:
     """Compile the plan that moves every destination tensor's data from the source.
 
     `src`/`dst` are paths or loaded layouts. `args` sets args in both layouts
@@ -314,10 +322,16 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
     common = dict(args or {})
     s_args = {**common, **(src_args or {})}
     d_args = {**common, **(dst_args or {})}
+    if progress:
+        progress("layouts", 0, 2)
     src_layout = _as_layout(src, s_args)
+    if progress:
+        progress("layouts", 1, 2)
     dst_layout = _as_layout(dst, d_args)
     declared = {n for n, _ in src_layout.args} | {n for n, _ in dst_layout.args}
     for name in common:
         if not isinstance(src, Layout) and not isinstance(dst, Layout) and name not in declared:
             raise UsageError(f"--set {name}: neither layout has an arg `{name}`")
-    return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector)
+    if progress:
+        progress("layouts", 2, 2)
+    return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, progress=progress)

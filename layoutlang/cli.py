@@ -150,6 +150,34 @@ def _silence_stdout() -> None:
         pass
 
 
+class _Progress:
+    """rich progress bars on stderr for long compiles: only on a terminal, never in CI or with --quiet."""
+
+    def __init__(self, err: Console, quiet: bool):
+        self.bar = None
+        if not quiet and err.is_terminal and not os.environ.get("CI"):
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+            self.bar = Progress(TextColumn("{task.description:<10}"), BarColumn(), TaskProgressColumn(),
+                                TimeElapsedColumn(), console=err, transient=True)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.__exit__(*exc)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.bar is None:
+            return
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=max(total, 1))
+        self.bar.update(self.tasks[stage], completed=done, total=max(total, 1))
+
+
 def cmd_plan(ns, out: Console, err: Console) -> int:
     from layoutlang.compiler import compile_plan
     from layoutlang.compiler.render import check_rank, iter_json, render_dot, render_text, unused_warning
@@ -162,8 +190,9 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
         raise UsageError(f"--ranks-per-node {ns.ranks_per_node}: expected a positive integer")
     if ns.rank is not None and ns.format == "dot":
         raise UsageError("--rank filters ops in text and json output; dot shows the whole plan")
-    plan = compile_plan(ns.src, ns.dst, args=args, ranks_per_node=ns.ranks_per_node,
-                        selector=ns.selector)
+    with _Progress(err, ns.quiet) as progress:
+        plan = compile_plan(ns.src, ns.dst, args=args, ranks_per_node=ns.ranks_per_node,
+                            selector=ns.selector, progress=progress)
     check_rank(plan, ns.rank)
     if ns.format == "json":
         chunks = iter_json(plan, ns.rank)
@@ -298,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ranks-per-node", type=int, metavar="N",
                       help="ranks r and s share a node when r // N == s // N: prefer senders on the "
                            "receiver's node and report intra-/inter-node bytes")
+    plan.add_argument("--quiet", "-q", action="store_true",
+                      help="no progress bars (they only show on a terminal, never in CI)")
     plan.add_argument("--selector", default="balanced", metavar="NAME",
                       help="how a sender is chosen among the replicas: balanced (default) or "
                            "round_robin")

@@ -79,3 +79,33 @@ def test_version_and_console_script():
     result = subprocess.run([sys.executable, "-m", "layoutlang.cli", "--version"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.startswith("layoutc ")
+
+
+def test_progress_bars_only_on_a_terminal_outside_ci(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from layoutlang.cli import _Progress
+
+    monkeypatch.delenv("CI", raising=False)
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    assert _Progress(terminal, quiet=False).bar is not None
+    assert _Progress(terminal, quiet=True).bar is None
+    assert _Progress(Console(file=io.StringIO()), quiet=False).bar is None  # a pipe
+    monkeypatch.setenv("CI", "true")
+    assert _Progress(terminal, quiet=False).bar is None
+    monkeypatch.delenv("CI")
+    with _Progress(terminal, quiet=False) as progress:
+        progress("templates", 5, 10)
+        progress("templates", 10, 10)
+    assert "templates" in terminal.file.getvalue()
+
+
+def test_plan_is_silent_in_a_pipe(tmp_path, capsys):
+    src = tmp_path / "s.layout"
+    src.write_text("mesh m (tp=2)\ntensor w [8 over tp]\n")
+    dst = tmp_path / "d.layout"
+    dst.write_text("mesh m (tp=1) at 2\ntensor w [8]\n")
+    assert main(["plan", str(src), str(dst)]) == 0
+    assert capsys.readouterr().err == ""
