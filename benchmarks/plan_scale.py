@@ -15,15 +15,15 @@ own peak RSS):
   / floor (DESIGN.md: busiest network sender / (total bytes / usable senders));
 - the same with `selector="round_robin"` (Megatron-LM's refit rule);
 - the naive per-(tensor, rank) planner (benchmarks/naive_planner.py), once, on every
-  tensor (about 4 minutes at full size on 2 cores). `--naive-layers N` runs it on a
+  tensor (about 3 minutes at full size on 2 cores). `--naive-layers N` runs it on a
   deterministic subset instead, the non-layer tensors and layers 0..N-1 (N=5: the 3
   dense + 2 MoE layers), and ESTIMATES the full time: measured non-layer and dense-layer
   times + the mean MoE-layer time x the number of MoE layers (the MoE layers are
   identical in shape and in how many ranks hold them); the output says so. Its pieces
   (a digest of every (dst rank, name, slice)) are compared with the real planner's.
 
-    .venv/bin/python benchmarks/plan_scale.py            # full size, ~6 min (naive ~4 min)
-    .venv/bin/python benchmarks/plan_scale.py --naive-layers 5   # ~1.5 min, naive estimated
+    .venv/bin/python benchmarks/plan_scale.py            # full size, ~4 min (most of it the naive planner)
+    .venv/bin/python benchmarks/plan_scale.py --naive-layers 5   # ~1 min, naive estimated
     .venv/bin/python benchmarks/plan_scale.py --quick    # 10 layers x 16 experts, 64 -> 16 ranks, < 30 s
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import resource
 import subprocess
@@ -95,7 +96,7 @@ def child(spec: dict) -> dict:
         import tracemalloc
         tracemalloc.start()
     base = _rss_kib()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     src, dst = _load(spec)
     t1 = time.perf_counter()
     out["load_s"] = t1 - t0
@@ -110,6 +111,7 @@ def child(spec: dict) -> dict:
             ops = plan.ops
         t3 = time.perf_counter()
         out["ops_s"] = t3 - t2
+        out["cpu_s"] = time.process_time() - c0
         out["rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
         if kind == "traced":
             out["traced_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
@@ -147,6 +149,7 @@ def child(spec: dict) -> dict:
                          dst_filter=lambda t: _in_subset(t.key, layers), timer=timer)
         t2 = time.perf_counter()
         out["plan_s"] = t2 - t1
+        out["cpu_s"] = time.process_time() - c0
         out["rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
         s = plan.stats
         out.update(ops=s["ops"], bytes=s["bytes"], send_balance=s["send_balance"],
@@ -281,14 +284,15 @@ def main(argv=None) -> int:
     print(f"\n{res['balanced'][0]['tensors']} destination tensors, {res['balanced'][0]['templates']} "
           f"templates, {res['balanced'][0]['ops']} ops, {res['balanced'][0]['bytes'] / GIB:.1f} GiB, "
           f"{res['balanced'][0]['usable']} usable senders")
-    print(f"{'planner':<26}{'full plan':>11}{'(load':>8}{'compile':>9}{'ops)':>7}"
-          f"{'one rank':>10}{'RSS +':>10}{'ops':>9}{'busiest':>9}")
+    print(f"{'planner':<26}{'full plan':>11}{'(load':>8}{'compile':>9}{'ops)':>7}{'cpu':>8}"
+          f"{'one rank':>10}{'cpu':>8}{'RSS +':>10}{'ops':>9}{'busiest':>9}")
     for sel, label in (("balanced", "templates, balanced"), ("round_robin", "templates, round robin")):
         f, r = res[sel]
         total = f["load_s"] + f["compile_s"] + f["ops_s"]
         one = r["load_s"] + r["compile_s"] + r["ops_s"]
         print(f"{label:<26}{total:>10.2f}s{f['load_s']:>8.2f}{f['compile_s']:>9.2f}{f['ops_s']:>7.2f}"
-              f"{one:>9.2f}s{f['rss_mib']:>7.0f} MiB{f['ops']:>9}{f['send_balance']:>8.3f}x")
+              f"{f['cpu_s']:>7.2f}s{one:>9.2f}s{r['cpu_s']:>7.2f}s{f['rss_mib']:>7.0f} MiB{f['ops']:>9}"
+              f"{f['send_balance']:>8.3f}x")
     f, r = res["balanced"]
     print(f"one rank = rank {f['busy_rank']} (most ops: {r['rank_ops']} sent or received): "
           f"load {r['load_s']:.2f} s + compile {r['compile_s']:.2f} s + ops_for_rank {r['ops_s']:.3f} s "
@@ -305,7 +309,7 @@ def main(argv=None) -> int:
         est, how = estimate_naive(naive)
         planning = f["compile_s"] + f["ops_s"]
         print(f"{'naive per-(tensor, rank)':<26}{naive['load_s'] + est:>10.2f}s{naive['load_s']:>8.2f}"
-              f"{est:>16.2f}{'':>10}{naive['rss_mib']:>7.0f} MiB{naive['ops']:>9}"
+              f"{est:>16.2f}{naive['cpu_s']:>7.2f}s{'':>18}{naive['rss_mib']:>7.0f} MiB{naive['ops']:>9}"
               f"{naive['send_balance']:>8.3f}x")
         print(f"naive: {how}")
         if naive["ops"] != f["ops"]:
@@ -320,11 +324,12 @@ def main(argv=None) -> int:
     if naive:
         print(f"  naive / templates, planning time (compile + ops, load excluded): "
               f"{est / planning:.0f}x (>= 20x){'' if naive['ops'] == f['ops'] else ' [naive estimated]'}")
-        print(f"  naive / templates, with load: {(naive['load_s'] + est) / (f['load_s'] + planning):.0f}x")
+        print(f"  naive / templates, with load: {(naive['load_s'] + est) / (f['load_s'] + planning):.0f}x"
+              + (f"; in CPU time (load included): {naive['cpu_s'] / f['cpu_s']:.0f}x" if naive["ops"] == f["ops"] else ""))
     one = r["load_s"] + r["compile_s"] + r["ops_s"]
     total = f["load_s"] + f["compile_s"] + f["ops_s"]
-    print(f"  one rank's plan: {one:.2f} s (< 2 s) {'ok' if one < 2 else 'MISSED'}")
-    print(f"  full plan: {total:.2f} s (< 60 s) {'ok' if total < 60 else 'MISSED'}")
+    print(f"  one rank's plan: {one:.2f} s wall, {r['cpu_s']:.2f} s CPU (< 2 s) {'ok' if one < 2 else 'MISSED'}")
+    print(f"  full plan: {total:.2f} s wall, {f['cpu_s']:.2f} s CPU (< 60 s) {'ok' if total < 60 else 'MISSED'}")
     peak = max(f["rss_mib"], traced["traced_peak_mib"])
     print(f"  memory: {peak / 1024:.2f} GiB (< 4 GiB) {'ok' if peak < 4096 else 'MISSED'}")
     rr = res["round_robin"][0]
@@ -332,7 +337,10 @@ def main(argv=None) -> int:
           f"{f['send_balance']:.3f}x floor = {rr['max_send_bytes'] / max(1, f['max_send_bytes']):.1f}x "
           f"the bytes on the busiest link ({rr['max_send_bytes'] / GIB:.2f} vs "
           f"{f['max_send_bytes'] / GIB:.2f} GiB)")
-    print(f"\nwall time of this benchmark: {time.perf_counter() - started:.0f} s")
+    load = os.getloadavg()[0]
+    print(f"\nwall time of this benchmark: {time.perf_counter() - started:.0f} s; load average now "
+          f"{load:.1f} on {os.cpu_count()} CPUs" + (" (a busy machine: wall times are inflated, "
+                                                    "see the CPU times)" if load > (os.cpu_count() or 1) else ""))
     return 0
 
 

@@ -11,8 +11,8 @@ it ends). Per world size W the tensor-parallel degrees scale with W (k = W/4):
     gtp            TP2k x GTP2 -> TP2k, Megatron fc1 `[(gate | up) over tp chunk gtp, C]`
     tp4-tp2dp2     TP4k -> TP2k x DP2 (a collocated engine with two replicas; DTensor can say it)
 
-with N weights of [R, C] bf16 each (defaults: 8 x [4096, 4096], 256 MiB of
-weights). The `.layout` texts are written to a temporary directory; every
+with N weights of [R, C] bf16 each (defaults: N = W, [4096, 4096]: 128 MiB of
+weights at W=4, 256 MiB at W=8, so every rank holds the same bytes at both). The `.layout` texts are written to a temporary directory; every
 worker compiles the same plan from them. Methods (benchmarks/refit_gloo_worker.py):
 layoutlang `Refitter.refit`; naive all-gather + cat + slice (what RL frameworks
 do); DTensor `redistribute` where one DeviceMesh and Shard/Replicate placements
@@ -20,14 +20,21 @@ express both layouts (the output says why not elsewhere); hand-written
 isend/irecv of the plan's slices with buffers allocated before timing.
 
 Steady state: one warm-up step, then K steps (`--steps`), each between two
-barriers; a step's time is the max over ranks, the figure printed is the median
-of the K. Correctness (untimed, once per case): layoutlang's and hand p2p's
+barriers (so a step's time is the slowest rank's), the methods taking turns
+step by step; the figure printed is the median of the K (`--steps` 9 for
+layoutlang and hand p2p, `--slow-steps` 3 for naive and DTensor, which take
+about a second each). "(agree + fence)" is the part of a layoutlang step spent
+in `Refitter._agree` (pre-flight plan/shape check, an all-gather) and
+`Refitter._fence` (store wait after each bucket) on the rank whose transfers
+took longest. Where a target is missed (naive/layoutlang >= 2x on the first
+case, layoutlang/hand <= 1.2x everywhere) the Refitter's phases and a cProfile
+of one step are printed. Correctness (untimed, once per case): layoutlang's and hand p2p's
 destinations with `layoutlang.runtime.fill.check_destination`; naive's and
 DTensor's compared element for element with layoutlang's checked result.
 "Net MiB" is network bytes summed over ranks per step (layoutlang: the plan's;
 naive: all-gather and broadcast receipts). Local copies are not counted.
 
-    .venv/bin/python benchmarks/refit_gloo.py                  # W=4 and W=8, ~2-3 min on 2 cores
+    .venv/bin/python benchmarks/refit_gloo.py                  # W=4 and W=8, ~3.5 min on 2 cores
     .venv/bin/python benchmarks/refit_gloo.py --worlds 4 --tensors 2 --rows 1024 --cols 1024   # seconds
 """
 
@@ -179,9 +186,17 @@ def summarize(world: int, specs: list[dict], results: list[dict | None]) -> list
             med, best = _step_time([c["methods"][m]["seconds"] for c in per_rank])
             row["ms"][m], row["best_ms"][m] = 1e3 * med, 1e3 * best
             row["errors"] += [f"{m}: {e}" for c in per_rank for e in c["methods"][m]["errors"]]
+        row["phases"] = {k: max(c["phases"].get(k, 0.0) for c in per_rank) for k in per_rank[0]["phases"]}
         busiest = per_rank[0]["plan_stats"]["busiest_receiver"]
         row["profile_rank"] = busiest
         row["profile"] = per_rank[busiest]["methods"]["layoutlang"]["profile"]
+        parts = [c["methods"]["layoutlang"]["parts"] for c in per_rank]
+        # The rank on the critical path: the one whose transfers took longest. Its
+        # fence is pure overhead (nobody is left to wait for); other ranks' fences
+        # also hold their wait for it.
+        slowest = max(range(len(parts)), key=lambda i: parts[i]["bucket"])
+        row["parts_ms"] = {k: 1e3 * v for k, v in parts[slowest].items()}
+        row["parts_rank"] = slowest
         rows.append(row)
     return rows
 
@@ -190,19 +205,24 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
-def table(world: int, rows: list[dict], steps: int) -> str:
-    head = (f"| case (W={world}) | net MiB ll / naive | plan ms | layoutlang ms | naive ms | DTensor ms | "
-            f"hand p2p ms | naive/ll | ll/hand | check |")
-    lines = [head, "|" + "---|" * 10]
+def table(world: int, rows: list[dict], steps: int, slow_steps: int) -> str:
+    head = (f"| case (W={world}) | net MiB ll / naive | plan ms | layoutlang ms | (agree + fence) | naive ms | "
+            f"DTensor ms | hand p2p ms | naive/ll | ll/hand | check |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         ms = r["ms"]
         dt = f"{ms['dtensor']:.1f}" if "dtensor" in ms else "n/a*"
         lines.append(
             f"| {r['label']} | {r['ll_net_mib']:.0f} / {r['naive_net_mib']:.0f} | {r['plan_ms']:.0f} | "
-            f"{ms['layoutlang']:.1f} | {ms['naive']:.1f} | {dt} | {ms['hand_p2p']:.1f} | "
+            f"{ms['layoutlang']:.1f} | {r['parts_ms']['agree'] + r['parts_ms']['fence']:.1f} | "
+            f"{ms['naive']:.1f} | {dt} | {ms['hand_p2p']:.1f} | "
             f"{_ratio(ms['naive'], ms['layoutlang'])} | {_ratio(ms['layoutlang'], ms['hand_p2p'])} | "
             f"{'ok' if not r['errors'] else 'FAIL'} |")
-    lines.append(f"(median over {steps} steps of the max over ranks; after 1 warm-up step)")
+    lines.append(f"(per method: median over steps of the max over ranks of one step between two barriers; "
+                 f"{steps} steps for layoutlang and hand p2p, {slow_steps} for naive and DTensor, "
+                 "after 1 warm-up step; the methods take turns step by step. (agree + fence): the part of a "
+                 "layoutlang step spent in Refitter._agree and ._fence on the rank whose transfers took longest, "
+                 "median of 3 more steps)")
     return "\n".join(lines)
 
 
@@ -222,8 +242,14 @@ def notes(world: int, rows: list[dict]) -> str:
         if ms["layoutlang"] / ms["hand_p2p"] > TARGET_HAND:
             missed.append(f"layoutlang/hand {ms['layoutlang'] / ms['hand_p2p']:.2f}x > {TARGET_HAND}x")
         if missed:
-            out.append(f"  - target missed on {r['label']} (W={world}): {'; '.join(missed)}. cProfile of one "
-                       f"layoutlang step on rank {r['profile_rank']} (the busiest receiver), top by own time:")
+            out.append(f"  - target missed on {r['label']} (W={world}): {'; '.join(missed)}.")
+            p = r["parts_ms"]
+            out.append(f"      Refitter phases on rank {r['parts_rank']} (longest bucket; median of 3 more steps): "
+                       f"pre-flight agree "
+                       f"{p['agree']:.1f} ms, bucket (post, wait, copies) {p['bucket']:.1f} ms, fence "
+                       f"{p['fence']:.1f} ms, whole refit {p['total']:.1f} ms; hand p2p step {ms['hand_p2p']:.1f} ms")
+            out.append(f"      cProfile of one layoutlang step on rank {r['profile_rank']} (the busiest receiver), "
+                       "top by own time:")
             for where, nc, tt, ct in r["profile"][:8]:
                 out.append(f"      {tt * 1e3:8.1f} ms own {ct * 1e3:8.1f} ms cum {nc:>6} calls  {where}")
     return "\n".join(out)
@@ -232,35 +258,49 @@ def notes(world: int, rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="4,8", help="comma-separated process counts, multiples of 4 (default 4,8)")
-    ap.add_argument("--tensors", type=int, default=8, help="weights per case (default 8)")
+    ap.add_argument("--tensors", type=int, default=None,
+                    help="weights per case (default: the world size, so every rank holds the same bytes at W=4 and W=8)")
     ap.add_argument("--rows", type=int, default=4096, help="rows of each weight (default 4096)")
     ap.add_argument("--cols", type=int, default=4096, help="columns of each weight (default 4096)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per method after one warm-up (default 5)")
+    ap.add_argument("--steps", type=int, default=9,
+                    help="timed steps of layoutlang and hand p2p after one warm-up (default 9)")
+    ap.add_argument("--slow-steps", type=int, default=3,
+                    help="timed steps of naive and DTensor (about 1 s each) after one warm-up (default 3)")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default all)")
     ap.add_argument("--timeout", type=float, default=300.0, help="hard limit per world size, seconds (default 300)")
+    ap.add_argument("--layouts", type=Path, default=None,
+                    help="write the .layout files here and keep them (default: a temporary directory)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="also print where each case's wall time went")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     worlds = [int(w) for w in args.worlds.split(",")]
     all_rows, failed = [], False
-    print(f"refit on local gloo: {args.tensors} x [{args.rows}, {args.cols}] bf16 "
-          f"({args.tensors * args.rows * args.cols * 2 / MIB:.0f} MiB of weights), worlds {worlds}, "
-          f"{os.cpu_count()} CPUs", flush=True)
+    count = (lambda w: args.tensors) if args.tensors else (lambda w: w)
+    print(f"refit on local gloo: per world W, {'W' if not args.tensors else args.tensors} weights of "
+          f"[{args.rows}, {args.cols}] bf16 ({args.rows * args.cols * 2 / MIB:.0f} MiB each), worlds {worlds}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="layoutlang-refit-gloo-") as tmp_name:
         tmp = Path(tmp_name)
         for world in worlds:
-            specs = cases(world, args.tensors, args.rows, args.cols)
+            specs = cases(world, count(world), args.rows, args.cols)
             if args.cases:
                 wanted = args.cases.split(",")
+                unknown = sorted(set(wanted) - {s["name"] for s in specs})
+                if unknown:
+                    raise SystemExit(f"--cases: unknown {', '.join(unknown)}; expected some of "
+                                     f"{', '.join(s['name'] for s in specs)}")
                 specs = [s for s in specs if s["name"] in wanted]
             job_cases = []
             for s in specs:
-                src, dst = tmp / f"{s['name']}-w{world}-src.layout", tmp / f"{s['name']}-w{world}-dst.layout"
+                where = args.layouts or tmp
+                where.mkdir(parents=True, exist_ok=True)
+                src, dst = where / f"{s['name']}-w{world}-src.layout", where / f"{s['name']}-w{world}-dst.layout"
                 src.write_text(s["src"])
                 dst.write_text(s["dst"])
                 job_cases.append({"name": s["name"], "src": str(src), "dst": str(dst), "dtensor": s["dtensor"]})
-            job = {"cases": job_cases, "steps": args.steps, "collective_timeout": max(30.0, args.timeout / 2)}
+            job = {"cases": job_cases, "steps": args.steps, "slow_steps": args.slow_steps, "collective_timeout": max(30.0, args.timeout / 2)}
             start = time.monotonic()
             try:
                 results, errs, timed_out = launch(job, world, tmp, args.timeout)
@@ -268,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("interrupted: every worker was killed", file=sys.stderr)
                 return 130
             rows = summarize(world, specs, results)
-            print(f"\nW={world}: {time.monotonic() - start:.0f} s wall\n" + table(world, rows, args.steps), flush=True)
+            print(f"\nW={world}: {count(world)} weights ({count(world) * args.rows * args.cols * 2 / MIB:.0f} MiB), "
+                  f"{time.monotonic() - start:.0f} s wall, load average now {os.getloadavg()[0]:.1f}\n" + table(world, rows, args.steps, args.slow_steps), flush=True)
+            if args.verbose:
+                for r in rows:
+                    print(f"  {r['case']}: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items()))
             text = notes(world, rows)
             if text:
                 print(text, flush=True)

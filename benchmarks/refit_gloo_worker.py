@@ -3,8 +3,8 @@
 Usage: python benchmarks/refit_gloo_worker.py JOB OUT   (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 
 The job is JSON written by the launcher: the cases (source and destination
-`.layout` paths, DTensor placements or the reason DTensor cannot express the
-case), the number of timed steps. Per case this rank compiles the plan (a pure
+`.layout` paths, and DTensor placements where DTensor can express the case),
+the numbers of timed steps. Per case this rank compiles the plan (a pure
 function of the two files, the same on every rank), fills its source shards
 with `layoutlang.runtime.fill.source_tensor`, and times four ways of producing
 the same destination tensors:
@@ -20,9 +20,12 @@ the same destination tensors:
   hand_p2p    the plan's ops for this rank as plain `dist.isend`/`dist.irecv` with
               buffers allocated before timing: the least work for the same bytes
 
-Each step: barrier, start clock, the method, barrier, stop clock; one untimed
-warm-up step first. Results (per-step seconds on this rank, bytes, checks) go to
-OUT as JSON, rewritten after every case so a later failure keeps earlier cases.
+Each step: barrier, start clock, the method, barrier, stop clock. The methods
+take turns step by step after one untimed warm-up round. Then, untimed: a
+cProfile of one layoutlang step, three layoutlang steps with the Refitter's
+phases timed, and the checks. Results (per-step seconds on this rank, bytes,
+checks, profile) go to OUT as JSON, rewritten after every case so a later
+failure keeps the earlier cases.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from layoutlang.runtime import Refitter  # noqa: E402
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor  # noqa: E402
 
 METHODS = ("layoutlang", "naive", "dtensor", "hand_p2p")
+SLOW = ("naive", "dtensor")  # timed over fewer steps (`slow_steps`): each takes about a second
 
 
 # ---- helpers ------------------------------------------------------------------------
@@ -72,17 +76,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _timed(step, steps: int, rank: int) -> list[float]:
-    """A warm-up step, then `steps` timed ones, each between two barriers."""
-    times = []
-    for i in range(steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        if i:
-            times.append(time.perf_counter() - start)
-    return times
+def _one_step(step) -> float:
+    """Seconds of one step between two barriers (every rank starts together; the slowest ends it)."""
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def _profile(step, top: int = 12) -> list[list]:
@@ -100,6 +100,42 @@ def _profile(step, top: int = 12) -> list[list]:
         where = func if file == "~" else f"{os.path.basename(file)}:{line}({func})"
         out.append([where, nc, round(tt, 6), round(ct, 6)])
     return out
+
+
+def _breakdown(refitter, step, steps: int) -> dict[str, float]:
+    """Median seconds per step in the Refitter's own phases, timed by wrapping them on this instance.
+
+    `agree`: the pre-flight all-gather that checks plans and local shapes;
+    `bucket`: posting and completing the transfers and local copies;
+    `fence`: the store-based wait for every rank after each bucket.
+    """
+    acc = {"agree": 0.0, "bucket": 0.0, "fence": 0.0}
+    for name in acc:
+        original = getattr(refitter, "_" + name)
+
+        def timed(*a, _original=original, _name=name, **kw):
+            start = time.perf_counter()
+            try:
+                return _original(*a, **kw)
+            finally:
+                acc[_name] += time.perf_counter() - start
+        setattr(refitter, "_" + name, timed)
+    samples: dict[str, list[float]] = {k: [] for k in (*acc, "total")}
+    try:
+        for _ in range(steps):
+            for k in acc:
+                acc[k] = 0.0
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            samples["total"].append(time.perf_counter() - start)
+            dist.barrier()
+            for k, v in acc.items():
+                samples[k].append(v)
+    finally:
+        for name in acc:
+            delattr(refitter, "_" + name)
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
 
 # ---- (b) naive: all-gather the full tensor everywhere, slice -----------------------------
@@ -303,8 +339,9 @@ def _make_groups(plan) -> dict:
     return _GROUPS
 
 
-def run_case(case: dict, rank: int, steps: int, timeout: timedelta) -> dict:
-    out: dict = {"name": case["name"], "methods": {}}
+def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timedelta) -> dict:
+    out: dict = {"name": case["name"], "methods": {}, "phases": {}}
+    phases = out["phases"]
     t0 = time.perf_counter()
     plan = compile_plan(case["src"], case["dst"])
     refitter = Refitter(plan, timeout=timeout)
@@ -314,6 +351,13 @@ def run_case(case: dict, rank: int, steps: int, timeout: timedelta) -> dict:
                                                "max_recv_bytes", "busiest_receiver")}
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst_ts = [t for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)]
+    phases["setup"] = time.perf_counter() - t0
+    mark = [time.perf_counter()]
+
+    def phase(name):
+        now = time.perf_counter()
+        phases[name] = now - mark[0]
+        mark[0] = now
 
     def fresh():
         return {t.name: empty_destination(t) for t in dst_ts}
@@ -321,40 +365,48 @@ def run_case(case: dict, rank: int, steps: int, timeout: timedelta) -> dict:
     def check(dst) -> list[str]:
         return [e for t in dst_ts for e in [check_destination(t, rank, dst[t.name], plan)] if e]
 
-    # (a) layoutlang
-    ref = fresh()
-    out["methods"]["layoutlang"] = {
-        "seconds": _timed(lambda: refitter.refit(src or None, ref or None), steps, rank),
-        "errors": check(ref)[:3],
-        "recv_bytes": refitter.received_bytes // (steps + 1),
-        "profile": _profile(lambda: refitter.refit(src or None, ref or None)),
-    }
-
-    # (b) naive
+    # Every method gets its own destination tensors; the methods take turns step
+    # by step (one warm-up round, then timed rounds: `steps` for layoutlang and
+    # hand p2p, the first `slow_steps` of them for naive and DTensor), so a change
+    # in the machine's load during the case hits all of them alike.
+    dsts = {"layoutlang": fresh(), "naive": fresh(), "hand_p2p": fresh()}
     naive = Naive(plan, rank, _make_groups(plan))
-    other = fresh()
-    out["methods"]["naive"] = {
-        "seconds": _timed(lambda: naive.step(src, other), steps, rank),
-        "errors": [f"`{k}` on rank {rank} differs from layoutlang's checked result"
-                   for k in other if not torch.equal(other[k], ref[k])][:3],
-        "recv_bytes": naive.received,
-    }
-
-    # (c) DTensor, where it can express the case
+    hand = HandP2P(plan, rank, src, dsts["hand_p2p"])
+    run = {"layoutlang": lambda: refitter.refit(src or None, dsts["layoutlang"] or None),
+           "naive": lambda: naive.step(src, dsts["naive"]),
+           "hand_p2p": hand.step}
     if case.get("dtensor"):
-        other = fresh()
-        method = DTensorMethod(case, plan, rank, src, other)
-        out["methods"]["dtensor"] = {
-            "seconds": _timed(method.step, steps, rank),
-            "errors": [f"`{k}` on rank {rank} differs from layoutlang's checked result"
-                       for k in other if not torch.equal(other[k], ref[k])][:3],
-        }
-        del method
-
-    # (d) hand-written isend/irecv of the plan's slices
-    other = fresh()
-    hand = HandP2P(plan, rank, src, other)
-    out["methods"]["hand_p2p"] = {"seconds": _timed(hand.step, steps, rank), "errors": check(other)[:3]}
+        dsts["dtensor"] = fresh()
+        run["dtensor"] = DTensorMethod(case, plan, rank, src, dsts["dtensor"]).step
+    order = [m for m in METHODS if m in run]
+    phase("prepare")
+    times = {m: [] for m in order}
+    for i in range(1 + max(steps, slow_steps)):
+        for m in order:
+            if i > (slow_steps if m in SLOW else steps):
+                continue
+            t = _one_step(run[m])
+            if i:  # round 0 warms every method up
+                times[m].append(t)
+    phase("steps")
+    profile = _profile(run["layoutlang"])
+    parts = _breakdown(refitter, run["layoutlang"], 3)
+    phase("profile")
+    ref = dsts["layoutlang"]
+    for m in order:
+        out["methods"][m] = {"seconds": times[m]}
+    out["methods"]["layoutlang"]["errors"] = check(ref)[:3]
+    phase("check_layoutlang")
+    out["methods"]["hand_p2p"]["errors"] = check(dsts["hand_p2p"])[:3]
+    phase("check_hand_p2p")
+    for m in order:
+        if m in ("naive", "dtensor"):
+            out["methods"][m]["errors"] = [f"`{k}` on rank {rank} differs from layoutlang's checked result"
+                                           for k, v in dsts[m].items() if not torch.equal(v, ref[k])][:3]
+    phase("compare")
+    out["methods"]["layoutlang"]["profile"] = profile
+    out["methods"]["layoutlang"]["parts"] = parts
+    out["methods"]["naive"]["recv_bytes"] = naive.received
     return out
 
 
@@ -375,7 +427,7 @@ def main(job_path: str, out_path: str) -> int:
         timeout = timedelta(seconds=job["collective_timeout"])
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         for case in job["cases"]:
-            result["cases"].append(run_case(case, rank, job["steps"], timeout))
+            result["cases"].append(run_case(case, rank, job["steps"], job["slow_steps"], timeout))
             write()
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - reported to the launcher as data

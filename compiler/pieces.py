@@ -87,43 +87,87 @@ def overlap(dst: tuple[RunLike, ...], src: tuple[RunLike, ...]) -> list[Segment]
     return merged
 
 
-def locate(runs: tuple[RunLike, ...], lo: int, hi: int) -> int | None:
-    """Local start of logical [lo, hi) if one run holds all of it, else None."""
-    data = sorted(data_runs(runs), key=lambda r: r.logical_start)
-    starts = [r.logical_start for r in data]
-    k = bisect.bisect_right(starts, lo) - 1
-    if k < 0:
-        return None
-    r = data[k]
-    if r.logical_start + r.length >= hi:
-        return r.local_start + lo - r.logical_start
-    return None
+class _Index:
+    """A shard's data runs per dim, sorted by logical start, for containment queries."""
+
+    def __init__(self, shard):
+        self.dims = []
+        for runs in shard.runs:
+            data = sorted(data_runs(runs), key=lambda r: r.logical_start)
+            self.dims.append(([r.logical_start for r in data], data))
+
+    def locate(self, logical: Slice) -> Slice | None:
+        """Local slice holding the logical box, if one run per dim holds all of it."""
+        out = []
+        for (starts, data), (lo, hi) in zip(self.dims, logical):
+            k = bisect.bisect_right(starts, lo) - 1
+            if k < 0 or data[k].logical_start + data[k].length < hi:
+                return None
+            a = data[k].local_start + lo - data[k].logical_start
+            out.append((a, a + hi - lo))
+        return tuple(out)
+
+
+def _subtract(rect: tuple, cut: Slice) -> list[tuple]:
+    """rect minus cut, as disjoint rects (rect = (dst, logical, src) slices, shifted together)."""
+    dst, logical, src = rect
+    if any(b <= c0 or c1 <= a for (a, b), (c0, c1) in zip(dst, cut)):
+        return [rect]
+    out = []
+    dst, logical, src = list(dst), list(logical), list(src)
+    for d, (c0, c1) in enumerate(cut):
+        a, b = dst[d]
+        for lo, hi in ((a, max(a, c0)), (min(b, c1), b)):
+            if lo < hi:
+                shift = lo - a
+                piece_dst, piece_log, piece_src = list(dst), list(logical), list(src)
+                piece_dst[d] = (lo, hi)
+                piece_log[d] = (logical[d][0] + shift, logical[d][0] + shift + hi - lo)
+                piece_src[d] = (src[d][0] + shift, src[d][0] + shift + hi - lo)
+                out.append((tuple(piece_dst), tuple(piece_log), tuple(piece_src)))
+        lo, hi = max(a, c0), min(b, c1)  # keep only the overlapping band in this dim
+        shift = lo - a
+        dst[d] = (lo, hi)
+        logical[d] = (logical[d][0] + shift, logical[d][0] + shift + hi - lo)
+        src[d] = (src[d][0] + shift, src[d][0] + shift + hi - lo)
+    return out
 
 
 def pieces(dst_runs: tuple[tuple[RunLike, ...], ...],
            src_shards: list[tuple]) -> tuple[Piece, ...]:
-    """Pieces that fill one destination shard.
+    """Pieces that fill one destination shard, each with every source that holds it.
 
-    `src_shards[i]` is the shard tuple of source instance i. The first source
-    instance tiles the destination (every instance covers its whole logical
-    tensor); the other instances are offered as alternatives where one of
-    their shards holds a whole piece.
+    The first source instance tiles the destination (every instance covers its
+    whole logical tensor): its shards in order, each contributing what earlier
+    shards did not already cover (shards overlap where a concatenation part is
+    replicated, e.g. key/value heads when TP exceeds their count). Then every
+    shard of every instance that holds a whole piece is offered as a source.
     """
-    out: list[Piece] = []
+    tiles: list[tuple[tuple, int]] = []  # ((dst, logical, src), shard index)
     for shard_index, shard in enumerate(src_shards[0]):
         per_dim = [overlap(d, s) for d, s in zip(dst_runs, shard.runs)]
         if any(not segs for segs in per_dim):
             continue
         for rect in itertools.product(*per_dim):
-            dst_slice = tuple((s.dst, s.dst + s.length) for s in rect)
-            logical = tuple((s.logical, s.logical + s.length) for s in rect)
-            sources = [Source(0, shard_index, tuple((s.src, s.src + s.length) for s in rect))]
-            for inst in range(1, len(src_shards)):
-                for k, other in enumerate(src_shards[inst]):
-                    starts = [locate(runs, lo, hi) for runs, (lo, hi) in zip(other.runs, logical)]
-                    if all(x is not None for x in starts):
-                        sources.append(Source(inst, k, tuple(
-                            (x, x + hi - lo) for x, (lo, hi) in zip(starts, logical))))
-            out.append(Piece(dst_slice, logical, tuple(sources)))
+            fresh = [(tuple((s.dst, s.dst + s.length) for s in rect),
+                      tuple((s.logical, s.logical + s.length) for s in rect),
+                      tuple((s.src, s.src + s.length) for s in rect))]
+            for (covered, _, _), _ in tiles:
+                fresh = [part for f in fresh for part in _subtract(f, covered)]
+                if not fresh:
+                    break
+            tiles.extend((f, shard_index) for f in fresh)
+    indexes = [[_Index(s) for s in shard_list] for shard_list in src_shards]
+    out: list[Piece] = []
+    for (dst_slice, logical, src_slice), shard_index in tiles:
+        sources = [Source(0, shard_index, src_slice)]
+        for inst, shard_list in enumerate(indexes):
+            for k, index in enumerate(shard_list):
+                if inst == 0 and k == shard_index:
+                    continue
+                found = index.locate(logical)
+                if found is not None:
+                    sources.append(Source(inst, k, found))
+        out.append(Piece(dst_slice, logical, tuple(sources)))
     out.sort(key=lambda p: p.dst_slice)
     return tuple(out)
