@@ -16,7 +16,8 @@ templates form a *group*, drawn once: the same template means the same
 blocks, holders and receivers. Bounds keep the page small for any world:
 the heatmap aggregates ranks into at most MAX_CELLS blocks per axis, bars into
 MAX_BARS, a picture draws at most MAX_BLOCKS blocks, and at most MAX_PICTURES
-groups are drawn (a group cut like a drawn one links to it).
+groups (MAX_REPORT_BLOCKS blocks in all) are drawn; a group cut like a drawn
+one links to it.
 
 Each block of a destination picture carries `data-logical` (per dim
 `lo:hi` of the logical tensor), `data-dst-rank` (the ranks receiving it,
@@ -25,8 +26,6 @@ exactly the plan's ops for the group's first key.
 
 >>> compact_name(["layers.0.w1", "layers.1.w1", "layers.3.w1"])
 'layers.{0..1, 3}.w1'
->>> _leaves_demo()
-[('gate', 0, 4), ('up', 4, 8)]
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +52,7 @@ MAX_CELLS = 64        # heatmap blocks per axis; a larger world is aggregated in
 MAX_BARS = 256        # bars per chart; a larger world shows the busiest rank of each block
 MAX_BLOCKS = 400      # rectangles per tensor picture ("N more" beyond)
 MAX_PICTURES = 120    # groups drawn per report; the others link to a drawn group cut alike
+MAX_REPORT_BLOCKS = 6000  # blocks over all pictures (each is drawn twice: source and destination)
 MAX_LABELS = 32       # part labels per axis of a picture
 MAX_PAD_STRIPS = 8    # padding strips per side and axis
 PIC_W = 400           # picture width in px (the logical columns)
@@ -232,7 +232,12 @@ def short_ranks(ranks, limit: int = 60) -> str:
 
 
 def _leaves(tree: PartTree, start: int = 0, prefix: str = "") -> list[tuple[str, int, int]]:
-    """(label, logical start, stop) of every leaf of a hoisted part tree, in logical order."""
+    """(label, logical start, stop) of every leaf of a hoisted part tree, in logical order.
+
+    >>> from layoutlang.modes import PartNode
+    >>> _leaves(PartNode((("gate", Leaf(4)), ("up", Leaf(4)))))
+    [('gate', 0, 4), ('up', 4, 8)]
+    """
     if isinstance(tree, Leaf):
         return [(prefix, start, start + tree.extent)]
     out, pos = [], start
@@ -242,11 +247,6 @@ def _leaves(tree: PartTree, start: int = 0, prefix: str = "") -> list[tuple[str,
         out.extend(found)
         pos = found[-1][2] if found else pos
     return out
-
-
-def _leaves_demo():
-    from layoutlang.modes import PartNode
-    return _leaves(PartNode((("gate", Leaf(4)), ("up", Leaf(4)))))
 
 
 def _color(i: int) -> str:
@@ -376,13 +376,13 @@ class _Geometry:
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if len(self.shape) >= 2 else 1
+        return max(1, self.shape[0]) if len(self.shape) >= 2 else 1
 
     @property
     def cols(self) -> int:
         if not self.shape:
             return 1
-        return math.prod(self.shape[1:]) if len(self.shape) >= 2 else self.shape[0]
+        return max(1, math.prod(self.shape[1:]) if len(self.shape) >= 2 else self.shape[0])
 
     def rect(self, logical: tuple[tuple[int, int], ...]) -> tuple[float, float, float, float]:
         if not logical:
@@ -401,7 +401,7 @@ class _Geometry:
 def _geometry(shape: tuple[int, ...]) -> _Geometry:
     if len(shape) < 2:
         return _Geometry(shape, 28.0)
-    rows, cols = shape[0], math.prod(shape[1:])
+    rows, cols = max(1, shape[0]), max(1, math.prod(shape[1:]))
     return _Geometry(shape, float(min(PIC_H_MAX, max(PIC_H_MIN, round(PIC_W * rows / cols)))))
 
 
@@ -511,14 +511,14 @@ def _part_names(dims, logical) -> str:
     return "; ".join(names)
 
 
-def _pictures(plan: Plan, key: str, drawn: list[_Drawn], dst_tensor, src_tensor) -> tuple[Picture, ...]:
+def _pictures(key: str, drawn: list[_Drawn], dst_tensor, src_tensor) -> tuple[Picture, ...]:
+    """Source and destination pictures of one key: the same blocks, coloured by holders / receivers."""
     dims = dst_tensor.dims
     geo = _geometry(dst_tensor.logical_shape)
     lines, labels = _parts_overlay(dims, geo)
     shown, more = drawn[:MAX_BLOCKS], max(0, len(drawn) - MAX_BLOCKS)
     holder_color: dict[tuple, int] = {}
     dst_color: dict[tuple, int] = {}
-    wire = plan.dst.by_key[key][0].dtype
     out = []
     for side, tensor in (("src", src_tensor), ("dst", dst_tensor)):
         blocks = []
@@ -546,7 +546,7 @@ def _pictures(plan: Plan, key: str, drawn: list[_Drawn], dst_tensor, src_tensor)
                                 " ".join(map(str, d.holders)), label, title))
         pads, room_b, room_r = _padding(placement_of(tensor), geo, len(tensor.dims))
         what = ("source: colour = the ranks that hold each block (any can send it)" if side == "src"
-                else f"destination: colour = the ranks that receive each block ({wire})")
+                else "destination: colour = the ranks that receive each block")
         caption = f"{tensor.name} {list(tensor.local_shape)} local, {tensor.dtype} — {what}"
         frame = (MARGIN_L, MARGIN_T, PIC_W, geo.height)
         out.append(Picture(side, key, caption, MARGIN_L + PIC_W + 8 + room_r,
@@ -570,26 +570,29 @@ def tensor_groups(plan: Plan) -> tuple[Pattern, ...]:
     for key, found in instances.items():
         sig = (DIGITS.sub("{n}", key), tuple(index_of[id(where[i][0])] for i in found))
         by_group.setdefault(sig, []).append(key)
-    # Which groups get a picture: patterns take turns, each drawing a blocking it has not drawn yet.
+    # Which groups get a picture: patterns take turns, each drawing a cut (set of blocks) it has not drawn yet.
     shape_of: dict[tuple, tuple] = {}
     blocks_of: dict[tuple, list[_Drawn]] = {}
     for sig, keys in by_group.items():
         blocks_of[sig] = _key_blocks(plan, where, instances[keys[0]])
         shape_of[sig] = (sig[0], tuple(sorted(d.logical for d in blocks_of[sig])))
-    queues: dict[str, list[tuple]] = {}
+    queues: dict[str, deque[tuple]] = {}
     for sig in by_group:
-        queues.setdefault(sig[0], []).append(sig)
+        queues.setdefault(sig[0], deque()).append(sig)
     chosen: set[tuple] = set()
     drawn_shape: dict[tuple, tuple] = {}
+    budget = MAX_REPORT_BLOCKS
     while len(chosen) < MAX_PICTURES:
         progress = False
         for queue in queues.values():
-            while queue and shape_of[queue[0]] in drawn_shape:
-                queue.pop(0)
+            while queue and (shape_of[queue[0]] in drawn_shape
+                             or min(MAX_BLOCKS, len(blocks_of[queue[0]])) > budget):
+                queue.popleft()
             if queue and len(chosen) < MAX_PICTURES:
-                sig = queue.pop(0)
+                sig = queue.popleft()
                 chosen.add(sig)
                 drawn_shape[shape_of[sig]] = sig
+                budget -= min(MAX_BLOCKS, len(blocks_of[sig]))
                 progress = True
         if not progress:
             break
@@ -603,10 +606,11 @@ def tensor_groups(plan: Plan) -> tuple[Pattern, ...]:
         templates = [where[i][0] for i in first]
         ops = sum(len(t.requests) for t in templates)
         nbytes = sum(t.piece_list[k].elements * t.wire_bytes for t in templates for _, k in t.requests)
-        pictures = _pictures(plan, keys[0], drawn, m.dst, m.src[0]) if sig in chosen else ()
+        pictures = _pictures(keys[0], drawn, m.dst, m.src[0]) if sig in chosen else ()
         like = drawn_shape.get(shape_of[sig])
         receivers = sorted({r for d in drawn for r in d.dst})
-        senders = sorted({s for d in drawn for s in d.src})
+        senders = sorted({t.picks[j][member] for key in keys for t, member in (where[i] for i in instances[key])
+                          for j in range(len(t.requests))})
         summary = f"to {_ranks_word(receivers)} from {_ranks_word(senders)}" if receivers else "no ops"
         patterns.setdefault(sig[0], []).append(Group(
             number[sig], compact_name(keys), tuple(keys), "[" + ", ".join(map(str, entry.shape)) + "]",
@@ -693,6 +697,7 @@ def render_html(plan: Plan) -> str:
                                receivers, recv_net, local, recv_share, f"even share {human_bytes(recv_share)}"),
         "patterns": patterns, "group_count": len(groups),
         "pictured": sum(1 for g in groups if g.pictures), "max_pictures": MAX_PICTURES,
+        "max_blocks": MAX_REPORT_BLOCKS,
         "sources": [(_layout_title(plan.src), _source(plan.src)), (_layout_title(plan.dst), _source(plan.dst))],
         "pygments_css": _pygments_css(),
         "heat_stops": ["#%02x%02x%02x" % c for c in HEAT_STOPS],

@@ -67,6 +67,7 @@ def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
     by_key = src.by_key
     matches: list[Match] = []
     checked: set[str] = set()
+    compared: set[tuple[int, int]] = set()  # (dst dims, src dims) objects already compared
     for t in dst.tensors:
         sources = by_key.get(t.key)
         if sources is None:
@@ -84,6 +85,10 @@ def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
                     f"{_shape(first.logical_shape)} in the source", t.span,
                     notes=[Note("the source declaration", first.span)],
                     help="the two layouts must describe the same logical tensor")
+            if (id(t.dims), id(first.dims)) in compared:
+                matches.append(Match(t, sources))
+                continue
+            compared.add((id(t.dims), id(first.dims)))
             for i, (d, s) in enumerate(zip(t.dims, first.dims)):
                 diff = tree_difference(d.part_tree, s.part_tree)
                 if diff:

@@ -171,10 +171,15 @@ class Plan:
             if i % 512 == 0:
                 self._progress("templates", i, total)
             wire = ELEMENT_BYTES[wire_dtype(m.dst.dtype)]
-            sig = (placement_of(m.dst), tuple(placement_of(s) for s in m.src), wire)
+            # Identity of the (shared, immutable) mesh and dims objects plus the
+            # placement coordinates: equal keys mean equal placements, and hashing
+            # a few ints is what keeps grouping cheap at 100k tensors. (Both
+            # layouts outlive the plan, so the ids stay valid.)
+            sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed,
+                   tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), wire)
             t = by_sig.get(sig)
             if t is None:
-                t = Template(sig[0], sig[1], wire)
+                t = Template(placement_of(m.dst), tuple(placement_of(s) for s in m.src), wire)
                 t.build(m)
                 by_sig[sig] = t
                 self.templates.append(t)
@@ -182,17 +187,27 @@ class Plan:
             t.members.append(i)
 
     def _select(self) -> None:
+        """Choose senders, largest requests first (LPT: small ones then fill the gaps).
+
+        The order is a pure function of the plan (bytes, then template and
+        request order), so every rank makes the same choices.
+        """
         selector = SELECTORS[self.selector_name](self.world, self.ranks_per_node)
         self._progress("templates", len(self.matches), len(self.matches))
-        for i, t in enumerate(self.templates):
-            if i % 64 == 0:
-                self._progress("senders", i, len(self.templates))
-            n = len(t.members)
-            for j, (rank, k) in enumerate(t.requests):
-                nbytes = t.piece_list[k].elements * t.wire_bytes
-                t.picks.append(selector.pick(rank, t.senders[j], n, nbytes, j))
+        order = sorted(((t.piece_list[k].elements * t.wire_bytes, i, j)
+                        for i, t in enumerate(self.templates) for j, (_, k) in enumerate(t.requests)),
+                       key=lambda x: (-x[0], x[1], x[2]))
+        for t in self.templates:
+            t.picks = [None] * len(t.requests)
+        for step, (_, i, j) in enumerate(order):
+            if step % 4096 == 0:
+                self._progress("senders", step, len(order))
+            t = self.templates[i]
+            rank, k = t.requests[j]
+            nbytes = t.piece_list[k].elements * t.wire_bytes
+            t.picks[j] = selector.pick(rank, t.senders[j], len(t.members), nbytes, j)
         self.send_load = selector.load
-        self._progress("senders", len(self.templates), len(self.templates))
+        self._progress("senders", len(order), len(order))
 
     # ---- ops ------------------------------------------------------------------
     @cached_property
@@ -289,7 +304,10 @@ class Plan:
         """Identifies the plan: it is a pure function of these inputs (DESIGN.md)."""
         import hashlib
 
-        inputs = (FORMAT, self.src.digest, self.dst.digest, self.ranks_per_node, self.selector_name)
+        from layoutlang import __version__
+
+        inputs = (FORMAT, __version__, self.src.digest, self.dst.digest, self.ranks_per_node,
+                  self.selector_name)
         return hashlib.sha256(repr(inputs).encode("utf-8")).hexdigest()
 
     def one_line(self) -> str:

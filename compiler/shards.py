@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from layoutlang.ir import DimIR, Mesh
-from layoutlang.modes import RunLike
+from layoutlang.modes import RunLike, _cached_hash
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,20 @@ class Shard:
 class Placement:
     """What makes two instances cut and place identically: a template key."""
 
+    __hash__ = _cached_hash
+
     mesh: Mesh
     dims: tuple[DimIR, ...]
     fixed: tuple[tuple[int, int], ...]
 
 
 def placement_of(tensor) -> Placement:
-    return Placement(tensor.mesh, tensor.dims, tensor.fixed)
+    """The instance's placement (memoized on the instance: hashing it keys templates)."""
+    p = tensor.__dict__.get("_placement")
+    if p is None:
+        p = Placement(tensor.mesh, tensor.dims, tensor.fixed)
+        object.__setattr__(tensor, "_placement", p)
+    return p
 
 
 @lru_cache(maxsize=None)

@@ -138,7 +138,7 @@ def cmd_fmt(ns, out: Console, err: Console) -> int:
     return status
 
 
-PLAN_FORMATS = ("text", "json", "dot")
+PLAN_FORMATS = ("text", "json", "dot", "html")
 
 
 def _silence_stdout() -> None:
@@ -188,8 +188,8 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
         raise UsageError(f"--selector {ns.selector}: expected one of {', '.join(sorted(SELECTORS))}")
     if ns.ranks_per_node is not None and ns.ranks_per_node < 1:
         raise UsageError(f"--ranks-per-node {ns.ranks_per_node}: expected a positive integer")
-    if ns.rank is not None and ns.format == "dot":
-        raise UsageError("--rank filters ops in text and json output; dot shows the whole plan")
+    if ns.rank is not None and ns.format in ("dot", "html"):
+        raise UsageError(f"--rank filters ops in text and json output; {ns.format} shows the whole plan")
     with _Progress(err, ns.quiet) as progress:
         plan = compile_plan(ns.src, ns.dst, args=args, ranks_per_node=ns.ranks_per_node,
                             selector=ns.selector, progress=progress)
@@ -198,6 +198,10 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
         chunks = iter_json(plan, ns.rank)
     elif ns.format == "dot":
         chunks = iter([render_dot(plan)])
+    elif ns.format == "html":
+        from layoutlang.compiler.html import render_html
+
+        chunks = iter([render_html(plan)])
     else:
         chunks = iter([render_text(plan, ns.rank)])
     warning = unused_warning(plan)
@@ -314,13 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="compile the transfer plan between two layouts",
                           description="Compile the plan that moves every destination tensor's data "
                                       "from the source layout, and print a report (text), the "
-                                      "plan itself (json) or rank-to-rank traffic (dot).")
+                                      "plan itself (json), rank-to-rank traffic (dot) or a "
+                                      "report with pictures (html).")
     plan.add_argument("src", metavar="SRC", help="the source layout (e.g. the trainer)")
     plan.add_argument("dst", metavar="DST", help="the destination layout (e.g. the inference engine)")
     plan.add_argument("--set", action="append", metavar="NAME=VALUE",
                       help="override an `arg` in each layout that declares it (repeatable)")
     plan.add_argument("--format", choices=PLAN_FORMATS, default="text",
-                      help="text (default): a report; json: the plan; dot: a Graphviz traffic graph")
+                      help="text (default): a report; json: the plan; dot: a Graphviz traffic graph; "
+                           "html: a self-contained page with pictures (use -o plan.html)")
     plan.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     plan.add_argument("--rank", type=int, metavar="R",
                       help="text and json: only the ops rank R sends or receives")

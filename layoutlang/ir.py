@@ -19,7 +19,7 @@ from functools import cached_property, lru_cache
 from math import prod
 
 from .diagnostics import Span
-from .modes import ModeIR, PadRun, PartTree, Run, RunLike, chunk_intervals, runs, select
+from .modes import ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, chunk_intervals, runs, select
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "mxfp8")
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1}
@@ -35,6 +35,7 @@ class Axis:
 
 @dataclass(frozen=True)
 class Mesh:
+    __hash__ = _cached_hash
     """Ranks offset .. offset+size-1, row-major coordinates (last axis fastest)."""
 
     name: str
@@ -98,6 +99,7 @@ class ChunkSplit:
 
 @dataclass(frozen=True)
 class DimIR:
+    __hash__ = _cached_hash
     mode: ModeIR
     over: Split | None
     chunk: ChunkSplit | None

@@ -74,8 +74,25 @@ PartTree = Leaf | PartNode
 
 # ---- the mode IR -----------------------------------------------------------
 
+_HASH_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _cached_hash(self) -> int:
+    """Hash of a frozen dataclass's compared fields, computed once per object."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        names = _HASH_FIELDS.get(type(self))
+        if names is None:
+            from dataclasses import fields
+            names = _HASH_FIELDS[type(self)] = tuple(f.name for f in fields(self) if f.compare)
+        h = hash(tuple(getattr(self, n) for n in names))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class PlainM:
+    __hash__ = _cached_hash  # structural, computed once: modes key templates
     extent: int
     origin: object = field(default=None, compare=False, repr=False)
 
@@ -102,6 +119,7 @@ class PlainM:
 
 @dataclass(frozen=True)
 class ProductM:
+    __hash__ = _cached_hash  # structural, computed once: modes key templates
     count: int
     inner: "ModeIR"
     origin: object = field(default=None, compare=False, repr=False)
@@ -135,6 +153,7 @@ class PartM:
 
 @dataclass(frozen=True)
 class ConcatM:
+    __hash__ = _cached_hash  # structural, computed once: modes key templates
     parts: tuple[PartM, ...]
     origin: object = field(default=None, compare=False, repr=False)
 
@@ -161,6 +180,7 @@ class ConcatM:
 
 @dataclass(frozen=True)
 class PadM:
+    __hash__ = _cached_hash  # structural, computed once: modes key templates
     inner: "ModeIR"
     multiple: int
     origin: object = field(default=None, compare=False, repr=False)
