@@ -97,6 +97,30 @@ def summarize(layout, out: Console) -> None:
         out.print("  args     " + ", ".join(f"{n}={v}" for n, v in layout.args), markup=False)
 
 
+def _highlighted_diff(lines: list[str]):
+    """A unified diff for a terminal: +/- marks coloured, the `.layout` text highlighted."""
+    from rich.syntax import Syntax
+    from rich.text import Text
+
+    from .lexer import LayoutLexer
+
+    syntax = Syntax("", LayoutLexer(), theme="ansi_dark")
+    out = Text()
+    for line in lines:
+        if line.startswith(("+++", "---", "@@")):
+            out.append(line, style="bold cyan" if line.startswith("@@") else "bold")
+            continue
+        mark, body = line[:1], line[1:]
+        out.append(mark, style={"+": "bold green", "-": "bold red"}.get(mark, ""))
+        highlighted = syntax.highlight(body)
+        highlighted.rstrip()
+        if mark in "+-":
+            highlighted.stylize("on #203020" if mark == "+" else "on #302020")
+        out.append_text(highlighted)
+        out.append("\n")
+    return out
+
+
 def cmd_fmt(ns, out: Console, err: Console) -> int:
     from .fmt import format_text
 
@@ -131,7 +155,10 @@ def cmd_fmt(ns, out: Console, err: Console) -> int:
             if ns.diff:
                 diff = difflib.unified_diff(text.splitlines(True), formatted.splitlines(True),
                                             str(path), str(path) + " (formatted)")
-                out.print("".join(diff), markup=False, end="")
+                if out.is_terminal:
+                    out.print(_highlighted_diff(list(diff)), end="")
+                else:
+                    out.print("".join(diff), markup=False, end="")
         else:
             path.write_text(formatted, "utf-8")
             out.print(f"reformatted {path}", markup=False)

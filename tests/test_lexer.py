@@ -39,3 +39,16 @@ def test_pygmentize_cli():
     out = subprocess.run([str(exe), "-l", "layout", "-f", "html", str(EXAMPLES[0])],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and '<span class="k' in out.stdout
+
+
+def test_fmt_diff_is_highlighted_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from layoutlang.cli import _highlighted_diff
+
+    console = Console(file=io.StringIO(), force_terminal=True, color_system="truecolor")
+    console.print(_highlighted_diff(["--- a\n", "+++ b\n", "@@ -1 +1 @@\n", "-tensor   w [8]\n", "+tensor w [8]\n"]))
+    text = console.file.getvalue()
+    assert "\x1b[" in text and "tensor" in text and "\x1b[1;32m+" in text
