@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from layoutlang.diagnostics import Note
 from layoutlang.elaborate import load
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, TensorIR
+from layoutlang.modes import cached_property
 
 from .match import Match, PlanError, match
 from .pieces import Piece, Slice, pieces
@@ -89,11 +89,9 @@ class Template:
         src_shards = [shards(p) for p in self.src]
         dst_shards = shards(self.dst)
         per_shard: list[tuple[int, ...]] = []
+        src_geometry = tuple(tuple(tuple(id(r) for r in s.runs) for s in group) for group in src_shards)
         for s in dst_shards:
-            found = pieces(s.runs, src_shards)
-            fault = check_tiling([p.dst_slice for p in found], s.runs)
-            if fault is not None:
-                raise _coverage_error(first, s, fault)
+            found = _proven_pieces(first, s, src_shards, src_geometry)
             base = len(self.piece_list)
             self.piece_list.extend(found)
             per_shard.append(tuple(range(base, base + len(found))))
@@ -113,6 +111,28 @@ class Template:
             if rank in self._src_shards[src.instance][src.shard].ranks:
                 return src
         raise AssertionError((k, rank))
+
+
+_GEOMETRY: dict[tuple, tuple] = {}
+
+
+def _proven_pieces(first: Match, s: Shard, src_shards, src_geometry) -> tuple[Piece, ...]:
+    """Pieces of one destination shard, proven to tile it; memoized by geometry.
+
+    Experts and layers placed on different ranks share their runs (the same
+    cached run tuples), so the pieces and their proof are computed once; the
+    memo keeps those tuples alive, so their ids cannot be reused.
+    """
+    key = (tuple(id(r) for r in s.runs), src_geometry)
+    hit = _GEOMETRY.get(key)
+    if hit is not None:
+        return hit[0]
+    found = pieces(s.runs, src_shards)
+    fault = check_tiling([p.dst_slice for p in found], s.runs)
+    if fault is not None:
+        raise _coverage_error(first, s, fault)
+    _GEOMETRY[key] = (found, s.runs, [sh.runs for group in src_shards for sh in group])
+    return found
 
 
 def _logical(runs, a: int, b: int) -> str:
@@ -150,14 +170,15 @@ class Plan:
         self.selector_name = selector
         self.matches, self.unused_keys = match(src, dst)
         self.world = max(src.ranks, dst.ranks)
-        self.tensors = self._entries()
         self.templates: list[Template] = []
         self._template_of: list[tuple[Template, int]] = []  # per match: (template, member ordinal)
         self._group()
         self._select()
 
     # ---- building ---------------------------------------------------------
-    def _entries(self) -> tuple[TensorEntry, ...]:
+    @cached_property
+    def tensors(self) -> tuple[TensorEntry, ...]:
+        """One entry per destination key, in destination order."""
         seen: dict[str, TensorEntry] = {}
         for m in self.matches:
             if m.dst.key not in seen:

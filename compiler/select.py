@@ -44,6 +44,16 @@ class Balanced:
             if cands[0] != receiver:
                 load[cands[0]] += n * nbytes
             return [cands[0]] * n
+        loads = [load[r] for r in cands]
+        if max(loads) - min(loads) < nbytes:
+            # Loads within one request of each other: the greedy sequence is
+            # round after round over the candidates in (load, rank) order.
+            order = sorted(cands, key=lambda r: (load[r], r))
+            k = len(order)
+            rounds, extra = divmod(n, k)
+            for i, r in enumerate(order[:k if rounds else extra]):
+                load[r] += (rounds + (1 if i < extra else 0)) * nbytes
+            return (order * (rounds + 1))[:n]
         if n * len(cands) <= 256:  # few picks: a C-speed scan beats building a heap
             out = []
             for _ in range(n):

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from math import prod
 
 from .diagnostics import Span
-from .modes import ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, chunk_intervals, runs, select
+from .modes import (ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals,
+                    runs, select)
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "mxfp8")
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1}

@@ -21,8 +21,26 @@ expressions and reported user errors with positions; functions here raise
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Iterator
+
+class cached_property:  # noqa: N801 - a drop-in for functools.cached_property
+    """functools.cached_property without its per-access lock (Python < 3.12 takes
+    one), which costs more than the values it caches here: computed once per
+    object, then served from the instance dict. IR objects are immutable."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = self.fn(obj)
+        obj.__dict__[self.name] = value
+        return value
+
 
 MAX_RUNS = 1 << 20  # per dim and rank: more is a fragmented layout, not a real one
 
