@@ -54,6 +54,14 @@ class Balanced:
             for i, r in enumerate(order[:k if rounds else extra]):
                 load[r] += (rounds + (1 if i < extra else 0)) * nbytes
             return (order * (rounds + 1))[:n]
+        if n <= len(cands):
+            # The n least loaded, if none of them would be picked twice (the n-th is
+            # within one request of the least): the greedy takes them in order.
+            smallest = heapq.nsmallest(n, zip(loads, cands))
+            if smallest[-1][0] < smallest[0][0] + nbytes:
+                for _, r in smallest:
+                    load[r] += nbytes
+                return [r for _, r in smallest]
         if n * len(cands) <= 256:  # few picks: a C-speed scan beats building a heap
             out = []
             for _ in range(n):

@@ -75,6 +75,8 @@ class _Elaborator:
         self.dim_memo: dict[tuple, tuple[DimIR, ...]] = {}
         self.free_memo: dict[int, tuple[str, ...]] = {}
         self.texts: list[str] = []  # every source read, in order: the layout's digest
+        self.sized: dict[tuple[int, str], tuple] = {}   # dims (by identity) already size-checked
+        self.signatures: dict[int, tuple] = {}          # id(dims) -> (logical shape, part trees, dims)
 
     # ---- files and statements -------------------------------------------
     def run_file(self, source: Source, span: Span | None = None) -> None:
@@ -303,13 +305,15 @@ class _Elaborator:
             fixed.append((idx, coord))
         dtype = (self.dtype_name(stmt.dtype.name, stmt.dtype.span) if stmt.dtype
                  else self.default_dtype)
-        local = tuple(d.local for d in dims)
-        if dtype == "mxfp8" and (not dims or local[-1] % MXFP8_BLOCK):
-            raise _err(f"mxfp8 needs the local last dim to be a multiple of {MXFP8_BLOCK}; "
-                       f"here it is {local[-1] if dims else 'absent (0-d tensor)'}",
-                       stmt.dims[-1].span if stmt.dims else stmt.span,
-                       help="use another dtype, or a shape whose local last dim is a multiple of 32")
-        self.check_size(dims, dtype, stmt)
+        if (id(dims), dtype) not in self.sized:  # dims objects are shared across iterations
+            local = tuple(d.local for d in dims)
+            if dtype == "mxfp8" and (not dims or local[-1] % MXFP8_BLOCK):
+                raise _err(f"mxfp8 needs the local last dim to be a multiple of {MXFP8_BLOCK}; "
+                           f"here it is {local[-1] if dims else 'absent (0-d tensor)'}",
+                           stmt.dims[-1].span if stmt.dims else stmt.span,
+                           help="use another dtype, or a shape whose local last dim is a multiple of 32")
+            self.check_size(dims, dtype, stmt)
+            self.sized[(id(dims), dtype)] = dims  # keeps dims alive: the id stays unique
         name = self.render(stmt.name, "value")
         key = self.render(stmt.key, "reject") if stmt.key else self.render(stmt.name, "global")
         t = TensorIR(key, name, dtype, mesh, dims, tuple(sorted(fixed)), stmt.span)
@@ -423,7 +427,10 @@ class _Elaborator:
 
     def register(self, t: TensorIR, stmt: ast.TensorDecl) -> None:
         """Keys unique per statement (replicas across statements); names unique per rank."""
-        sig = (t.logical_shape, tuple(d.part_tree for d in t.dims))
+        entry = self.signatures.get(id(t.dims))
+        if entry is None:
+            entry = self.signatures[id(t.dims)] = (t.logical_shape, tuple(d.part_tree for d in t.dims), t.dims)
+        sig = entry[:2]
         prior = self.keys.get(t.key)
         if prior is not None and prior[0] == id(stmt):
             raise _err(f"key `{t.key}` repeats across iterations of this statement", stmt.name.span,
@@ -463,8 +470,15 @@ class _Elaborator:
     def render(self, tpl: ast.NameTemplate, local: str) -> str:
         """A name's text; `local` is "value" (a NAME), "global" (its default KEY)
         or "reject" (an explicit KEY, which never contains `.local`)."""
-        return "".join(p if isinstance(p, str) else str(self.eval(p.expr, local))
-                       for p in tpl.pieces)
+        out = []
+        for p in tpl.pieces:
+            if p.__class__ is str:
+                out.append(p)
+            elif p.expr.__class__ is ast.Name and self.loops and p.expr.name == self.loops[-1].node.var:
+                out.append(str(self.loops[-1].value))  # the innermost loop variable: most names
+            else:
+                out.append(str(self.eval(p.expr, local)))
+        return "".join(out)
 
     # ---- expressions ----------------------------------------------------------
     def eval(self, expr: ast.Expr, local: str = "forbid") -> int:

@@ -52,11 +52,12 @@ class Mesh:
     def end(self) -> int:
         return self.offset + self.size
 
+    @cached_property
+    def _axis_map(self) -> dict[str, int]:
+        return {a.name: i for i, a in enumerate(self.axes)}
+
     def axis_index(self, name: str) -> int | None:
-        for i, a in enumerate(self.axes):
-            if a.name == name:
-                return i
-        return None
+        return self._axis_map.get(name)
 
     def coords(self, rank: int) -> tuple[int, ...] | None:
         """The rank's coordinate on each axis, or None outside the mesh."""
@@ -150,6 +151,12 @@ def _dim_runs(dim: DimIR, c: int, g: int) -> tuple[RunLike, ...]:
     return runs(dim.mode, intervals, tail)
 
 
+@lru_cache(maxsize=4096)
+def _shapes(dims: tuple[DimIR, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(logical, local) shape: shared by every instance with these dims."""
+    return tuple(d.logical for d in dims), tuple(d.local for d in dims)
+
+
 @dataclass(frozen=True, eq=False)
 class TensorIR:
     """One tensor instance: what ranks hold it, under which name, how it is cut."""
@@ -164,11 +171,11 @@ class TensorIR:
 
     @cached_property
     def logical_shape(self) -> tuple[int, ...]:
-        return tuple(d.logical for d in self.dims)
+        return _shapes(self.dims)[0]
 
     @cached_property
     def local_shape(self) -> tuple[int, ...]:
-        return tuple(d.local for d in self.dims)
+        return _shapes(self.dims)[1]
 
     @cached_property
     def local_bytes(self) -> int:
