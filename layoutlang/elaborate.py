@@ -150,7 +150,7 @@ class _Elaborator:
             value = self.overrides[b.name]
             self.used_overrides.add(b.name)
         else:
-            value = self.eval(b.value)
+            value = self.evaluate(b.value)
         self.values[b.name] = _Value(value, kind, b.span)
         if kind == "arg":
             self.arg_values.append((b.name, value))
@@ -167,11 +167,11 @@ class _Elaborator:
                 raise _err(f"axis `{b.name}` appears twice in mesh `{stmt.name}`", b.span,
                            notes=[Note("first here", seen[b.name])])
             seen[b.name] = b.span
-            size = self.eval(b.value)
+            size = self.evaluate(b.value)
             if size < 1:
                 raise _err(f"axis `{b.name}` has size {size}; sizes must be at least 1", b.value.span)
             axes.append(Axis(b.name, size))
-        offset = self.eval(stmt.offset) if stmt.offset is not None else 0
+        offset = self.evaluate(stmt.offset) if stmt.offset is not None else 0
         if offset < 0:
             raise _err(f"mesh offset {offset} is negative", stmt.offset.span)
         mesh = Mesh(stmt.name, tuple(axes), offset, stmt.name_span)
@@ -192,7 +192,7 @@ class _Elaborator:
         if stmt.var in self.values or any(f.node.var == stmt.var for f in self.loops):
             raise _err(f"loop variable `{stmt.var}` shadows an existing name", stmt.var_span,
                        help="choose another variable name")
-        start, stop = self.eval(stmt.start), self.eval(stmt.stop)
+        start, stop = self.evaluate(stmt.start), self.evaluate(stmt.stop)
         if stop < start:
             raise _err(f"empty range {start}..{stop}: the end is before the start", stmt.head_span,
                        help="ranges are half-open `A..B` with A <= B")
@@ -237,7 +237,7 @@ class _Elaborator:
                            help=f"give the blocks: `sizes [{', '.join(map(str, suggestion))}]`")
             blocks = [n // size] * size
         else:
-            blocks = [self.eval(e) for e in node.sizes]
+            blocks = [self.evaluate(e) for e in node.sizes]
             first, last = node.sizes[0].span, node.sizes[-1].span
             entries = Span(first.source, first.line, first.col, last.end_line, last.end_col)
             if len(blocks) != size:
@@ -296,7 +296,7 @@ class _Elaborator:
         dims = self.tensor_dims(stmt, mesh, use_axis)
         for place in stmt.placement:
             idx = use_axis(place.axis, "by `at`")
-            coord = self.eval(place.coord)
+            coord = self.evaluate(place.coord)
             size = mesh.axes[idx].size
             if not 0 <= coord < size:
                 raise _err(f"`at {place.axis.name}={coord}` is out of range: {place.axis.name} has "
@@ -371,7 +371,7 @@ class _Elaborator:
             chunk = None
             if d.chunk:
                 idx = use_axis(d.chunk.axis, "by `chunk`")
-                align = self.eval(d.chunk.align) if d.chunk.align is not None else None
+                align = self.evaluate(d.chunk.align) if d.chunk.align is not None else None
                 if align is not None and align < 1:
                     raise _err(f"`align {align}` must be at least 1", d.chunk.align.span)
                 chunk = ChunkSplit(idx, d.chunk.axis.name, mesh.axes[idx].size, align)
@@ -411,7 +411,7 @@ class _Elaborator:
         return mode
 
     def extent(self, expr: ast.Expr, what: str) -> int:
-        v = self.eval(expr)
+        v = self.evaluate(expr)
         if v < 1:
             raise _err(f"{what} {v} is not positive; extents must be at least 1", expr.span,
                        help="check the expression")
@@ -477,11 +477,11 @@ class _Elaborator:
             elif p.expr.__class__ is ast.Name and self.loops and p.expr.name == self.loops[-1].node.var:
                 out.append(str(self.loops[-1].value))  # the innermost loop variable: most names
             else:
-                out.append(str(self.eval(p.expr, local)))
+                out.append(str(self.evaluate(p.expr, local)))
         return "".join(out)
 
     # ---- expressions ----------------------------------------------------------
-    def eval(self, expr: ast.Expr, local: str = "forbid") -> int:
+    def evaluate(self, expr: ast.Expr, local: str = "forbid") -> int:
         """Evaluate an integer expression; `local` says what `x.local` means here."""
         match expr:
             case ast.Num(value=v):
@@ -491,9 +491,9 @@ class _Elaborator:
             case ast.Local(name=n):
                 return self.local_value(n, expr.span, local)
             case ast.Neg(operand=o):
-                return self.fit(-self.eval(o, local), expr)
+                return self.fit(-self.evaluate(o, local), expr)
             case ast.BinOp(op=op, left=l, right=r):
-                a, b = self.eval(l, local), self.eval(r, local)
+                a, b = self.evaluate(l, local), self.evaluate(r, local)
                 return self.fit(self.binop(op, a, b, expr), expr)
             case ast.Call(func=f, args=args):
                 if f not in FUNCTIONS:
@@ -504,7 +504,7 @@ class _Elaborator:
                 if (arity is None and len(args) < 2) or (arity is not None and len(args) != arity):
                     raise _err(f"`{f}` takes {'2 or more' if arity is None else arity} arguments, "
                                f"got {len(args)}", expr.span)
-                vals = [self.eval(a, local) for a in args]
+                vals = [self.evaluate(a, local) for a in args]
                 if f == "min":
                     return min(vals)
                 if f == "max":

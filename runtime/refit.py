@@ -108,12 +108,16 @@ class Refitter:
 
     # ---- collectives ----------------------------------------------------------
     def _device(self, tensors) -> torch.device:
+        """Where staging lives: `device=`, else the tensors' device, else the backend's."""
         if self.device is not None:
             return torch.device(self.device)
         for t in tensors:
-            return t.data.device if hasattr(t, "scales") or hasattr(t, "scale") else t.device
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
-            else torch.device("cpu")
+            data = t if isinstance(t, torch.Tensor) else getattr(t, "data", None)
+            if isinstance(data, torch.Tensor):
+                return data.device
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _all_messages(self, message: str, device) -> list[str]:
         """Every rank's message (empty when fine), exchanged as fixed-size uint8 tensors."""
@@ -250,101 +254,6 @@ class Refitter:
                     except Exception:  # noqa: BLE001
                         pass
         self._keys = keep
-
-    def _agree(self, src_tensors, dst_tensors, device) -> None:
-        """Same plan everywhere, right tensors everywhere: one small all_reduce per step.
-
-        The digest travels as two int64 halves reduced with MAX of (x, -x): equal
-        everywhere iff max == -max(-x). Details are exchanged only on trouble.
-        """
-        digest = hashlib.sha256(f"{self.plan.digest}/{self.budget_bytes}".encode()).hexdigest()
-        problems = self._check_tensors(src_tensors, dst_tensors)
-        word = int(digest[:15], 16)
-        flags = torch.tensor([word, -word, 1 if problems else 0], dtype=torch.int64, device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        if flags[0].item() == -flags[1].item() and flags[2].item() == 0:
-            return
-        messages = self._all_messages(digest + "\n" + "\n".join(problems), device)
-        digests = [m.split("\n", 1)[0] for m in messages]
-        if len(set(digests)) != 1:
-            odd = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise RefitError(f"ranks hold different plans: rank 0 has {digests[0][:12]}, ranks {odd} differ "
-                             "(compile the same two layouts with the same args and budget everywhere)")
-        bad = [(r, m.split("\n", 1)[1]) for r, m in enumerate(messages) if "\n" in m and m.split("\n", 1)[1]]
-        if bad:
-            text = "; ".join(f"rank {r}: {p}" for r, p in bad)
-            raise RefitError(f"local tensors do not match the layouts, nothing was moved: {text}")
-
-    def _check_tensors(self, src_tensors, dst_tensors) -> list[str]:
-        problems = []
-        for side, held, given in (("source", self.src_held, src_tensors), ("destination", self.dst_held, dst_tensors)):
-            if held and given is None:
-                problems.append(f"{side} tensors are None but this rank holds {len(held)} {side} tensors")
-                continue
-            for name, t in held.items():
-                if name not in given:
-                    problems.append(f"{side} tensor `{name}` is missing")
-                    continue
-                problem = _shape_problem(t, given[name])
-                if problem:
-                    problems.append(f"{side} tensor `{name}`: {problem}")
-                    if len(problems) > 8:
-                        return problems
-        return problems
-
-    # ---- the step ---------------------------------------------------------------
-    def refit(self, src_tensors, dst_tensors) -> None:
-        """Move every destination tensor's data into place; raise RefitError on any fault."""
-        src = {k: as_quantized(v, self.src_held[k].dtype) if k in self.src_held else v
-               for k, v in (src_tensors or {}).items()}
-        dst = {k: as_quantized(v, self.dst_held[k].dtype) if k in self.dst_held else v
-               for k, v in (dst_tensors or {}).items()}
-        device = self._device(list(src.values()) + list(dst.values()))
-        self._step += 1
-        self._forget_old_keys()
-        self._agree(src_tensors, dst_tensors, device)
-        self.meter = StagingMeter()
-        mismatches: list[str] = []
-        for b in self.buckets:
-            try:
-                mismatches += self._bucket(b.index, src, dst, device)
-            except RefitError as exc:
-                self._fence(b.index, failure=str(exc))
-                raise
-            self._fence(b.index)
-        if self.verify:
-            self._verify_result(mismatches, device)
-
-    def _fence(self, b: int, failure: str | None = None) -> None:
-        """Wait until every rank has finished bucket b; name the ranks that never do.
-
-        Uses the process group's store, not a collective: a collective with a
-        dead peer fails without saying who, and on NCCL may never return.
-        """
-        store = self._store
-        if store is None:
-            return
-        prefix = f"layoutlang/{self.plan.digest[:16]}/{self._step}/{b}"
-        if failure is not None:
-            store.set(f"{prefix}/failed/{self.rank}", failure[:200])
-            return
-        store.set(f"{prefix}/done/{self.rank}", "1")
-        keys = [f"{prefix}/done/{r}" for r in range(self.world)]
-        try:
-            store.wait(keys, self.timeout)
-        except Exception:  # noqa: BLE001 - a timeout: find out who is missing
-            time.sleep(1.0)  # let ranks that failed at the same moment say so
-            missing = [r for r in range(self.world) if not store.check([keys[r]])]
-            failed = [r for r in missing if store.check([f"{prefix}/failed/{r}"])]
-            silent = [r for r in missing if r not in failed]
-            parts = []
-            if silent:
-                parts.append(f"peer rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
-                             f"did not finish bucket {b} within {self.timeout.total_seconds():g} s (died or stalled)")
-            if failed:
-                parts.append(f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed in "
-                             f"bucket {b}")
-            raise RefitError(f"rank {self.rank}: bucket {b}: " + "; ".join(parts)) from None
 
     def _bucket(self, b: int, src, dst, device) -> list[str]:
         me, entry = self.rank, self.entry

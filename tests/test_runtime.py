@@ -50,7 +50,7 @@ def _assert_all_ok(results):
 def test_collocated_quantized_padded_gtp_with_buckets_and_verify(pair):
     src, dst = pair
     budget = 4096
-    results = launch({"src": src, "dst": dst, "verify": True, "budget": budget, "steps": 2}, 8, timeout=150)
+    results = launch({"src": src, "dst": dst, "verify": True, "budget": budget, "steps": 3}, 8, timeout=150)
     _assert_all_ok(results)
     received = sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results)
     assert received > 0
