@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from layoutlang.diagnostics import Note
 from layoutlang.elaborate import load
+from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, TensorIR
 from layoutlang.modes import cached_property
 
@@ -257,11 +258,16 @@ class Plan:
     @cached_property
     def ops(self) -> tuple[Op, ...]:
         """Every op, in canonical order (op.id == position)."""
-        return tuple(self._op(i, j) for i, (t, _) in enumerate(self._template_of)
-                     for j in range(len(t.requests)))
+        with gc_paused():
+            return tuple(self._op(i, j) for i, (t, _) in enumerate(self._template_of)
+                         for j in range(len(t.requests)))
 
     def ops_for_rank(self, rank: int) -> tuple[Op, ...]:
         """The ops `rank` sends or receives, in canonical order, without building the others."""
+        with gc_paused():
+            return self._ops_for_rank(rank)
+
+    def _ops_for_rank(self, rank: int) -> tuple[Op, ...]:
         out = []
         for i, (t, member) in enumerate(self._template_of):
             for j, (dst_rank, _) in enumerate(t.requests):
@@ -373,4 +379,5 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
             raise UsageError(f"--set {name}: neither layout has an arg `{name}`")
     if progress:
         progress("layouts", 2, 2)
-    return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, progress=progress)
+    with gc_paused():
+        return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, progress=progress)

@@ -57,7 +57,7 @@ class Balanced:
         if n <= len(cands):
             # The n least loaded, if none of them would be picked twice (the n-th is
             # within one request of the least): the greedy takes them in order.
-            smallest = heapq.nsmallest(n, zip(loads, cands))
+            smallest = sorted(zip(loads, cands))[:n]  # a C sort beats nsmallest's Python loop
             if smallest[-1][0] < smallest[0][0] + nbytes:
                 for _, r in smallest:
                     load[r] += nbytes

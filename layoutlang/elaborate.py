@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from . import ast
+from .gcpause import gc_paused
 from .diagnostics import ElaborationError, LayoutError, Note, Source, Span, UsageError
 from .ir import DTYPES, MXFP8_BLOCK, Axis, ChunkSplit, DimIR, Layout, Mesh, Split, TensorIR, storage_bytes
 from .modes import MAX_RUNS, ConcatM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
@@ -660,8 +661,9 @@ def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None
     """
     el = _Elaborator(args or {})
     source = decode(text, path) if isinstance(text, bytes) else Source(path, text)
-    el.run_file(source)
-    return _finish(el, path, unknown_args)
+    with gc_paused():
+        el.run_file(source)
+        return _finish(el, path, unknown_args)
 
 
 def load(path: str | os.PathLike, args: dict[str, int] | None = None,

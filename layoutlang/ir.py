@@ -151,10 +151,16 @@ def _dim_runs(dim: DimIR, c: int, g: int) -> tuple[RunLike, ...]:
     return runs(dim.mode, intervals, tail)
 
 
-@lru_cache(maxsize=4096)
+_SHAPES: dict[int, tuple] = {}
+
+
 def _shapes(dims: tuple[DimIR, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(logical, local) shape: shared by every instance with these dims."""
-    return tuple(d.logical for d in dims), tuple(d.local for d in dims)
+    """(logical, local) shape, shared by every instance holding this dims object
+    (the memo keeps the object alive, so its id stays its own)."""
+    hit = _SHAPES.get(id(dims))
+    if hit is None:
+        hit = _SHAPES[id(dims)] = (dims, tuple(d.logical for d in dims), tuple(d.local for d in dims))
+    return hit[1], hit[2]
 
 
 @dataclass(frozen=True, eq=False)
