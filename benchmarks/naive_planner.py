@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from layoutlang.gcpause import gc_paused
 from layoutlang import load
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, Run, TensorIR
 
@@ -223,7 +224,8 @@ def naive_plan(src, dst, *, args=None, src_args=None, dst_args=None, **kw) -> Na
         src = load(src, {**common, **(src_args or {})}, unknown_args="ignore")
     if not isinstance(dst, Layout):
         dst = load(dst, {**common, **(dst_args or {})}, unknown_args="ignore")
-    return NaivePlan(src, dst, **kw)
+    with gc_paused():  # the same treatment as the real planner gets: a fair comparison
+        return NaivePlan(src, dst, **kw)
 
 
 # ---- the self-check ----------------------------------------------------------------
