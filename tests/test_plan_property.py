@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -72,7 +73,8 @@ from reference_enumerator import (
 SRC_PATH, DST_PATH = "src.layout", "dst.layout"
 DIM_BUDGET = {1: 40, 2: 20, 3: 10}   # stored extent per dim: keeps op counts small
 DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
-SETTINGS = settings(max_examples=150, deadline=None,
+SETTINGS = settings(max_examples=int(os.environ.get("PLAN_EXAMPLES", 150)),  # more: PLAN_EXAMPLES=N
+                    deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
