@@ -20,6 +20,7 @@ wire, goes through a buffer of its own size.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from math import prod
 
@@ -56,8 +57,8 @@ def _op_staging(plan: Plan, i: int, j: int, sender: int) -> tuple[int, int]:
     nbytes = piece.elements * t.wire_bytes
     if sender == rank:
         return 0, 0  # a local copy casts in place of its destination view
-    src_inst = m.src[t.source_for(k, sender).instance]
     src = t.source_for(k, sender)
+    src_inst = m.src[src.instance]
     send = 0 if (contiguous(src.src_slice, src_inst.local_shape)
                  and src_inst.dtype == wire_dtype(m.dst.dtype)) else nbytes
     recv = 0 if (m.dst.dtype not in QUANTIZED and contiguous(piece.dst_slice, m.dst.local_shape)) else nbytes
@@ -128,7 +129,6 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None) -> nx.DiG
     entry = {e.key: e for e in plan.tensors}
 
     def bucket_of(op: Op) -> int:
-        import bisect
         return bisect.bisect_right(stops, op.id)
 
     prev_barrier = None

@@ -587,13 +587,9 @@ class _Elaborator:
 
 
 def _count_tensors(body) -> int:
-    n = 0
-    for s in body:
-        if isinstance(s, ast.TensorDecl):
-            n += 1
-        elif isinstance(s, ast.ForLoop):
-            n += 1
-    return n
+    """Statements directly in a loop body that make instances (a nested loop counts
+    once here; its own trip count is checked when it is entered)."""
+    return sum(1 for s in body if isinstance(s, (ast.TensorDecl, ast.ForLoop)))
 
 
 def _free_names(nodes) -> set[str]:

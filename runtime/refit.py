@@ -11,6 +11,7 @@ that every local tensor has the layout's shape and dtype.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -88,7 +89,6 @@ class Refitter:
         self.buckets = buckets(plan, budget_bytes)
         stops = [b.stop_op for b in self.buckets]
         self.ops_by_bucket: list[list] = [[] for _ in self.buckets]
-        import bisect
         for op in self.ops:
             self.ops_by_bucket[bisect.bisect_right(stops, op.id)].append(op)
         self.src_held = {t.name: t for t in plan.src.tensors if self.rank < plan.src.ranks and t.holds(self.rank)}
