@@ -14,7 +14,7 @@ from rich.text import Text
 
 from layoutlang.diagnostics import UsageError
 from layoutlang.ir import Layout, TensorIR
-from layoutlang.modes import Leaf, PartTree, Run
+from layoutlang.modes import Run, part_leaves
 
 from .shards import placement_of, shards
 
@@ -36,19 +36,6 @@ def rank_ranges(ranks) -> str:
         i = j + 1
     text = ",".join(out)
     return text if len(text) <= 48 else text[:45] + f"... ({len(ranks)} ranks)"
-
-
-def _parts(tree: PartTree, start: int = 0, prefix: str = "") -> list[tuple[str, int, int]]:
-    """(label, logical start, stop) of every leaf part, in logical order."""
-    if isinstance(tree, Leaf):
-        return [(prefix or "", start, start + tree.extent)]
-    out, pos = [], start
-    for i, (name, sub) in enumerate(tree.parts):
-        label = f"{prefix}.{name or i}" if prefix else (name or str(i))
-        leaves = _parts(sub, pos, label)
-        out.extend(leaves)
-        pos = leaves[-1][2] if leaves else pos
-    return out
 
 
 def _instances(layout: Layout, key: str) -> tuple[TensorIR, ...]:
@@ -130,7 +117,7 @@ def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: i
     head = Text.assemble((key, "bold"), f"  logical {list(t.logical_shape)}")
     parts.append(head)
     for d, dim in enumerate(t.dims):
-        leaves = _parts(dim.part_tree)
+        leaves = part_leaves(dim.part_tree)
         if len(leaves) > 1:
             desc = "  ".join(f"{label} [{a}, {b})" for label, a, b in leaves[:8])
             parts.append(Text(f"  dim {d} parts: {desc}" + (" ..." if len(leaves) > 8 else "")))

@@ -41,7 +41,7 @@ import jinja2
 from markupsafe import Markup
 
 from layoutlang.ir import Layout
-from layoutlang.modes import Leaf, PadRun, PartTree
+from layoutlang.modes import PadRun, part_leaves
 
 from .graph import buckets
 from .plan import Plan
@@ -231,24 +231,6 @@ def short_ranks(ranks, limit: int = 60) -> str:
     return text[:limit - 1].rsplit(", ", 1)[0] + f", ... ({len(set(ranks))} ranks)"
 
 
-def _leaves(tree: PartTree, start: int = 0, prefix: str = "") -> list[tuple[str, int, int]]:
-    """(label, logical start, stop) of every leaf of a hoisted part tree, in logical order.
-
-    >>> from layoutlang.modes import PartNode
-    >>> _leaves(PartNode((("gate", Leaf(4)), ("up", Leaf(4)))))
-    [('gate', 0, 4), ('up', 4, 8)]
-    """
-    if isinstance(tree, Leaf):
-        return [(prefix, start, start + tree.extent)]
-    out, pos = [], start
-    for i, (name, sub) in enumerate(tree.parts):
-        label = f"{prefix}.{name or i}" if prefix else (name or str(i))
-        found = _leaves(sub, pos, label)
-        out.extend(found)
-        pos = found[-1][2] if found else pos
-    return out
-
-
 def _color(i: int) -> str:
     """A distinct pastel per index (golden-angle hues)."""
     return f"hsl({(i * 137.508) % 360:.0f},60%,{68 if i % 2 else 58}%)"
@@ -414,7 +396,7 @@ def _parts_overlay(dims, geo: _Geometry) -> tuple[list[Line], list[Label]]:
     top, left = MARGIN_T, MARGIN_L
     bottom, right = MARGIN_T + geo.height, MARGIN_L + PIC_W
     if len(dims) >= 2:
-        leaves = _leaves(dims[0].part_tree)
+        leaves = part_leaves(dims[0].part_tree)
         if len(leaves) > 1:
             sy = geo.height / geo.rows
             for i, (name, a, b) in enumerate(leaves):
@@ -425,7 +407,7 @@ def _parts_overlay(dims, geo: _Geometry) -> tuple[list[Line], list[Label]]:
         col_dim, stride = 1, math.prod(geo.shape[2:])
     else:
         col_dim, stride = 0, 1
-    leaves = _leaves(dims[col_dim].part_tree)
+    leaves = part_leaves(dims[col_dim].part_tree)
     if len(leaves) > 1:
         sx = PIC_W / geo.cols
         for i, (name, a, b) in enumerate(leaves):
@@ -505,7 +487,7 @@ def _part_names(dims, logical) -> str:
     """Names of the parts a block touches, e.g. `gate` or `q, k`."""
     names = []
     for dim, (a, b) in zip(dims, logical):
-        hit = [n for n, lo, hi in _leaves(dim.part_tree) if n and lo < b and a < hi]
+        hit = [n for n, lo, hi in part_leaves(dim.part_tree) if n and lo < b and a < hi]
         if hit:
             names.append(", ".join(hit[:4]) + (", ..." if len(hit) > 4 else ""))
     return "; ".join(names)

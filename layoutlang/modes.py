@@ -248,6 +248,23 @@ def _scale(tree: PartTree, n: int) -> PartTree:
     return PartNode(tuple((name, _scale(sub, n)) for name, sub in tree.parts))
 
 
+def part_leaves(tree: PartTree, start: int = 0, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(label, logical start, stop) of every leaf of a hoisted part tree, in logical order.
+
+    >>> part_leaves(PartNode((("gate", Leaf(4)), ("up", PartNode(((None, Leaf(2)), ("b", Leaf(2))))))))
+    [('gate', 0, 4), ('up.0', 4, 6), ('up.b', 6, 8)]
+    """
+    if isinstance(tree, Leaf):
+        return [(prefix, start, start + tree.extent)]
+    out, pos = [], start
+    for i, (name, sub) in enumerate(tree.parts):
+        label = f"{prefix}.{name or i}" if prefix else (name or str(i))
+        found = part_leaves(sub, pos, label)
+        out.extend(found)
+        pos = found[-1][2] if found else pos
+    return out
+
+
 def leaf_starts(mode: ModeIR) -> tuple[int, ...]:
     """Logical start of each hoisted leaf (prefix sums in part order)."""
     starts, acc = [], 0
