@@ -8,7 +8,9 @@ and saves a screenshot (to the test's tmp dir; set LAYOUTLANG_SCREENSHOTS=DIR
 to keep a copy).
 
 Needs `chromium` and `chromium-driver` (Debian packages; .ci/run installs them
-when it runs as root) and the `selenium` dev dependency; skipped without them.
+when it runs as root) and the `selenium` dev dependency. Without them the test
+skips on a developer's machine, but FAILS when LAYOUTLANG_REQUIRE_BROWSER=1
+(.ci/run sets it): CI must not stay green without ever opening the report.
 """
 
 from __future__ import annotations
@@ -30,13 +32,24 @@ PAIRS = {
     "deepseek_v3": ("examples/deepseek_v3_moe.layout", "examples/deepseek_v3_infer.layout", "layers.7.mlp.router"),
 }
 PNG = b"\x89PNG\r\n\x1a\n"
+REQUIRE = os.environ.get("LAYOUTLANG_REQUIRE_BROWSER", "") not in ("", "0")
+
+
+def _missing(reason: str):
+    """Skip, or fail where the browser is required (CI)."""
+    if REQUIRE:
+        pytest.fail(f"LAYOUTLANG_REQUIRE_BROWSER is set but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def _driver(profile: Path):
     if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.skip(f"headless Chromium is not installed ({CHROMIUM}, {CHROMEDRIVER}): "
-                    "apt-get install chromium chromium-driver (.ci/run does it as root)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is a dev dependency: pip install -e '.[dev]'")
+        _missing(f"headless Chromium is not installed ({CHROMIUM}, {CHROMEDRIVER}): "
+                 "apt-get install chromium chromium-driver (.ci/run does it as root)")
+    try:
+        from selenium import webdriver
+    except ImportError:
+        _missing("selenium is not installed; it is a dev dependency: pip install -e '.[dev]'")
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
