@@ -8,12 +8,24 @@ the exact standard output of `layoutc plan tests/golden/tp4_train.layout
 tests/golden/tp2_infer.layout ARGS...`. Paths are rendered relative to the
 repository root, so these tests run there.
 
+The goldens are not just snapshots of the compiler's output: every full-plan
+JSON golden is replayed element by element through tests/plan_simulator.py
+against the two layouts (every destination element written exactly once with
+the right value, padding never sent, bytes right), a rank-filtered JSON golden
+must be exactly the full plan's ops that touch that rank, and every number and
+op line of the text and DOT goldens is recomputed from a proven JSON golden and
+the layouts (byte counts, balance, top senders and receivers, per-key op
+counts, unused keys, DOT edges). A golden that promises a wrong plan fails
+even when the compiler prints it.
+
 Regenerating: after an intended change of a renderer (or of the plan itself),
 
     REGEN_GOLDEN=1 .venv/bin/pytest tests/test_render.py
 
-then READ `git diff tests/golden/`: every changed line is a changed promise to
-users (the JSON is a machine contract, LANGUAGE.md 6).
+rewrites the goldens and FAILS (so a regenerating run can never pass by
+accident); then READ `git diff tests/golden/`: every changed line is a changed
+promise to users (the JSON is a machine contract, LANGUAGE.md 6), and rerun
+without REGEN_GOLDEN.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -47,6 +60,10 @@ CASES = {
     "rpn2_rank1.json": ["--ranks-per-node", "2", "--rank", "1", "--format", "json"],
     "offset_rpn2.txt": ["--set", "AT=4", "--ranks-per-node", "2"],
     "offset.dot": ["--set", "AT=4", "--format", "dot"],
+    # full plans, so that every text/DOT golden above has a proven JSON twin
+    "rpn2.json": ["--ranks-per-node", "2", "--format", "json"],
+    "offset.json": ["--set", "AT=4", "--format", "json"],
+    "offset_rpn2.json": ["--set", "AT=4", "--ranks-per-node", "2", "--format", "json"],
 }
 
 EXAMPLE_SRC, EXAMPLE_DST = "examples/llama3_8b_train.layout", "examples/llama3_8b_infer.layout"
@@ -87,7 +104,8 @@ def test_golden(name, capsys):
     if REGEN:
         with open(ROOT / GOLDEN / name, "w", encoding="utf-8", newline="") as fh:
             fh.write(out)
-        return
+        pytest.fail(f"REGEN_GOLDEN: rewrote {GOLDEN / name}; read `git diff tests/golden/`, "
+                    "then rerun without REGEN_GOLDEN", pytrace=False)
     assert out == _golden(name)
 
 
@@ -111,6 +129,176 @@ def test_output_file_gets_what_stdout_would(tmp_path, capsys):
     code, out, err = _plan(capsys, SRC, DST, "--format", "json", "-o", str(target))
     assert (code, out, err) == (0, "", WARNING)
     assert target.read_text("utf-8") == _golden("collocated.json")
+
+
+# ---- the goldens, proven against the layouts -------------------------------------------
+
+def _case_args(name: str) -> tuple[dict[str, int], int | None, int | None]:
+    """(--set args, --ranks-per-node, --rank) of a golden case."""
+    argv, args, rpn, rank = CASES[name], {}, None, None
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--set":
+            k, v = value.split("=")
+            args[k] = int(v)
+        elif flag == "--ranks-per-node":
+            rpn = int(value)
+        elif flag == "--rank":
+            rank = int(value)
+    return args, rpn, rank
+
+
+def _full_json(name: str) -> str:
+    """The full-plan JSON golden with the same --set and --ranks-per-node as `name`."""
+    args, rpn, _ = _case_args(name)
+    twin = [n for n in CASES if n.endswith(".json") and _case_args(n) == (args, rpn, None)]
+    assert len(twin) == 1, f"{name}: no full-plan JSON golden with the same arguments"
+    return twin[0]
+
+
+def _layouts(args: dict[str, int]):
+    """The two golden layouts through the front end only (the args reach whichever has them)."""
+    from layoutlang import load
+    src = load(ROOT / SRC, args={k: v for k, v in args.items() if k == "TP"})
+    dst = load(ROOT / DST, args=args)
+    return src, dst
+
+
+def _ops(doc: dict) -> tuple:
+    return tuple(types.SimpleNamespace(**{**op, "src_slice": tuple(map(tuple, op["src_slice"])),
+                                          "dst_slice": tuple(map(tuple, op["dst_slice"]))})
+                 for op in doc["ops"])
+
+
+def _human(n: float) -> str:
+    """Binary units, two decimals, exact below 1 KiB (written here, not imported)."""
+    n = int(round(n))
+    if n < 1024:
+        return f"{n} B"
+    size, units = n / 1024, ["KiB", "MiB", "GiB", "TiB"]
+    while size >= 1024:
+        size, units = size / 1024, units[1:]
+    return f"{size:.2f} {units[0]}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n.endswith(".json") and _case_args(n)[2] is None))
+def test_full_json_golden_executes_exactly_once(name):
+    """Replay the golden's ops through the simulator against the layouts; its stats from its ops."""
+    import plan_simulator as sim
+
+    args, rpn, _ = _case_args(name)
+    doc = json.loads(_golden(name))
+    src, dst = _layouts(args)
+    assert doc["src"]["args"] == dict(src.args) and doc["dst"]["args"] == dict(dst.args)
+    assert doc["ranks_per_node"] == rpn
+    ops = _ops(doc)
+    report = sim.simulate(sim.RunsView(src), sim.RunsView(dst), types.SimpleNamespace(ops=ops))
+    assert report.elements == report.dst_data_elements and report.dst_locals > 0
+    sim.check_stats(types.SimpleNamespace(ops=ops, stats=doc["stats"], ranks_per_node=rpn), report)
+    sim.check_plan_views(types.SimpleNamespace(ops=ops, ops_for_rank=lambda r: [o for o in ops if r in (
+        o.src_rank, o.dst_rank)]), [])
+    # the floor: every byte over every source rank that holds data of a destination key
+    keys = {t.key for t in dst.tensors}
+    usable = {r for t in src.tensors if t.key in keys for r in t.ranks()
+              if all(any(hasattr(run, "logical_start") for run in runs) for runs in t.runs(r))}
+    stats = doc["stats"]
+    assert stats["usable_senders"] == len(usable)
+    assert stats["send_floor_bytes"] == stats["bytes"] / len(usable)
+    assert stats["send_balance"] == stats["max_send_bytes"] / stats["send_floor_bytes"]
+    assert doc["unused_keys"] == [k for k in dict.fromkeys(t.key for t in src.tensors) if k not in keys]
+    shapes = {t.key: list(t.logical_shape) for t in dst.tensors}
+    assert [(t["key"], t["shape"], t["dst_dtype"]) for t in doc["tensors"]] == [
+        (k, shapes[k], next(t.dtype for t in dst.tensors if t.key == k)) for k in dict.fromkeys(
+            t.key for t in dst.tensors)]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n.endswith(".json") and _case_args(n)[2] is not None))
+def test_rank_json_golden_is_the_full_plan_filtered(name):
+    rank = _case_args(name)[2]
+    doc, full = json.loads(_golden(name)), json.loads(_golden(_full_json(name)))
+    assert doc["ops"] == [op for op in full["ops"] if rank in (op["src_rank"], op["dst_rank"])]
+    assert doc["stats"] == full["stats"] and doc["rank"] == rank
+    mine = doc["ops"]
+    assert doc["rank_stats"] == {
+        "rank": rank, "ops": len(mine),
+        "sends": sum(op["src_rank"] == rank != op["dst_rank"] for op in mine),
+        "send_bytes": sum(op["bytes"] for op in mine if op["src_rank"] == rank != op["dst_rank"]),
+        "receives": sum(op["dst_rank"] == rank != op["src_rank"] for op in mine),
+        "recv_bytes": sum(op["bytes"] for op in mine if op["dst_rank"] == rank != op["src_rank"]),
+        "local": sum(op["src_rank"] == op["dst_rank"] == rank for op in mine),
+        "local_bytes": sum(op["bytes"] for op in mine if op["src_rank"] == op["dst_rank"] == rank)}
+
+
+def _sl(sl) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in sl) + "]"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n.endswith(".txt")))
+def test_text_golden_says_what_the_proven_plan_does(name):
+    """Every number of the text report, recomputed from the proven JSON twin and the layouts."""
+    args, rpn, rank = _case_args(name)
+    text = _golden(name)
+    doc = json.loads(_golden(_full_json(name)))
+    ops, stats = doc["ops"], doc["stats"]
+    src, dst = _layouts(args)
+    total = sum(op["bytes"] for op in ops)
+    local = sum(op["bytes"] for op in ops if op["src_rank"] == op["dst_rank"])
+    sent, received, every = {}, {}, {}
+    for op in ops:
+        every[op["dst_rank"]] = every.get(op["dst_rank"], 0) + op["bytes"]
+        if op["src_rank"] != op["dst_rank"]:
+            sent[op["src_rank"]] = sent.get(op["src_rank"], 0) + op["bytes"]
+            received[op["dst_rank"]] = received.get(op["dst_rank"], 0) + op["bytes"]
+    want = [f"  ops          {len(ops)}\n", f"  bytes        {_human(total)} ({total} B)\n",
+            f"  local        {_human(local)} (copies on the same rank)\n",
+            f"  destination  ranks {min(every)}..{max(every)}\n"]
+    if rpn:
+        inter = sum(op["bytes"] for op in ops if op["src_rank"] // rpn != op["dst_rank"] // rpn)
+        want += [f"  inter-node   {_human(inter)}\n", f"  intra-node   {_human(total - local - inter)}\n"]
+    else:
+        want.append(f"  network      {_human(total - local)}\n")
+    busiest = min(sent, key=lambda r: (-sent[r], r))
+    floor = total / stats["usable_senders"]
+    want.append(f"  busiest sender    rank {busiest} sends {_human(sent[busiest])}: "
+                f"{sent[busiest] / floor:.2f}x the floor of {_human(floor)} "
+                f"(all bytes over {stats['usable_senders']} usable senders)\n")
+    receiver = min(received, key=lambda r: (-received[r], r))
+    want.append(f"  busiest receiver  rank {receiver} receives {_human(received[receiver])}: "
+                f"{received[receiver] / (total / len(every)):.2f}x an even share\n")
+    top = "".join(f"  rank {r:<6d} {_human(b).rjust(11)}\n" for r, b in sorted(sent.items(), key=lambda rb: (-rb[1], rb[0])))
+    want.append(f"top senders (network bytes; {len(sent)} of {len(sent)} sending ranks)\n" + top)
+    # (the receivers list counts every byte a rank gets, local copies included)
+    top = "".join(f"  rank {r:<6d} {_human(b).rjust(11)}\n" for r, b in sorted(every.items(), key=lambda rb: (-rb[1], rb[0])))
+    want.append(f"top receivers ({len(every)} of {len(every)} receiving ranks)\n" + top)
+    for key in dict.fromkeys(t.key for t in dst.tensors):
+        mine = [op for op in ops if op["key"] == key]
+        s = next(t for t in src.tensors if t.key == key)
+        d = next(t for t in dst.tensors if t.key == key)
+        want.append(f"  {len(mine):7d}  {_human(sum(op['bytes'] for op in mine)).rjust(11)}  {key} "
+                    f"{list(d.logical_shape)} {s.dtype} -> {d.dtype}\n")
+    unused = [k for k in dict.fromkeys(t.key for t in src.tensors) if k not in {t.key for t in dst.tensors}]
+    want.append(f"unused source keys ({len(unused)}, not in the destination)\n" + "".join(f"  {k}\n" for k in unused))
+    if rank is not None:
+        mine = [op for op in ops if rank in (op["src_rank"], op["dst_rank"])]
+        want.append(f"rank {rank}: {len(mine)} ops\n")
+        want += [f"  op {op['id']} {op['key']}: rank {op['src_rank']} {op['src_name']}{_sl(op['src_slice'])} -> "
+                 f"rank {op['dst_rank']} {op['dst_name']}{_sl(op['dst_slice'])} ({op['bytes']} B)\n" for op in mine]
+    missing = [w for w in want if w not in text]
+    assert not missing, "the golden does not say:\n" + "".join(missing)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n.endswith(".dot")))
+def test_dot_golden_draws_the_proven_plan(name):
+    doc = json.loads(_golden(_full_json(name)))
+    expected: dict[tuple[int, int], tuple[int, int]] = {}
+    for op in doc["ops"]:
+        if op["src_rank"] != op["dst_rank"]:
+            n, b = expected.get((op["src_rank"], op["dst_rank"]), (0, 0))
+            expected[op["src_rank"], op["dst_rank"]] = (n + 1, b + op["bytes"])
+    edges = {(int(m[1]), int(m[2])): (int(m[4]), int(m[5]))
+             for m in map(EDGE.match, _golden(name).splitlines()) if m}
+    assert edges == expected
+    local = sum(op["src_rank"] == op["dst_rank"] for op in doc["ops"])
+    assert f"local copies (not drawn): {local} op" in _golden(name)
 
 
 # ---- the JSON contract (LANGUAGE.md 6) ------------------------------------------------
