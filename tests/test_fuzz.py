@@ -167,11 +167,17 @@ PATHOLOGICAL = {
     "long_line": "mesh m (tp=2)\ntensor w [" + "1" * 100_000 + "]",
     "long_name": "mesh m (tp=2)\ntensor " + "a." * 50_000 + "a [1]",
 }
+# The ones that are valid layouts, only large: they must LOAD (the tensors they declare).
+VALID_EXTREMES = {"many_statements": 5000, "long_name": 1}
 
 
 @pytest.mark.parametrize("name", sorted(PATHOLOGICAL))
 def test_pathological_inputs(name):
-    check(PATHOLOGICAL[name])
+    layout = check(PATHOLOGICAL[name])
+    if name in VALID_EXTREMES:
+        assert layout is not None and len(layout.tensors) == VALID_EXTREMES[name]
+    else:
+        assert layout is None, f"{name} must be a LayoutError, it loaded"
 
 
 # ---- (a) random text and bytes ---------------------------------------------------
@@ -267,10 +273,15 @@ def test_mutated_seeds(text):
 @FUZZ
 @given(mutated(), st.sampled_from(["TP", "GTP", "PP"]), st.sampled_from([0, -1, 1, 3, 2**40, 10**30]))
 def test_mutated_seeds_with_overrides(text, name, value):
+    declared = re.search(rf"^\s*arg\s+{name}\b", text, re.M) is not None
     try:
-        layoutlang.loads(text, PATH, {name: value})
+        layout = layoutlang.loads(text, PATH, {name: value})
     except LayoutError as err:
         assert "Traceback" not in err.render()
+        return
+    # success is only right when the arg exists and the override took effect
+    assert declared, f"--set {name} loaded a layout that declares no arg {name}"
+    assert dict(layout.args)[name] == value
 
 
 def _run_cli(text: str) -> tuple[int, str]:
