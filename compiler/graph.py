@@ -48,8 +48,12 @@ class Bucket:
     stop_op: int
 
 
-def _op_staging(plan: Plan, i: int, j: int, sender: int) -> tuple[int, int]:
-    """(sender bytes, receiver bytes) of staging for request j of match i."""
+def _op_staging(plan: Plan, i: int, j: int, sender: int, strided: bool = False) -> tuple[int, int]:
+    """(sender bytes, receiver bytes) of staging for request j of match i.
+
+    `strided`: some rank passes tensors that are not contiguous, so any
+    transfer may have to go through a buffer of its own size on both ends.
+    """
     t, _ = plan._template_of[i]
     m = plan.matches[i]
     rank, k = t.requests[j]
@@ -59,15 +63,16 @@ def _op_staging(plan: Plan, i: int, j: int, sender: int) -> tuple[int, int]:
         return 0, 0  # a local copy casts in place of its destination view
     src = t.source_for(k, sender)
     src_inst = m.src[src.instance]
-    send = 0 if (contiguous(src.src_slice, src_inst.local_shape)
+    send = 0 if (not strided and contiguous(src.src_slice, src_inst.local_shape)
                  and src_inst.dtype == wire_dtype(m.dst.dtype)) else nbytes
-    recv = 0 if (m.dst.dtype not in QUANTIZED and contiguous(piece.dst_slice, m.dst.local_shape)) else nbytes
+    recv = 0 if (not strided and m.dst.dtype not in QUANTIZED
+                 and contiguous(piece.dst_slice, m.dst.local_shape)) else nbytes
     if m.dst.dtype in QUANTIZED:
         recv = 0  # lands in the whole-tensor bf16 assembly buffer, counted per instance
     return send, recv
 
 
-def instance_staging(plan: Plan, i: int) -> dict[int, int]:
+def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int]:
     """Staging bytes per rank that destination instance i needs while it moves."""
     t, member = plan._template_of[i]
     m = plan.matches[i]
@@ -79,7 +84,7 @@ def instance_staging(plan: Plan, i: int) -> dict[int, int]:
     dequantized: set[tuple[int, int]] = set()
     for j, (rank, k) in enumerate(t.requests):
         sender = t.picks[j][member]
-        send, recv = _op_staging(plan, i, j, sender)
+        send, recv = _op_staging(plan, i, j, sender, strided)
         src = m.src[t.source_for(k, sender).instance]
         if src.dtype in QUANTIZED and (sender, id(src)) not in dequantized:
             dequantized.add((sender, id(src)))
@@ -91,8 +96,12 @@ def instance_staging(plan: Plan, i: int) -> dict[int, int]:
     return out
 
 
-def buckets(plan: Plan, budget_bytes: int | None) -> tuple[Bucket, ...]:
-    """Split the plan into buckets whose staging stays under the budget on every rank."""
+def buckets(plan: Plan, budget_bytes: int | None, strided: bool = False) -> tuple[Bucket, ...]:
+    """Split the plan into buckets whose staging stays under the budget on every rank.
+
+    `strided=True` plans for tensors of any strides (every transfer staged);
+    the runtime uses it when the ranks agree that some tensor is not contiguous.
+    """
     offsets = plan._offsets
     n = len(plan.matches)
     if budget_bytes is None:
@@ -100,7 +109,7 @@ def buckets(plan: Plan, budget_bytes: int | None) -> tuple[Bucket, ...]:
     out: list[Bucket] = []
     start, used = 0, {}
     for i in range(n):
-        need = instance_staging(plan, i)
+        need = instance_staging(plan, i, strided)
         fits = all(used.get(r, 0) + b <= budget_bytes for r, b in need.items())
         if not fits and i > start:
             out.append(Bucket(len(out), start, i, offsets[start], offsets[i]))
@@ -112,10 +121,10 @@ def buckets(plan: Plan, budget_bytes: int | None) -> tuple[Bucket, ...]:
     return tuple(out)
 
 
-def staging_per_bucket(plan: Plan, bucket: Bucket) -> dict[int, int]:
+def staging_per_bucket(plan: Plan, bucket: Bucket, strided: bool = False) -> dict[int, int]:
     used: dict[int, int] = {}
     for i in range(bucket.first_instance, bucket.stop_instance):
-        for r, b in instance_staging(plan, i).items():
+        for r, b in instance_staging(plan, i, strided).items():
             used[r] = used.get(r, 0) + b
     return used
 

@@ -1,4 +1,4 @@
-"""`layoutc`: the command line. Verbs: check, fmt, plan (run comes later).
+"""`layoutc`: the command line. Verbs: check, fmt, plan, explain, run.
 
 Exit codes: 0 ok, 1 diagnostics (or `fmt --check` found a file to change),
 2 usage errors.
@@ -258,8 +258,13 @@ def cmd_run(ns, out: Console, err: Console) -> int:
     import time
 
     from layoutlang.compiler import compile_plan
-    from layoutlang.runtime.launch import launch
+    from layoutlang.runtime.launch import MAX_PROCESSES, launch
 
+    limit = ns.max_nproc if ns.max_nproc is not None else MAX_PROCESSES
+    if ns.nproc < 1 or ns.nproc > limit:
+        raise UsageError(f"--nproc {ns.nproc}: `layoutc run` starts between 1 and {limit} local processes "
+                         "(each one imports torch, about 300 MB)",
+                         help=f"pass --max-nproc {ns.nproc} to allow it" if ns.nproc > limit else None)
     args = _parse_sets(ns.set)
     plan = compile_plan(ns.src, ns.dst, args=args, ranks_per_node=ns.ranks_per_node)
     if ns.nproc < plan.world:
@@ -383,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verify", action="store_true", help="also compare checksums of every transfer")
     run.add_argument("--budget", type=int, default=None, metavar="BYTES", help="staging budget per rank")
     run.add_argument("--steps", type=int, default=1, help="refit this many times (time the best)")
-    run.add_argument("--timeout", type=int, default=60, metavar="SECONDS", help="per-transfer timeout")
+    run.add_argument("--max-nproc", type=int, default=None, metavar="N",
+                     help="allow more than 64 local processes")
+    run.add_argument("--timeout", type=int, default=60, metavar="SECONDS",
+                     help="how long any rank waits for its peers")
     run.add_argument("--ranks-per-node", type=int, default=None, metavar="N")
     run.set_defaults(run=cmd_run)
     return parser

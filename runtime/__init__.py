@@ -9,7 +9,8 @@ import warnings
 # torch warns once at import when NumPy is absent; layoutlang never needs NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+from .errors import RefitError
 from .quant import Fp8Tensor, MXFP8Tensor, dequantize, quantize
-from .refit import Refitter, RefitError
+from .refit import Refitter, RefitHooks
 
-__all__ = ["Refitter", "RefitError", "Fp8Tensor", "MXFP8Tensor", "quantize", "dequantize"]
+__all__ = ["Refitter", "RefitError", "RefitHooks", "Fp8Tensor", "MXFP8Tensor", "quantize", "dequantize"]

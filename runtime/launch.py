@@ -4,7 +4,9 @@ Used by `layoutc run`, the multi-process tests and the gloo benchmark. A job
 is plain JSON (no pickle): each worker (`python -m layoutlang.runtime.worker`)
 reads it, joins a gloo group on 127.0.0.1 at a free port, compiles the same
 plan (a pure function of the two layouts), refits, checks every destination
-element, and writes its result as JSON.
+element, and writes its result as JSON. Workers die with the launcher
+(worker.py arms a parent-death signal), so a killed `layoutc run` leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+
+MAX_PROCESSES = 64  # local workers `layoutc run` starts without --max-nproc (each imports torch: ~300 MB)
 
 
 def free_port() -> int:
@@ -58,6 +63,7 @@ def launch(job: dict, nproc: int, *, timeout: float = 120.0, env: dict | None = 
         for rank in range(nproc):
             worker_env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                               RANK=str(rank), WORLD_SIZE=str(nproc), OMP_NUM_THREADS="1",
+                              LAYOUTLANG_LAUNCHER_PID=str(os.getpid()),
                               GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
             err = open(Path(tmp) / f"stderr{rank}.txt", "w")
             procs.append((subprocess.Popen(

@@ -1,10 +1,22 @@
 """One rank of a local refit job (see launch.py). Usage: python -m layoutlang.runtime.worker JOB OUT
 
 The job (JSON) names the two layouts and their args, and optionally a
-budget, `verify`, a number of `steps`, and test faults: `die` (a rank exits
-at the start of a bucket), `stall` (a rank sleeps there), `corrupt` (a rank
-changes one element of a send buffer), `wrong_shape` (a rank passes a
-truncated source tensor), `odd_args` (a rank compiles another plan).
+budget, `verify`, a number of `steps`, `timeout` (the Refitter's, seconds),
+`pg_timeout` (the process group's; tests set it far above `timeout` so that
+nothing can lean on it), `strided` (every tensor is a strided view into a
+bigger buffer whose other elements are guards that must stay untouched),
+`retry` (after a failed refit, call refit once more and report what it said),
+`linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
+2 s after a failure by default),
+and test faults, each `{"rank": R, ...}`: `die` (exit `after` seconds into
+`bucket` of `step`), `die_before` (exit `after` seconds into `step`), `stall` (sleep
+`seconds` at the start of `bucket`), `stall_before` (sleep `seconds` before
+calling refit for `step`), `corrupt` (change one element of a send buffer),
+`wrong_shape` (pass a truncated source tensor), `odd_args` (compile another
+plan). Faults go through `RefitHooks`, never by patching the runtime.
+
+A worker exits when its launcher dies (parent-death signal on Linux, and a
+watch on the parent's pid everywhere).
 """
 
 from __future__ import annotations
@@ -12,34 +24,73 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .refit import RefitHooks
+
+# Guard values around strided views: exact in their dtype, never a fill value.
+GUARD = {torch.uint8: 201.0, torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 256.0}
+FAULTS = ("die", "die_before", "stall", "stall_before", "corrupt")
+
 
 def main(job_path: str, out_path: str) -> int:
+    _exit_with_launcher()
+    if os.environ.get("LAYOUTLANG_PID_DIR"):  # test seam: who to look for after killing the launcher
+        with open(os.path.join(os.environ["LAYOUTLANG_PID_DIR"], f"{os.environ['RANK']}.pid"), "w") as fh:
+            fh.write(str(os.getpid()))
     job = json.loads(open(job_path).read())
     rank = int(os.environ["RANK"])
     result: dict = {"rank": rank, "ok": False}
     try:
-        timeout = timedelta(seconds=job.get("timeout", 60))
-        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-        result.update(run(job, rank, timeout))
-        result["ok"] = not result.get("check_errors")
+        pg_timeout = timedelta(seconds=job.get("pg_timeout", job.get("timeout", 60)))
+        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=pg_timeout)
+        result.update(run(job, rank))
+        result["ok"] = not result.get("check_errors") and not result.get("error")
     except Exception as exc:  # noqa: BLE001 - reported to the launcher as data
         result["error"] = f"{type(exc).__name__}: {exc}"
     with open(out_path, "w") as fh:
         json.dump(result, fh)
-    if dist.is_initialized() and result["ok"]:
-        dist.destroy_process_group()
-    return 0 if result["ok"] else 1
+    # rank 0 hosts the store: a failed rank 0 that left at once would turn its peers' reasons
+    # into "store unreachable" (docs/runtime.md); so a failed worker lingers a little
+    time.sleep(job.get("linger", 0 if result["ok"] else 2))
+    if not result["ok"]:
+        sys.stderr.flush()
+        os._exit(1)  # transfers may be in flight: do not wait on the process group at exit
+    dist.destroy_process_group()
+    return 0
 
 
-def run(job: dict, rank: int, timeout: timedelta) -> dict:
+def _exit_with_launcher() -> None:
+    """Die with the launcher: a killed `layoutc run` must not leave workers behind."""
+    launcher = int(os.environ.get("LAYOUTLANG_LAUNCHER_PID", "0"))
+    if not launcher:
+        return
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != launcher:  # the launcher died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
+
+
+def run(job: dict, rank: int) -> dict:
     from layoutlang.compiler import compile_plan
-    from . import refit as refit_module
+    from .errors import RefitError
     from .fill import check_destination, empty_destination, source_tensor
     from .refit import Refitter
 
@@ -49,58 +100,127 @@ def run(job: dict, rank: int, timeout: timedelta) -> dict:
         dst_args = {**(dst_args or {}), **odd["dst_args"]}
     plan = compile_plan(job["src"], job["dst"], args=job.get("args"), src_args=job.get("src_args"),
                         dst_args=dst_args, ranks_per_node=job.get("ranks_per_node"))
-    _install_faults(job, rank, refit_module)
-    refitter = Refitter(plan, budget_bytes=job.get("budget"), timeout=timeout, verify=job.get("verify", False))
+    refitter = Refitter(plan, budget_bytes=job.get("budget"), timeout=timedelta(seconds=job.get("timeout", 60)),
+                        verify=job.get("verify", False), hooks=FaultHooks(job, rank))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
     wrong = job.get("wrong_shape")  # test fault: one rank passes a tensor of another shape
     if wrong and wrong["rank"] == rank and src:
         name = sorted(src)[0]
         src[name] = src[name][:1] if isinstance(src[name], torch.Tensor) else src[name]
-    storage = {name: (v.data_ptr() if isinstance(v, torch.Tensor) else v.data.data_ptr()) for name, v in dst.items()}
-    times = []
-    for _ in range(job.get("steps", 1)):
-        dist.barrier()
-        start = time.perf_counter()
-        refitter.refit(src or None, dst or None)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    errors = [e for t in plan.dst.tensors if t.name in dst and t.holds(rank)
-              for e in [check_destination(t, rank, dst[t.name], plan)] if e]
-    moved = [name for name, v in dst.items()
-             if (v.data_ptr() if isinstance(v, torch.Tensor) else v.data.data_ptr()) != storage[name]]
-    if moved:
-        errors.append(f"destination storage was replaced, not updated in place: {moved[:3]}")
-    return {"seconds": times, "sent_bytes": refitter.sent_bytes // len(times),
-            "received_bytes": refitter.received_bytes // len(times), "local_bytes": refitter.local_bytes // len(times),
-            "staging_peak": refitter.meter.peak, "checked_tensors": len(dst), "check_errors": errors[:5],
+    guards: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    if job.get("strided"):
+        src = {name: _strided_copy(name, v, guards) for name, v in src.items()}
+        dst = {name: _strided_copy(name, v, guards) for name, v in dst.items()}
+    storage = {name: _data(v).data_ptr() for name, v in dst.items()}
+    barriers = not any(job.get(f) for f in FAULTS)  # a collective would hang on a faulty rank
+    stall_before = job.get("stall_before") or {}
+    times, outcomes = [], []
+    succeeded = True
+    for step in range(1, job.get("steps", 1) + 1):
+        if stall_before.get("rank") == rank and stall_before.get("step", 1) == step:
+            time.sleep(stall_before.get("seconds", 3600))
+        if barriers:
+            dist.barrier()
+        outcome = _attempt(refitter, src, dst, RefitError)
+        outcomes.append(outcome)
+        if outcome["error"] and job.get("retry"):
+            outcomes.append(_attempt(refitter, src, dst, RefitError))
+        if outcomes[-1]["error"]:
+            succeeded = False
+            break
+        if barriers:
+            dist.barrier()
+        times.append(outcome["seconds"])
+    errors = []
+    if succeeded:
+        errors = [e for t in plan.dst.tensors if t.name in dst and t.holds(rank)
+                  for e in [check_destination(t, rank, dst[t.name], plan)] if e]
+        moved = [name for name, v in dst.items() if _data(v).data_ptr() != storage[name]]
+        if moved:
+            errors.append(f"destination storage was replaced, not updated in place: {moved[:3]}")
+    errors += [f"`{name}`: an element outside the tensor's view was written" for name, buf, mask in guards
+               if not bool((buf[mask].to(torch.float32) == _guard(buf.dtype)).all())]
+    first_error = next((o["error"] for o in outcomes if o["error"]), None)
+    n = max(len(times), 1)
+    return {"seconds": times, "outcomes": outcomes, "error": first_error if not succeeded else None,
+            "first_error": first_error, "reusable": refitter.reusable,
+            "sent_bytes": refitter.sent_bytes // n, "received_bytes": refitter.received_bytes // n,
+            "local_bytes": refitter.local_bytes // n, "staging_peak": refitter.meter.peak,
+            "checked_tensors": len(dst) if succeeded else 0, "check_errors": errors[:5],
             "largest_tensor_bytes": max((_nbytes(v) for v in list(dst.values()) + list(src.values())), default=0)}
 
 
+def _attempt(refitter, src, dst, error_type) -> dict:
+    """One refit call: how long it took and, if it failed, what it said."""
+    start = time.perf_counter()
+    try:
+        refitter.refit(src or None, dst or None)
+    except error_type as exc:
+        return {"error": str(exc), "seconds": time.perf_counter() - start, "reusable": exc.reusable,
+                "peers": list(exc.peers), "phase": exc.phase, "step": exc.step}
+    return {"error": None, "seconds": time.perf_counter() - start}
+
+
+def _data(v) -> torch.Tensor:
+    return v if isinstance(v, torch.Tensor) else v.data
+
+
 def _nbytes(v) -> int:
-    t = v if isinstance(v, torch.Tensor) else v.data
+    t = _data(v)
     return t.numel() * 2 if not isinstance(v, torch.Tensor) else t.numel() * t.element_size()
 
 
-def _install_faults(job: dict, rank: int, refit_module) -> None:
-    die, stall, corrupt = job.get("die"), job.get("stall"), job.get("corrupt")
-    original = refit_module.Refitter._bucket
+def _guard(dtype: torch.dtype) -> float:
+    return GUARD.get(dtype, 1024.0)
 
-    def bucket(self, b, *args):
-        if die and die["rank"] == rank and die.get("bucket", 0) == b:
+
+def _strided_view(t: torch.Tensor, name: str, guards: list) -> torch.Tensor:
+    """`t`'s values in every other element of the last dim of a bigger buffer; the rest are guards."""
+    shape = tuple(t.shape) if t.dim() else (1,)
+    big = torch.full(shape[:-1] + (2 * shape[-1] + 1,), _guard(t.dtype), dtype=torch.float32).to(t.dtype)
+    view = big[..., 1::2]
+    view.copy_(t.reshape(shape))
+    mask = torch.ones(big.shape, dtype=torch.bool)
+    mask[..., 1::2] = False
+    guards.append((name, big, mask))
+    return view if t.dim() else view.reshape(())
+
+
+def _strided_copy(name: str, value, guards: list):
+    """The same values, held by a non-contiguous view (quantized: data and scales both)."""
+    if isinstance(value, torch.Tensor):
+        return _strided_view(value, name, guards)
+    fields = {f: _strided_view(getattr(value, f), f"{name}.{f}", guards) for f in ("data", "scale", "scales")
+              if isinstance(getattr(value, f, None), torch.Tensor) and getattr(value, f).dim()}
+    return type(value)(**{**value.__dict__, **fields})
+
+
+class FaultHooks(RefitHooks):
+    """The job's faults for this rank, injected through the runtime's documented hooks."""
+
+    def __init__(self, job: dict, rank: int):
+        mine = lambda f: job.get(f) if (job.get(f) or {}).get("rank") == rank else None  # noqa: E731
+        self.die, self.die_before, self.stall, self.corrupt = mine("die"), mine("die_before"), mine("stall"), mine(
+            "corrupt")
+
+    def before_refit(self, refitter, step: int) -> None:
+        if self.die_before and self.die_before.get("step", 1) == step:
+            time.sleep(self.die_before.get("after", 0))
             os._exit(3)
-        if stall and stall["rank"] == rank and stall.get("bucket", 0) == b:
-            time.sleep(stall.get("seconds", 3600))
-        return original(self, b, *args)
 
-    refit_module.Refitter._bucket = bucket
-    if corrupt and corrupt["rank"] == rank:
-        def corrupt_buffer(buf, op):
-            if op.id == corrupt.get("op", op.id):
-                buf = buf.clone()
-                buf.reshape(-1)[0] += 1
-            return buf
-        refit_module._corrupt_hook = corrupt_buffer
+    def before_bucket(self, refitter, step: int, bucket: int) -> None:
+        if self.die and self.die.get("bucket", 0) == bucket and self.die.get("step", 1) == step:
+            time.sleep(self.die.get("after", 0))
+            os._exit(3)
+        if self.stall and self.stall.get("bucket", 0) == bucket and self.stall.get("step", 1) == step:
+            time.sleep(self.stall.get("seconds", 3600))
+
+    def on_send(self, buf: torch.Tensor, op) -> torch.Tensor:
+        if self.corrupt and op.id == self.corrupt.get("op", op.id):
+            buf = buf.clone()
+            buf.reshape(-1)[0] += 1
+        return buf
 
 
 if __name__ == "__main__":
