@@ -105,21 +105,28 @@ def _profile(step, top: int = 12) -> list[list]:
 def _breakdown(refitter, step, steps: int) -> dict[str, float]:
     """Median seconds per step in the Refitter's own phases, timed by wrapping them on this instance.
 
-    `agree`: the pre-flight all-gather that checks plans and local shapes;
+    `agree`: the pre-flight meeting in the store that checks plans and local shapes;
     `bucket`: posting and completing the transfers and local copies;
-    `fence`: the store-based wait for every rank after each bucket.
+    `fence`: the store meetings after each bucket (`_meet` outside `_agree`).
     """
     acc = {"agree": 0.0, "bucket": 0.0, "fence": 0.0}
+    method = {"agree": "_agree", "bucket": "_bucket", "fence": "_meet"}
+    inside_agree = [False]
     for name in acc:
-        original = getattr(refitter, "_" + name)
+        original = getattr(refitter, method[name])
 
         def timed(*a, _original=original, _name=name, **kw):
+            if _name == "agree":
+                inside_agree[0] = True
             start = time.perf_counter()
             try:
                 return _original(*a, **kw)
             finally:
-                acc[_name] += time.perf_counter() - start
-        setattr(refitter, "_" + name, timed)
+                if _name == "agree":
+                    inside_agree[0] = False
+                if not (_name == "fence" and inside_agree[0]):
+                    acc[_name] += time.perf_counter() - start
+        setattr(refitter, method[name], timed)
     samples: dict[str, list[float]] = {k: [] for k in (*acc, "total")}
     try:
         for _ in range(steps):
@@ -134,7 +141,7 @@ def _breakdown(refitter, step, steps: int) -> dict[str, float]:
                 samples[k].append(v)
     finally:
         for name in acc:
-            delattr(refitter, "_" + name)
+            delattr(refitter, method[name])
     return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
 
