@@ -2,7 +2,7 @@
 
 The job (JSON) names the two layouts and their args, and optionally a
 budget, `verify`, a number of `steps`, `timeout` (the Refitter's, seconds),
-`pg_timeout` (the process group's; tests set it far above `timeout` so that
+`pg_timeout` (the process group's; by default far above `timeout`, so that
 nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
 `retry` (after a failed refit, call refit once more and report what it said),
@@ -47,7 +47,8 @@ def main(job_path: str, out_path: str) -> int:
     rank = int(os.environ["RANK"])
     result: dict = {"rank": rank, "ok": False}
     try:
-        pg_timeout = timedelta(seconds=job.get("pg_timeout", job.get("timeout", 60)))
+        # far above the Refitter's timeout: no result may lean on the process group's own
+        pg_timeout = timedelta(seconds=job.get("pg_timeout", max(600, 10 * job.get("timeout", 60))))
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=pg_timeout)
         result.update(run(job, rank))
         result["ok"] = not result.get("check_errors") and not result.get("error")
