@@ -20,7 +20,16 @@ own peak RSS):
   dense + 2 MoE layers), and ESTIMATES the full time: measured non-layer and dense-layer
   times + the mean MoE-layer time x the number of MoE layers (the MoE layers are
   identical in shape and in how many ranks hold them); the output says so. Its pieces
-  (a digest of every (dst rank, name, slice)) are compared with the real planner's.
+  (a digest of every (dst rank, name, slice)) are compared with the real planner's;
+- a lower bound on the busiest sender computed from the two LAYOUTS alone
+  (`layout_holders`: which source ranks hold each destination element, from the
+  TensorIR's ranks and runs; never the planner's candidate sets), and the total bytes
+  and usable senders the same way, which must equal the plan's.
+
+Exit status 1 on a wrong result (pieces DIFFERENT from the naive planner's, a plan
+below the lower bound, totals that disagree with the layouts) or, at full size, a
+MISSED target (naive / templates >= 20x, one rank < 2 s, full plan < 60 s, memory
+< 4 GiB); `--quick` prints the targets without enforcing them.
 
     .venv/bin/python benchmarks/plan_scale.py            # full size, ~4 min (most of it the naive planner)
     .venv/bin/python benchmarks/plan_scale.py --naive-layers 5   # ~1 min, naive estimated
@@ -31,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
+import math
 import os
 import re
 import resource
@@ -133,8 +144,12 @@ def child(spec: dict) -> dict:
             layers = spec["naive_layers"]
             sub = [(o.dst_rank, o.dst_name, o.dst_slice) for o in ops if _in_subset(o.key, layers)]
             out["subset_ops"], out["subset_digest"] = len(sub), _digest(sub)
-            out["bound_bytes"] = send_lower_bound(plan)
             out["floor_bytes"] = stats["send_floor_bytes"]
+    elif kind == "bound":
+        held = layout_holders(src, dst)
+        out["bound_bytes"] = send_lower_bound(held["by_set"])
+        out["layout_bytes"], out["layout_usable"] = held["bytes"], len(held["usable"])
+        out["bound_s"] = time.perf_counter() - t1
     elif kind == "naive":
         from naive_planner import NaivePlan
         layers = spec["naive_layers"]
@@ -168,19 +183,81 @@ def child(spec: dict) -> dict:
     return out
 
 
-def send_lower_bound(plan) -> float:
+WIRE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # a quantized destination travels as bf16 (LANGUAGE.md 4)
+QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "mxfp8")
+
+
+def _intervals(runs) -> tuple[tuple[int, int], ...]:
+    """The logical intervals one dim's runs hold (padding runs hold none)."""
+    return tuple((r.logical_start, r.logical_start + r.length) for r in runs if hasattr(r, "logical_start"))
+
+
+def _cover_classes(dst_iv, shard_ivs) -> dict[frozenset, int]:
+    """One dim: {set of shards holding a stretch: elements of the destination's intervals in such stretches}."""
+    cuts = sorted({x for a, b in dst_iv for x in (a, b)} | {x for ivs in shard_ivs for a, b in ivs for x in (a, b)})
+    out: dict[frozenset, int] = {}
+    for lo, hi in zip(cuts, cuts[1:]):
+        if not any(a <= lo and hi <= b for a, b in dst_iv):
+            continue
+        who = frozenset(j for j, ivs in enumerate(shard_ivs) if any(a <= lo and hi <= b for a, b in ivs))
+        out[who] = out.get(who, 0) + hi - lo
+    return out
+
+
+def layout_holders(src, dst) -> dict:
+    """From the two layouts only (TensorIR ranks and runs, no planner): network bytes per set of
+    source ranks that hold them, and the totals the plan must show.
+
+    For every destination instance and rank, the logical box it holds is cut, dim by dim,
+    at every source shard's run boundaries; a cell is held by the source shards that cover
+    it in every dim, i.e. by the union of their ranks. A cell the receiver holds itself
+    can be a local copy (no link); any other cell must leave one of its holders.
+    Returns {"by_set": {frozenset(ranks): bytes}, "bytes": all bytes (local included),
+    "usable": source ranks holding any data of a destination key}.
+    """
+    by_key: dict[str, list] = {}
+    for t in src.tensors:
+        by_key.setdefault(t.key, []).append(t)
+    by_set: dict[frozenset, int] = {}
+    total, usable, memo = 0, set(), {}
+    for t in dst.tensors:
+        shards: dict[tuple, list[int]] = {}  # (instance, runs) -> ranks: replicas share one entry
+        for i, s in enumerate(by_key[t.key]):
+            for q in s.ranks():
+                shards.setdefault((i, s.runs(q)), []).append(q)
+        shard_list = list(shards.items())
+        for (_, runs), ranks in shard_list:
+            if all(_intervals(d) for d in runs):
+                usable.update(ranks)
+        wire = 2 if t.dtype in QUANTIZED else WIRE_BYTES[t.dtype]
+        for r in t.ranks():
+            druns = t.runs(r)
+            key = (druns, tuple(runs for (_, runs), _ in shard_list))
+            cells = memo.get(key)
+            if cells is None:
+                per_dim = [_cover_classes(_intervals(d), [_intervals(runs[k]) for (_, runs), _ in shard_list])
+                           for k, d in enumerate(druns)]
+                cells = {}
+                for combo in itertools.product(*(c.items() for c in per_dim)):
+                    who = frozenset.intersection(*(w for w, _ in combo)) if combo else frozenset(range(len(shard_list)))
+                    n = math.prod(length for _, length in combo)
+                    if not who:
+                        raise SystemExit(f"{t.key}: destination rank {r} holds elements no source rank holds")
+                    cells[who] = cells.get(who, 0) + n
+                memo[key] = cells
+            for who, n in cells.items():
+                holders = frozenset(q for j in who for q in shard_list[j][1])
+                total += n * wire
+                if r not in holders:
+                    by_set[holders] = by_set.get(holders, 0) + n * wire
+    return {"by_set": by_set, "bytes": total, "usable": sorted(usable)}
+
+
+def send_lower_bound(by_set: dict[frozenset, int]) -> float:
     """A lower bound on the busiest sender's network bytes: for a group of ranks C, the
     bytes that only ranks of C hold must leave through C, so some rank sends at least
-    bytes(C) / |C|. Checked for every distinct candidate set (with the sets inside it)
+    bytes(C) / |C|. Checked for every distinct holder set (with the sets inside it)
     and every connected group of overlapping sets (a pipeline stage's replicas)."""
-    by_set: dict[frozenset, int] = {}
-    for t in plan.templates:
-        for j, (receiver, k) in enumerate(t.requests):
-            cands = t.senders[j]
-            if receiver in cands:
-                continue  # a local copy: no link
-            c = frozenset(cands)
-            by_set[c] = by_set.get(c, 0) + t.piece_list[k].elements * t.wire_bytes * len(t.members)
     bound = 0.0
     sets = sorted(by_set, key=len)
     for c in sets:
@@ -297,11 +374,23 @@ def main(argv=None) -> int:
     print(f"one rank = rank {f['busy_rank']} (most ops: {r['rank_ops']} sent or received): "
           f"load {r['load_s']:.2f} s + compile {r['compile_s']:.2f} s + ops_for_rank {r['ops_s']:.3f} s "
           f"-> {'load + compile' if r['ops_s'] < r['load_s'] + r['compile_s'] else 'ops_for_rank'} dominates")
-    lower = max(f["floor_bytes"], f["bound_bytes"])
-    print(f"busiest sender lower bound: {lower / f['floor_bytes']:.3f}x floor (bytes that only a group "
-          f"of ranks holds / its size, best group; floor {f['floor_bytes'] / GIB:.2f} GiB): balanced is "
-          f"{f['max_send_bytes'] / lower:.3f}x the bound, round robin "
+    wrong: list[str] = []  # a result that is wrong: always a failure
+    missed: list[str] = []  # a stated target missed: a failure at full size
+    bound = run_child({**base, "kind": "bound", "selector": "balanced"})
+    if (bound["layout_bytes"], bound["layout_usable"]) != (f["bytes"], f["usable"]):
+        wrong.append(f"the layouts say {bound['layout_bytes']} B from {bound['layout_usable']} usable senders, "
+                     f"the plan {f['bytes']} B from {f['usable']}")
+    floor = bound["layout_bytes"] / bound["layout_usable"]
+    # disjoint: every byte crosses the network, so the even spread is a bound too
+    lower = max(floor, bound["bound_bytes"]) if at >= src_ranks else bound["bound_bytes"]
+    print(f"busiest sender lower bound, from the layouts alone: {lower / floor:.3f}x floor (bytes that only "
+          f"a group of ranks holds / its size, best group; floor {floor / GIB:.2f} GiB; "
+          f"{bound['bound_s']:.1f} s): balanced is {f['max_send_bytes'] / lower:.3f}x the bound, round robin "
           f"{res['round_robin'][0]['max_send_bytes'] / lower:.3f}x")
+    for sel in ("balanced", "round_robin"):
+        if res[sel][0]["max_send_bytes"] < lower * (1 - 1e-9):
+            wrong.append(f"{sel}: busiest sender {res[sel][0]['max_send_bytes']} B is below the lower bound "
+                         f"{lower:.0f} B (the plan or the bound is wrong)")
     print(f"memory: ru_maxrss growth over the child's RSS after imports {f['rss_mib']:.0f} MiB "
           f"(full plan, ops built); tracemalloc peak {traced['traced_peak_mib']:.0f} MiB "
           f"(separate traced run, Python allocations only)")
@@ -320,18 +409,31 @@ def main(argv=None) -> int:
         where = "on every tensor" if layers <= 0 else f"on the subset (non-layer tensors, layers 0..{layers - 1})"
         print(f"naive vs templates pieces (dst rank, name, slice) {where}: "
               f"{'IDENTICAL' if same else 'DIFFERENT'} (digest {naive['subset_digest']} / {f['subset_digest']})")
-    print("\nratios (target" + ("s are for the full size; --quick is a smoke run" if ns.quick else "") + "):")
+        if not same:
+            wrong.append("the naive planner's pieces differ from the templates planner's")
+
+    def target(ok: bool, what: str) -> str:
+        if ok:
+            return "ok"
+        if ns.quick:
+            return "(not enforced: --quick)"
+        missed.append(what)
+        return "MISSED"
+
+    print("\nratios (target" + ("s are for the full size; --quick is a smoke run" if ns.quick else "s") + "):")
     if naive:
+        speedup = est / planning
         print(f"  naive / templates, planning time (compile + ops, load excluded): "
-              f"{est / planning:.0f}x (>= 20x){'' if naive['ops'] == f['ops'] else ' [naive estimated]'}")
+              f"{speedup:.0f}x (>= 20x){'' if naive['ops'] == f['ops'] else ' [naive estimated]'} "
+              f"{target(speedup >= 20, 'naive / templates planning time >= 20x')}")
         print(f"  naive / templates, with load: {(naive['load_s'] + est) / (f['load_s'] + planning):.0f}x"
               + (f"; in CPU time (load included): {naive['cpu_s'] / f['cpu_s']:.0f}x" if naive["ops"] == f["ops"] else ""))
     one = r["load_s"] + r["compile_s"] + r["ops_s"]
     total = f["load_s"] + f["compile_s"] + f["ops_s"]
-    print(f"  one rank's plan: {one:.2f} s wall, {r['cpu_s']:.2f} s CPU (< 2 s) {'ok' if one < 2 else 'MISSED'}")
-    print(f"  full plan: {total:.2f} s wall, {f['cpu_s']:.2f} s CPU (< 60 s) {'ok' if total < 60 else 'MISSED'}")
+    print(f"  one rank's plan: {one:.2f} s wall, {r['cpu_s']:.2f} s CPU (< 2 s) {target(one < 2, 'one rank < 2 s')}")
+    print(f"  full plan: {total:.2f} s wall, {f['cpu_s']:.2f} s CPU (< 60 s) {target(total < 60, 'full plan < 60 s')}")
     peak = max(f["rss_mib"], traced["traced_peak_mib"])
-    print(f"  memory: {peak / 1024:.2f} GiB (< 4 GiB) {'ok' if peak < 4096 else 'MISSED'}")
+    print(f"  memory: {peak / 1024:.2f} GiB (< 4 GiB) {target(peak < 4096, 'memory < 4 GiB')}")
     rr = res["round_robin"][0]
     print(f"  round robin busiest sender / balanced: {rr['send_balance']:.2f}x / "
           f"{f['send_balance']:.3f}x floor = {rr['max_send_bytes'] / max(1, f['max_send_bytes']):.1f}x "
@@ -341,8 +443,13 @@ def main(argv=None) -> int:
     print(f"\nwall time of this benchmark: {time.perf_counter() - started:.0f} s; load average now "
           f"{load:.1f} on {os.cpu_count()} CPUs" + (" (a busy machine: wall times are inflated, "
                                                     "see the CPU times)" if load > (os.cpu_count() or 1) else ""))
-    return 0
-
+    for w in wrong:
+        print(f"WRONG: {w}", file=sys.stderr)
+    for m in missed:
+        print(f"MISSED: {m}", file=sys.stderr)
+    print("result: " + ("ok" if not (wrong or missed) else
+                        f"{len(wrong)} wrong result(s), {len(missed)} missed target(s)"))
+    return 1 if wrong or missed else 0
 
 if __name__ == "__main__":
     sys.exit(main())
