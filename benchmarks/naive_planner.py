@@ -288,17 +288,8 @@ def compare(real, naive: NaivePlan) -> list[str]:
                 bad += 1
         if bad >= 5:
             break
-    # the candidate sets: through the plan's public door (`Plan.transfers()`, each with every
-    # rank that could have sent it) where it has one, else through the templates (internal);
-    # a plan that offers neither must FAIL this check, never skip it
-    if hasattr(real, "transfers"):
-        real_cands = [tuple(t.senders) for t in real.transfers()]
-    elif hasattr(real, "_template_of"):
-        real_cands = [t.senders[j] for t, _ in real._template_of for j in range(len(t.requests))]
-    else:
-        problems.append("cannot read the real planner's candidate senders (neither Plan.transfers() "
-                        "nor the templates): update compare() in benchmarks/naive_planner.py")
-        return problems
+    # the candidate sets, through the plan's public door: every rank that could have sent each op
+    real_cands = [tuple(t.senders) for t in real.transfers()]
     if len(real_cands) != len(naive.ops):
         problems.append(f"{len(real_cands)} real candidate sets, {len(naive.ops)} naive ops")
     for k, (rc, n) in enumerate(zip(real_cands, naive.ops)):

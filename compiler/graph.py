@@ -28,7 +28,7 @@ import networkx as nx
 
 from layoutlang.ir import QUANTIZED
 
-from .plan import Op, Plan, wire_dtype
+from .plan import Op, Plan, Transfer, wire_dtype
 
 
 def contiguous(sl: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
@@ -48,25 +48,20 @@ class Bucket:
     stop_op: int
 
 
-def _op_staging(plan: Plan, i: int, j: int, sender: int, strided: bool = False) -> tuple[int, int]:
-    """(sender bytes, receiver bytes) of staging for request j of match i.
+def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, int]:
+    """(sender bytes, receiver bytes) of staging for one transfer.
 
     `strided`: some rank passes tensors that are not contiguous, so any
     transfer may have to go through a buffer of its own size on both ends.
     """
-    t, _ = plan._template_of[i]
-    m = plan.matches[i]
-    rank, k = t.requests[j]
-    piece = t.piece_list[k]
-    nbytes = piece.elements * t.wire_bytes
-    if sender == rank:
+    if t.sender == t.dst_rank:
         return 0, 0  # a local copy casts in place of its destination view
-    src = t.source_for(k, sender)
-    src_inst = m.src[src.instance]
-    send = 0 if (not strided and contiguous(src.src_slice, src_inst.local_shape)
-                 and src_inst.dtype == wire_dtype(m.dst.dtype)) else nbytes
+    m = plan.matches[t.instance]
+    src_inst = m.src[t.source.instance]
+    send = 0 if (not strided and contiguous(t.source.src_slice, src_inst.local_shape)
+                 and src_inst.dtype == wire_dtype(m.dst.dtype)) else t.bytes
     recv = 0 if (not strided and m.dst.dtype not in QUANTIZED
-                 and contiguous(piece.dst_slice, m.dst.local_shape)) else nbytes
+                 and contiguous(t.piece.dst_slice, m.dst.local_shape)) else t.bytes
     if m.dst.dtype in QUANTIZED:
         recv = 0  # lands in the whole-tensor bf16 assembly buffer, counted per instance
     return send, recv
@@ -74,25 +69,24 @@ def _op_staging(plan: Plan, i: int, j: int, sender: int, strided: bool = False) 
 
 def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int]:
     """Staging bytes per rank that destination instance i needs while it moves."""
-    t, member = plan._template_of[i]
     m = plan.matches[i]
     out: dict[int, int] = {}
+    transfers = list(plan.transfers(instance=i))
     if m.dst.dtype in QUANTIZED:
         whole = prod(m.dst.local_shape) * 2
-        for r in {rank for rank, _ in t.requests}:
+        for r in {t.dst_rank for t in transfers}:
             out[r] = out.get(r, 0) + whole
     dequantized: set[tuple[int, int]] = set()
-    for j, (rank, k) in enumerate(t.requests):
-        sender = t.picks[j][member]
-        send, recv = _op_staging(plan, i, j, sender, strided)
-        src = m.src[t.source_for(k, sender).instance]
-        if src.dtype in QUANTIZED and (sender, id(src)) not in dequantized:
-            dequantized.add((sender, id(src)))
+    for t in transfers:
+        send, recv = _op_staging(plan, t, strided)
+        src = m.src[t.source.instance]
+        if src.dtype in QUANTIZED and (t.sender, id(src)) not in dequantized:
+            dequantized.add((t.sender, id(src)))
             send += prod(src.local_shape) * 2
         if send:
-            out[sender] = out.get(sender, 0) + send
+            out[t.sender] = out.get(t.sender, 0) + send
         if recv:
-            out[rank] = out.get(rank, 0) + recv
+            out[t.dst_rank] = out.get(t.dst_rank, 0) + recv
     return out
 
 
@@ -102,22 +96,21 @@ def buckets(plan: Plan, budget_bytes: int | None, strided: bool = False) -> tupl
     `strided=True` plans for tensors of any strides (every transfer staged);
     the runtime uses it when the ranks agree that some tensor is not contiguous.
     """
-    offsets = plan._offsets
     n = len(plan.matches)
     if budget_bytes is None:
-        return (Bucket(0, 0, n, 0, offsets[n]),) if n else ()
+        return (Bucket(0, 0, n, 0, plan.op_count),) if n else ()
     out: list[Bucket] = []
     start, used = 0, {}
     for i in range(n):
         need = instance_staging(plan, i, strided)
         fits = all(used.get(r, 0) + b <= budget_bytes for r, b in need.items())
         if not fits and i > start:
-            out.append(Bucket(len(out), start, i, offsets[start], offsets[i]))
+            out.append(Bucket(len(out), start, i, plan.op_range(start).start, plan.op_range(i).start))
             start, used = i, {}
         for r, b in need.items():
             used[r] = used.get(r, 0) + b
     if n > start:
-        out.append(Bucket(len(out), start, n, offsets[start], offsets[n]))
+        out.append(Bucket(len(out), start, n, plan.op_range(start).start, plan.op_count))
     return tuple(out)
 
 

@@ -7,8 +7,9 @@ Everything is inline (CSS, JS, SVG; a Content-Security-Policy forbids any
 fetch), rendered by jinja2 with autoescaping on (templates/report*.j2).
 
 Like the other renderers it only reads the plan and decides nothing. It reads
-the plan through its templates (`Plan.templates`: requests, picks, pieces),
-so that a 300k-op plan is summarised without building its ops.
+the plan's public model: its grouped form (`Plan.templates`, `Plan.picks`) for
+totals, so that a 300k-op plan is summarised without building its ops, and
+`Plan.transfers` for the blocks it draws.
 
 Grouping: keys whose names differ only in digits (`decoder.layers.{n}.mlp...`)
 form a *pattern*; keys of one pattern whose destination instances share
@@ -262,12 +263,11 @@ def _layout_title(layout: Layout) -> str:
 def traffic(plan: Plan) -> dict[tuple[int, int], list[int]]:
     """(sender, receiver) -> [bytes, ops], local copies included (sender == receiver)."""
     pairs: dict[tuple[int, int], list[int]] = {}
-    for t in plan.templates:
-        for j, (rank, k) in enumerate(t.requests):
-            nbytes = t.piece_list[k].elements * t.wire_bytes
-            for sender, n in Counter(t.picks[j]).items():
-                e = pairs.setdefault((sender, rank), [0, 0])
-                e[0] += n * nbytes
+    for ti, t in enumerate(plan.templates):
+        for j, req in enumerate(t.geometry.requests):
+            for sender, n in Counter(plan.picks(ti, j)).items():
+                e = pairs.setdefault((sender, req.rank), [0, 0])
+                e[0] += n * req.bytes
                 e[1] += n
     return pairs
 
@@ -468,18 +468,16 @@ class _Drawn:
     elements: int
 
 
-def _key_blocks(plan: Plan, where: dict[int, tuple], instances: list[int]) -> list[_Drawn]:
+def _key_blocks(plan: Plan, instances: list[int]) -> list[_Drawn]:
     """The plan's ops for one key, merged per logical rectangle (replicas receive the same one)."""
     out: dict[tuple, _Drawn] = {}
     for i in instances:
-        t, member = where[i]
-        for j, (rank, k) in enumerate(t.requests):
-            piece = t.piece_list[k]
-            d = out.get(piece.logical)
+        for t in plan.transfers(instance=i):
+            d = out.get(t.piece.logical)
             if d is None:
-                d = out[piece.logical] = _Drawn(piece.logical, t.senders[j], [], [], piece.elements)
-            d.dst.append(rank)
-            d.src.append(t.picks[j][member])
+                d = out[t.piece.logical] = _Drawn(t.piece.logical, tuple(t.senders), [], [], t.piece.elements)
+            d.dst.append(t.dst_rank)
+            d.src.append(t.sender)
     return list(out.values())
 
 
@@ -539,24 +537,19 @@ def _pictures(key: str, drawn: list[_Drawn], dst_tensor, src_tensor) -> tuple[Pi
 
 def tensor_groups(plan: Plan) -> tuple[Pattern, ...]:
     """Keys grouped by name pattern, then by shared templates; pictures for up to MAX_PICTURES."""
-    where: dict[int, tuple] = {}
-    index_of = {id(t): n for n, t in enumerate(plan.templates)}
-    for t in plan.templates:
-        for member, i in enumerate(t.members):
-            where[i] = (t, member)
     instances: dict[str, list[int]] = {}
     for i, m in enumerate(plan.matches):
         instances.setdefault(m.dst.key, []).append(i)
     entries = {e.key: e for e in plan.tensors}
     by_group: dict[tuple, list[str]] = {}
     for key, found in instances.items():
-        sig = (DIGITS.sub("{n}", key), tuple(index_of[id(where[i][0])] for i in found))
+        sig = (DIGITS.sub("{n}", key), tuple(plan.template_of(i)[0] for i in found))
         by_group.setdefault(sig, []).append(key)
     # Which groups get a picture: patterns take turns, each drawing a cut (set of blocks) it has not drawn yet.
     shape_of: dict[tuple, tuple] = {}
     blocks_of: dict[tuple, list[_Drawn]] = {}
     for sig, keys in by_group.items():
-        blocks_of[sig] = _key_blocks(plan, where, instances[keys[0]])
+        blocks_of[sig] = _key_blocks(plan, instances[keys[0]])
         shape_of[sig] = (sig[0], tuple(sorted(d.logical for d in blocks_of[sig])))
     queues: dict[str, deque[tuple]] = {}
     for sig in by_group:
@@ -585,14 +578,13 @@ def tensor_groups(plan: Plan) -> tuple[Pattern, ...]:
         m = plan.matches[first[0]]
         entry = entries[keys[0]]
         drawn = blocks_of[sig]
-        templates = [where[i][0] for i in first]
-        ops = sum(len(t.requests) for t in templates)
-        nbytes = sum(t.piece_list[k].elements * t.wire_bytes for t in templates for _, k in t.requests)
+        requests = [req for i in first for req in plan.templates[plan.template_of(i)[0]].geometry.requests]
+        ops, nbytes = len(requests), sum(req.bytes for req in requests)
         pictures = _pictures(keys[0], drawn, m.dst, m.src[0]) if sig in chosen else ()
         like = drawn_shape.get(shape_of[sig])
         receivers = sorted({r for d in drawn for r in d.dst})
-        senders = sorted({t.picks[j][member] for key in keys for t, member in (where[i] for i in instances[key])
-                          for j in range(len(t.requests))})
+        senders = sorted({plan.picks(ti, j)[member] for key in keys for ti, member in map(plan.template_of, instances[key])
+                          for j in range(len(plan.templates[ti].geometry.requests))})
         summary = f"to {_ranks_word(receivers)} from {_ranks_word(senders)}" if receivers else "no ops"
         patterns.setdefault(sig[0], []).append(Group(
             number[sig], compact_name(keys), tuple(keys), "[" + ", ".join(map(str, entry.shape)) + "]",

@@ -18,18 +18,19 @@ on every rank and every run.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from layoutlang.diagnostics import Note
 from layoutlang.elaborate import load
 from layoutlang.gcpause import gc_paused
-from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, TensorIR
+from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
 from layoutlang.modes import cached_property
 
 from .match import Match, PlanError, match
-from .pieces import Piece, Slice, pieces
+from .pieces import Piece, Slice, Source, pieces
+from .ranks import RankSet
 from .select import SELECTORS
-from .shards import Placement, Shard, placement_of, shard_of_rank, shards
+from .shards import Placement, Shard, placement_of, shards
 from .verify import check_tiling
 
 FORMAT = "layoutlang.plan/1"
@@ -72,68 +73,128 @@ def wire_dtype(dst_dtype: str) -> str:
     return "bf16" if dst_dtype in QUANTIZED else dst_dtype
 
 
-@dataclass
-class Template:
-    """Everything shared by destination instances that cut and place alike."""
+@dataclass(frozen=True)
+class Request:
+    """One destination rank's need for one piece, and every rank that can feed it."""
+
+    rank: int            # the destination rank
+    piece: int           # index into Geometry.pieces
+    bytes: int           # on the wire, per instance
+    senders: RankSet     # shared by every request for this piece
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What every destination instance that cuts and places alike shares: computed once, frozen.
+
+    `requests` are in canonical order (destination rank, then piece);
+    `alternatives[k]` are piece k's sources, each with the ranks that hold it.
+    """
 
     dst: Placement
     src: tuple[Placement, ...]
     wire_bytes: int
-    members: list[int] = field(default_factory=list)          # indexes into Plan.matches
-    requests: list[tuple[int, int]] = field(default_factory=list)  # (dst rank, piece index)
-    piece_list: list[Piece] = field(default_factory=list)
-    senders: list[tuple[int, ...]] = field(default_factory=list)   # per request: candidate ranks
-    picks: list[list[int]] = field(default_factory=list)           # per request: sender per member
+    pieces: tuple[Piece, ...]
+    requests: tuple[Request, ...]
+    alternatives: tuple[tuple[tuple[Source, RankSet], ...], ...]
 
-    def build(self, first: Match) -> None:
-        """Pieces per destination shard, proven to tile it; requests in canonical order."""
-        src_shards = [shards(p) for p in self.src]
-        dst_shards = shards(self.dst)
-        per_shard: list[tuple[int, ...]] = []
-        src_geometry = tuple(tuple(tuple(id(r) for r in s.runs) for s in group) for group in src_shards)
-        for s in dst_shards:
-            found = _proven_pieces(first, s, src_shards, src_geometry)
-            base = len(self.piece_list)
-            self.piece_list.extend(found)
-            per_shard.append(tuple(range(base, base + len(found))))
-        shard_index = shard_of_rank(self.dst)
-        for rank in sorted(shard_index):
-            for k in per_shard[shard_index[rank]]:
-                self.requests.append((rank, k))
-        for _, k in self.requests:
-            p = self.piece_list[k]
-            ranks = sorted({r for src in p.sources for r in src_shards[src.instance][src.shard].ranks})
-            self.senders.append(tuple(ranks))
-        self._src_shards = src_shards
-
-    def source_for(self, k: int, rank: int):
-        """The alternative of piece k that `rank` holds (first one wins)."""
-        for src in self.piece_list[k].sources:
-            if rank in self._src_shards[src.instance][src.shard].ranks:
+    def source_for(self, k: int, rank: int) -> Source:
+        """The alternative of piece k that `rank` holds (the first one wins)."""
+        for src, holders in self.alternatives[k]:
+            if rank in holders.members:
                 return src
         raise AssertionError((k, rank))
 
 
-_GEOMETRY: dict[tuple, tuple] = {}
+@dataclass(frozen=True)
+class Template:
+    """A geometry and the destination instances (indexes into Plan.matches) that share it."""
+
+    geometry: Geometry
+    members: tuple[int, ...]
 
 
-def _proven_pieces(first: Match, s: Shard, src_shards, src_geometry) -> tuple[Piece, ...]:
-    """Pieces of one destination shard, proven to tile it; memoized by geometry.
+@dataclass(frozen=True)
+class Transfer:
+    """One op before it is named: what `Plan.transfers` yields and every consumer reads."""
 
-    Experts and layers placed on different ranks share their runs (the same
-    cached run tuples), so the pieces and their proof are computed once; the
-    memo keeps those tuples alive, so their ids cannot be reused.
+    op_id: int
+    instance: int        # index into Plan.matches
+    dst_rank: int
+    piece: Piece
+    sender: int
+    source: Source       # the alternative the sender holds
+    bytes: int
+    senders: RankSet     # every rank that could have sent it
+
+
+class PlanCache:
+    """Memos of one plan's compilation, dropped with the plan (never process-wide).
+
+    Shards per placement and proven pieces per geometry: identical layers and
+    experts share run tuples, so pieces and their proof are computed once per
+    distinct geometry. Keys use ids of run tuples the memo itself keeps alive.
     """
-    key = (tuple(id(r) for r in s.runs), src_geometry)
-    hit = _GEOMETRY.get(key)
-    if hit is not None:
-        return hit[0]
-    found = pieces(s.runs, src_shards)
-    fault = check_tiling([p.dst_slice for p in found], s.runs)
-    if fault is not None:
-        raise _coverage_error(first, s, fault)
-    _GEOMETRY[key] = (found, s.runs, [sh.runs for group in src_shards for sh in group])
-    return found
+
+    def __init__(self):
+        self._shards: dict[Placement, tuple[Shard, ...]] = {}
+        self._shard_of_rank: dict[Placement, dict[int, int]] = {}
+        self._pieces: dict[tuple, tuple] = {}
+        self._holders: dict[tuple[int, ...], RankSet] = {}
+
+    def shards(self, p: Placement) -> tuple[Shard, ...]:
+        hit = self._shards.get(p)
+        if hit is None:
+            hit = self._shards[p] = shards(p)
+        return hit
+
+    def shard_of_rank(self, p: Placement) -> dict[int, int]:
+        hit = self._shard_of_rank.get(p)
+        if hit is None:
+            hit = self._shard_of_rank[p] = {r: i for i, s in enumerate(self.shards(p)) for r in s.ranks}
+        return hit
+
+    def holders(self, ranks: tuple[int, ...]) -> RankSet:
+        """One RankSet per distinct holder tuple (shards' rank tuples are shared objects)."""
+        hit = self._holders.get(ranks)
+        if hit is None:
+            hit = self._holders[ranks] = RankSet(ranks)
+        return hit
+
+    def proven_pieces(self, first: Match, s: Shard, src_shards, src_geometry) -> tuple[Piece, ...]:
+        """Pieces of one destination shard, proven to tile it; memoized by geometry."""
+        key = (tuple(id(r) for r in s.runs), src_geometry)
+        hit = self._pieces.get(key)
+        if hit is not None:
+            return hit[0]
+        found = pieces(s.runs, src_shards)
+        fault = check_tiling([p.dst_slice for p in found], s.runs)
+        if fault is not None:
+            raise _coverage_error(first, s, fault)
+        self._pieces[key] = (found, s.runs, [sh.runs for group in src_shards for sh in group])
+        return found
+
+
+def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wire_bytes: int,
+                   cache: PlanCache) -> Geometry:
+    """Pieces per destination shard, proven to tile it; requests in canonical order."""
+    src_shards = [cache.shards(p) for p in src]
+    dst_shards = cache.shards(dst)
+    per_shard: list[range] = []
+    piece_list: list[Piece] = []
+    src_geometry = tuple(tuple(tuple(id(r) for r in s.runs) for s in group) for group in src_shards)
+    for s in dst_shards:
+        found = cache.proven_pieces(first, s, src_shards, src_geometry)
+        per_shard.append(range(len(piece_list), len(piece_list) + len(found)))
+        piece_list.extend(found)
+    alternatives = tuple(tuple((a, cache.holders(src_shards[a.instance][a.shard].ranks)) for a in p.sources)
+                         for p in piece_list)
+    senders = tuple(alts[0][1] if len(alts) == 1 else RankSet(r for _, h in alts for r in h)
+                    for alts in alternatives)
+    shard_index = cache.shard_of_rank(dst)
+    requests = tuple(Request(rank, k, piece_list[k].elements * wire_bytes, senders[k])
+                     for rank in sorted(shard_index) for k in per_shard[shard_index[rank]])
+    return Geometry(dst, src, wire_bytes, tuple(piece_list), requests, alternatives)
 
 
 def _logical(runs, a: int, b: int) -> str:
@@ -161,22 +222,40 @@ def _coverage_error(m: Match, shard: Shard, fault) -> PlanError:
 
 
 class Plan:
-    """The compiled plan: ops (lazily), statistics, and per-rank views."""
+    """The compiled plan: a frozen model read through one public door.
+
+    `transfers()` yields every op as a `Transfer` (instance, destination rank,
+    piece, sender, the source alternative it holds, bytes, candidate senders);
+    `ops`, `ops_for_rank`, statistics, the step graph, the renderers and the
+    runtime all read it (or `templates` and `picks`, its grouped form).
+    Compilation runs the stages of `PIPELINE` in order.
+    """
 
     def __init__(self, src: Layout, dst: Layout, *, ranks_per_node: int | None = None,
                  selector: str = "balanced", progress=None):
         self.src, self.dst = src, dst
-        self._progress = progress or (lambda stage, done, total: None)
         self.ranks_per_node = ranks_per_node
         self.selector_name = selector
-        self.matches, self.unused_keys = match(src, dst)
         self.world = max(src.ranks, dst.ranks)
-        self.templates: list[Template] = []
-        self._template_of: list[tuple[Template, int]] = []  # per match: (template, member ordinal)
-        self._group()
-        self._select()
+        self._progress = progress or (lambda stage, done, total: None)
+        self._cache = PlanCache()
+        for _, stage in PIPELINE:
+            stage(self)
+        self._cache = None  # the memos served compilation; the plan keeps only what it needs
 
-    # ---- building ---------------------------------------------------------
+    # ---- the grouped model ------------------------------------------------------
+    def picks(self, template: int, request: int) -> tuple[int, ...]:
+        """The chosen sender of one template request, per member (in member order)."""
+        return self._picks[template][request]
+
+    def template_of(self, instance: int) -> tuple[int, int]:
+        """(index into `templates`, member ordinal) of destination instance `instance`."""
+        return self._instance[instance]
+
+    def op_range(self, instance: int) -> range:
+        """The op ids of one destination instance (ops are grouped by instance)."""
+        return range(self._offsets[instance], self._offsets[instance + 1])
+
     @cached_property
     def tensors(self) -> tuple[TensorEntry, ...]:
         """One entry per destination key, in destination order."""
@@ -186,109 +265,72 @@ class Plan:
                 seen[m.dst.key] = TensorEntry(m.dst.key, m.dst.logical_shape, m.src[0].dtype, m.dst.dtype)
         return tuple(seen.values())
 
-    def _group(self) -> None:
-        by_sig: dict[tuple, Template] = {}
-        total = len(self.matches)
-        for i, m in enumerate(self.matches):
-            if i % 512 == 0:
-                self._progress("templates", i, total)
-            wire = ELEMENT_BYTES[wire_dtype(m.dst.dtype)]
-            # Identity of the (shared, immutable) mesh and dims objects plus the
-            # placement coordinates: equal keys mean equal placements, and hashing
-            # a few ints is what keeps grouping cheap at 100k tensors. (Both
-            # layouts outlive the plan, so the ids stay valid.)
-            sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed,
-                   tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), wire)
-            t = by_sig.get(sig)
-            if t is None:
-                t = Template(placement_of(m.dst), tuple(placement_of(s) for s in m.src), wire)
-                t.build(m)
-                by_sig[sig] = t
-                self.templates.append(t)
-            self._template_of.append((t, len(t.members)))
-            t.members.append(i)
+    # ---- the public door ----------------------------------------------------------
+    def transfers(self, *, rank: int | None = None, instance: int | None = None):
+        """Every op as a Transfer, in canonical order; only `rank`'s (sent or received), or one instance's."""
+        for op_id, i, g, req, sender in self._rows(rank, instance):
+            yield Transfer(op_id, i, req.rank, g.pieces[req.piece], sender, g.source_for(req.piece, sender),
+                           req.bytes, req.senders)
 
-    def _select(self) -> None:
-        """Choose senders, largest requests first (LPT: small ones then fill the gaps).
+    def _rows(self, rank: int | None, instance: int | None):
+        """(op id, instance, geometry, request, sender) in canonical order: what ops and transfers share."""
+        instances = range(len(self.matches)) if instance is None else (instance,)
+        offsets, templates, picks_of, where = self._offsets, self.templates, self._picks, self._instance
+        for i in instances:
+            ti, member = where[i]
+            g = templates[ti].geometry
+            picks = picks_of[ti]
+            base = offsets[i]
+            for j, req in enumerate(g.requests):
+                sender = picks[j][member]
+                if rank is None or req.rank == rank or sender == rank:
+                    yield base + j, i, g, req, sender
 
-        The order is a pure function of the plan (bytes, then template and
-        request order), so every rank makes the same choices.
-        """
-        selector = SELECTORS[self.selector_name](self.world, self.ranks_per_node)
-        self._progress("templates", len(self.matches), len(self.matches))
-        order = sorted(((t.piece_list[k].elements * t.wire_bytes, i, j)
-                        for i, t in enumerate(self.templates) for j, (_, k) in enumerate(t.requests)),
-                       key=lambda x: (-x[0], x[1], x[2]))
-        for t in self.templates:
-            t.picks = [None] * len(t.requests)
-        for step, (_, i, j) in enumerate(order):
-            if step % 4096 == 0:
-                self._progress("senders", step, len(order))
-            t = self.templates[i]
-            rank, k = t.requests[j]
-            nbytes = t.piece_list[k].elements * t.wire_bytes
-            t.picks[j] = selector.pick(rank, t.senders[j], len(t.members), nbytes, j)
-        self.send_load = selector.load
-        self._progress("senders", len(order), len(order))
+    def _ops(self, rank: int | None) -> tuple[Op, ...]:
+        matches = self.matches
+        out = []
+        for op_id, i, g, req, sender in self._rows(rank, None):
+            m = matches[i]
+            src = g.source_for(req.piece, sender)
+            out.append(Op(op_id, m.dst.key, sender, req.rank, m.src[src.instance].name, m.dst.name,
+                          src.src_slice, g.pieces[req.piece].dst_slice, req.bytes))
+        return tuple(out)
 
-    # ---- ops ------------------------------------------------------------------
-    @cached_property
-    def _offsets(self) -> list[int]:
-        out, acc = [], 0
-        for t, _ in self._template_of:
-            out.append(acc)
-            acc += len(t.requests)
-        out.append(acc)
-        return out
+    def op(self, t: Transfer) -> Op:
+        """The op a transfer becomes (named by the layouts' tensors)."""
+        m = self.matches[t.instance]
+        return Op(t.op_id, m.dst.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
+                  t.source.src_slice, t.piece.dst_slice, t.bytes)
 
     @property
     def op_count(self) -> int:
         return self._offsets[-1]
 
-    def _op(self, i: int, j: int) -> Op:
-        t, member = self._template_of[i]
-        m = self.matches[i]
-        rank, k = t.requests[j]
-        sender = t.picks[j][member]
-        src = t.source_for(k, sender)
-        piece = t.piece_list[k]
-        return Op(self._offsets[i] + j, m.dst.key, sender, rank, m.src[src.instance].name,
-                  m.dst.name, src.src_slice, piece.dst_slice, piece.elements * t.wire_bytes)
-
     @cached_property
     def ops(self) -> tuple[Op, ...]:
         """Every op, in canonical order (op.id == position)."""
         with gc_paused():
-            return tuple(self._op(i, j) for i, (t, _) in enumerate(self._template_of)
-                         for j in range(len(t.requests)))
+            return self._ops(None)
 
     def ops_for_rank(self, rank: int) -> tuple[Op, ...]:
         """The ops `rank` sends or receives, in canonical order, without building the others."""
         with gc_paused():
-            return self._ops_for_rank(rank)
+            return self._ops(rank)
 
-    def _ops_for_rank(self, rank: int) -> tuple[Op, ...]:
-        out = []
-        for i, (t, member) in enumerate(self._template_of):
-            for j, (dst_rank, _) in enumerate(t.requests):
-                if dst_rank == rank or t.picks[j][member] == rank:
-                    out.append(self._op(i, j))
-        return tuple(out)
-
-    # ---- statistics -------------------------------------------------------------
+    # ---- statistics ---------------------------------------------------------------
     @cached_property
     def stats(self) -> dict:
         recv = [0] * self.world  # network bytes received
         local = intra = inter = 0
         rpn = self.ranks_per_node
-        senders_possible: set[int] = set()
+        sender_sets: dict[int, RankSet] = {}
         receivers: set[int] = set()
-        for t in self.templates:
-            for j, (rank, k) in enumerate(t.requests):
-                nbytes = t.piece_list[k].elements * t.wire_bytes
-                senders_possible.update(t.senders[j])
-                for s in t.picks[j]:
-                    receivers.add(rank)
+        for ti, t in enumerate(self.templates):
+            for j, req in enumerate(t.geometry.requests):
+                rank, nbytes = req.rank, req.bytes
+                sender_sets.setdefault(id(req.senders), req.senders)
+                receivers.add(rank)
+                for s in self._picks[ti][j]:
                     if s == rank:
                         local += nbytes
                         continue
@@ -298,7 +340,7 @@ class Plan:
                     else:
                         inter += nbytes
         total = local + intra + inter
-        usable = len(senders_possible)
+        usable = len({r for rs in sender_sets.values() for r in rs})
         # The floor (DESIGN.md): every byte spread evenly over every rank that can
         # send. The busiest sender counts network bytes: a local copy uses no link.
         floor = total / usable if usable else 0.0
@@ -320,10 +362,11 @@ class Plan:
 
     @cached_property
     def recv_load(self) -> list[int]:
+        """Bytes each rank receives, local copies included."""
         recv = [0] * self.world
         for t in self.templates:
-            for j, (rank, k) in enumerate(t.requests):
-                recv[rank] += t.piece_list[k].elements * t.wire_bytes * len(t.members)
+            for req in t.geometry.requests:
+                recv[req.rank] += req.bytes * len(t.members)
         return recv
 
     @cached_property
@@ -341,6 +384,71 @@ class Plan:
         s = self.stats
         return (f"plan {self.src.path} -> {self.dst.path}: {s['tensors']} tensors, {s['ops']} ops, "
                 f"{s['bytes']} B, busiest sender {s['send_balance']:.2f}x floor")
+
+
+# ---- the stages, in order ---------------------------------------------------------
+def match_stage(plan: Plan) -> None:
+    """Every destination instance with the source instances of its key (match.py)."""
+    plan.matches, plan.unused_keys = match(plan.src, plan.dst)
+
+
+def template_stage(plan: Plan) -> None:
+    """Instances that cut and place alike share one geometry: pieces, proof, requests, senders."""
+    by_sig: dict[tuple, int] = {}
+    geometries: list[Geometry] = []
+    members: list[list[int]] = []
+    plan._instance = []
+    total = len(plan.matches)
+    for i, m in enumerate(plan.matches):
+        if i % 512 == 0:
+            plan._progress("templates", i, total)
+        wire = ELEMENT_BYTES[wire_dtype(m.dst.dtype)]
+        # Identity of the (shared, immutable) mesh and dims objects plus the
+        # placement coordinates: equal keys mean equal placements, and hashing
+        # a few ints is what keeps grouping cheap at 100k tensors. (Both
+        # layouts outlive the plan, so the ids stay valid.)
+        sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed,
+               tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), wire)
+        ti = by_sig.get(sig)
+        if ti is None:
+            ti = by_sig[sig] = len(geometries)
+            geometries.append(build_geometry(m, placement_of(m.dst), tuple(placement_of(s) for s in m.src),
+                                             wire, plan._cache))
+            members.append([])
+        plan._instance.append((ti, len(members[ti])))
+        members[ti].append(i)
+    plan.templates = tuple(Template(g, tuple(ms)) for g, ms in zip(geometries, members))
+    offsets, acc = [], 0
+    for ti, _ in plan._instance:
+        offsets.append(acc)
+        acc += len(geometries[ti].requests)
+    offsets.append(acc)
+    plan._offsets = offsets
+    plan._progress("templates", total, total)
+
+
+def select_stage(plan: Plan) -> None:
+    """Choose senders, largest requests first (LPT: small ones then fill the gaps).
+
+    The order is a pure function of the plan (bytes, then template and
+    request order), so every rank makes the same choices.
+    """
+    selector = SELECTORS[plan.selector_name](plan.world, plan.ranks_per_node)
+    order = sorted(((req.bytes, i, j) for i, t in enumerate(plan.templates)
+                    for j, req in enumerate(t.geometry.requests)), key=lambda x: (-x[0], x[1], x[2]))
+    picks: list[list] = [[None] * len(t.geometry.requests) for t in plan.templates]
+    for step, (nbytes, i, j) in enumerate(order):
+        if step % 4096 == 0:
+            plan._progress("senders", step, len(order))
+        t = plan.templates[i]
+        req = t.geometry.requests[j]
+        picks[i][j] = tuple(selector.pick(req.rank, req.senders, len(t.members), nbytes, j))
+    plan._picks = picks
+    plan.send_load = selector.load
+    plan._progress("senders", len(order), len(order))
+
+
+PIPELINE = (("match", match_stage), ("templates", template_stage), ("senders", select_stage))
 
 
 def _as_layout(x, args) -> Layout:

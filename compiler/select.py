@@ -18,25 +18,31 @@ from __future__ import annotations
 
 import heapq
 
+from .ranks import RankSet
+
 
 class Balanced:
     name = "balanced"
 
+    HEAP_FROM = 128  # candidate sets this large keep a heap across requests (replicas in the thousands)
+
     def __init__(self, world: int, ranks_per_node: int | None):
         self.load = [0] * world
         self.ranks_per_node = ranks_per_node
+        self._heaps: dict[int, tuple] = {}
 
-    def candidates(self, receiver: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
-        if receiver in ranks:
+    def candidates(self, receiver: int, ranks: RankSet):
+        if receiver in ranks.members:
             return (receiver,)
         rpn = self.ranks_per_node
         if rpn:
-            near = tuple(r for r in ranks if r // rpn == receiver // rpn)
+            node = receiver // rpn
+            near = ranks.between(node * rpn, (node + 1) * rpn)
             if near:
                 return near
-        return ranks
+        return ranks.ranks
 
-    def pick(self, receiver: int, ranks: tuple[int, ...], n: int, nbytes: int, ordinal: int) -> list[int]:
+    def pick(self, receiver: int, ranks: RankSet, n: int, nbytes: int, ordinal: int) -> list[int]:
         """Senders for n identical requests of `nbytes` each, in member order."""
         cands = self.candidates(receiver, ranks)
         load = self.load
@@ -44,6 +50,8 @@ class Balanced:
             if cands[0] != receiver:
                 load[cands[0]] += n * nbytes
             return [cands[0]] * n
+        if len(cands) >= self.HEAP_FROM and cands is ranks.ranks:
+            return self._from_heap(cands, n, nbytes)
         loads = [load[r] for r in cands]
         if max(loads) - min(loads) < nbytes:
             # Loads within one request of each other: the greedy sequence is
@@ -81,13 +89,42 @@ class Balanced:
         return out
 
 
+    def _from_heap(self, cands, n: int, nbytes: int) -> list[int]:
+        """The greedy rule over a large shared candidate set, O(log n) a pick.
+
+        One heap per set (sets are shared by every request for a piece), one
+        entry per rank; an entry whose recorded load is older than the rank's
+        load (raised through another set) is refreshed when it surfaces. Loads
+        only grow, so a stale entry surfaces early: the top, once fresh, is the
+        least loaded rank, lowest rank on ties — the same choice as a scan.
+        """
+        load = self.load
+        hit = self._heaps.get(id(cands))
+        if hit is None:
+            heap = [(load[r], r) for r in cands]
+            heapq.heapify(heap)
+            self._heaps[id(cands)] = (cands, heap)  # the set stays alive, so its id stays unique
+        else:
+            heap = hit[1]
+        out = []
+        for _ in range(n):
+            lo, r = heap[0]
+            while lo != load[r]:
+                heapq.heapreplace(heap, (load[r], r))
+                lo, r = heap[0]
+            out.append(r)
+            load[r] += nbytes
+            heapq.heapreplace(heap, (load[r], r))
+        return out
+
+
 class RoundRobin:
     name = "round_robin"
 
     def __init__(self, world: int, ranks_per_node: int | None):
         self.load = [0] * world
 
-    def pick(self, receiver: int, ranks: tuple[int, ...], n: int, nbytes: int, ordinal: int) -> list[int]:
+    def pick(self, receiver: int, ranks: RankSet, n: int, nbytes: int, ordinal: int) -> list[int]:
         r = ranks[ordinal % len(ranks)]
         if r != receiver:
             self.load[r] += n * nbytes
