@@ -485,6 +485,11 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
     for name in common:
         if not isinstance(src, Layout) and not isinstance(dst, Layout) and name not in declared:
             raise UsageError(f"--set {name}: neither layout has an arg `{name}`")
+    for flag, side, given, layout in (("--set-src", src, src_args, src_layout), ("--set-dst", dst, dst_args, dst_layout)):
+        for name in given or {}:
+            if not isinstance(side, Layout) and name not in dict(layout.args):
+                raise UsageError(f"{flag} {name}: {layout.path} has no arg `{name}`",
+                                 help=f"its args: {', '.join(n for n, _ in layout.args) or 'none'}")
     if progress:
         progress("layouts", 2, 2)
     with gc_paused():

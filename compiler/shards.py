@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
 
 from layoutlang.ir import DimIR, Mesh
 from layoutlang.modes import RunLike, _cached_hash
@@ -46,9 +45,11 @@ def placement_of(tensor) -> Placement:
     return p
 
 
-@lru_cache(maxsize=None)
 def shards(p: Placement) -> tuple[Shard, ...]:
-    """Every distinct piece of an instance with placement p, in coordinate order."""
+    """Every distinct piece of an instance with placement p, in coordinate order.
+
+    Not memoized here: a plan memoizes it for its own lifetime (`PlanCache`).
+    """
     fixed = dict(p.fixed)
     split = sorted({i for d in p.dims for i in ((d.over.axes if d.over else ()) +
                                                ((d.chunk.axis,) if d.chunk else ()))})
@@ -68,8 +69,3 @@ def shards(p: Placement) -> tuple[Shard, ...]:
             ranks.append(p.mesh.rank(tuple(coords)))
     return tuple(Shard(runs, tuple(sorted(ranks))) for runs, ranks in by_runs.items())
 
-
-@lru_cache(maxsize=None)
-def shard_of_rank(p: Placement) -> dict[int, int]:
-    """rank -> index of the shard it holds."""
-    return {r: i for i, s in enumerate(shards(p)) for r in s.ranks}

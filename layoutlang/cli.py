@@ -26,18 +26,40 @@ def _console(stream) -> Console:
     return Console(file=stream, highlight=False, soft_wrap=True)
 
 
-def _parse_sets(items: list[str]) -> dict[str, int]:
+def _parse_sets(items: list[str], flag: str = "--set") -> dict[str, int]:
     out = {}
     for item in items or []:
         name, eq, value = item.partition("=")
         name = name.strip()
         if not eq or not name.isidentifier():
-            raise UsageError(f"--set {item!r}: expected NAME=VALUE, e.g. --set TP=4")
+            raise UsageError(f"{flag} {item!r}: expected NAME=VALUE, e.g. {flag} TP=4")
         try:
             out[name] = int(value.replace("_", ""), 10)
         except ValueError:
-            raise UsageError(f"--set {item!r}: {value!r} is not an integer") from None
+            raise UsageError(f"{flag} {item!r}: {value!r} is not an integer") from None
     return out
+
+
+def _pair_args(ns) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(--set for both layouts, --set-src, --set-dst) of a verb that reads a pair."""
+    return (_parse_sets(ns.set), _parse_sets(getattr(ns, "set_src", None), "--set-src"),
+            _parse_sets(getattr(ns, "set_dst", None), "--set-dst"))
+
+
+def _report_shared_args(common: dict[str, int], src, dst, err: Console) -> None:
+    """`--set` reaches both layouts of a pair: say which of them took each one."""
+    for name, value in common.items():
+        took = [layout.path for layout in (src, dst) if name in dict(layout.args)]
+        where = " and ".join(took) if took else "neither layout"
+        err.print(f"note: --set {name}={value} applies to both layouts; taken by {where}"
+                  + ("" if len(took) == 2 else " (use --set-src / --set-dst for one side)"), markup=False)
+
+
+def _add_pair_sets(p) -> None:
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="override an `arg` in each layout that declares it (repeatable)")
+    p.add_argument("--set-src", action="append", metavar="NAME=VALUE", help="override an `arg` of SRC only")
+    p.add_argument("--set-dst", action="append", metavar="NAME=VALUE", help="override an `arg` of DST only")
 
 
 def _human(n: int) -> str:
@@ -210,7 +232,7 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
     from layoutlang.compiler.render import check_rank, iter_json, render_dot, render_text, unused_warning
     from layoutlang.compiler.select import SELECTORS
 
-    args = _parse_sets(ns.set)
+    args, src_args, dst_args = _pair_args(ns)
     if ns.selector not in SELECTORS:
         raise UsageError(f"--selector {ns.selector}: expected one of {', '.join(sorted(SELECTORS))}")
     if ns.ranks_per_node is not None and ns.ranks_per_node < 1:
@@ -218,8 +240,9 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
     if ns.rank is not None and ns.format in ("dot", "html"):
         raise UsageError(f"--rank filters ops in text and json output; {ns.format} shows the whole plan")
     with _Progress(err, ns.quiet) as progress:
-        plan = compile_plan(ns.src, ns.dst, args=args, ranks_per_node=ns.ranks_per_node,
-                            selector=ns.selector, progress=progress)
+        plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
+                            ranks_per_node=ns.ranks_per_node, selector=ns.selector, progress=progress)
+    _report_shared_args(args, plan.src, plan.dst, err)
     check_rank(plan, ns.rank)
     if ns.format == "json":
         chunks = iter_json(plan, ns.rank)
@@ -265,12 +288,15 @@ def cmd_run(ns, out: Console, err: Console) -> int:
         raise UsageError(f"--nproc {ns.nproc}: `layoutc run` starts between 1 and {limit} local processes "
                          "(each one imports torch, about 300 MB)",
                          help=f"pass --max-nproc {ns.nproc} to allow it" if ns.nproc > limit else None)
-    args = _parse_sets(ns.set)
-    plan = compile_plan(ns.src, ns.dst, args=args, ranks_per_node=ns.ranks_per_node)
+    args, src_args, dst_args = _pair_args(ns)
+    plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
+                        ranks_per_node=ns.ranks_per_node)
+    _report_shared_args(args, plan.src, plan.dst, err)
     if ns.nproc < plan.world:
         raise UsageError(f"--nproc {ns.nproc}: the plan spans {plan.world} ranks",
                          help=f"use --nproc {plan.world} or more, or smaller layouts (--set)")
     job = {"src": os.path.abspath(ns.src), "dst": os.path.abspath(ns.dst), "args": args,
+           "src_args": src_args, "dst_args": dst_args,
            "verify": ns.verify, "budget": ns.budget, "steps": ns.steps, "timeout": ns.timeout,
            "ranks_per_node": ns.ranks_per_node}
     out.print(f"refit {ns.src} -> {ns.dst}: {plan.stats['tensors']} tensors, {plan.stats['ops']} ops, "
@@ -312,13 +338,14 @@ def cmd_explain(ns, out: Console, err: Console) -> int:
     if len(ns.items) not in (2, 3):
         raise UsageError("expected SRC [DST] KEY", help="e.g. layoutc explain train.layout infer.layout "
                                                         "decoder.layers.0.mlp.linear_fc1.weight")
-    args = _parse_sets(ns.set)
+    args, src_args, dst_args = _pair_args(ns)
     src_path, key = ns.items[0], ns.items[-1]
-    src = load(src_path, args, unknown_args="ignore")
+    src = load(src_path, {**args, **src_args}, unknown_args="ignore")
     dst = plan = None
     if len(ns.items) == 3:
-        dst = load(ns.items[1], args, unknown_args="ignore")
+        dst = load(ns.items[1], {**args, **dst_args}, unknown_args="ignore")
         plan = compile_plan(src, dst)
+        _report_shared_args(args, src, dst, err)
     world = plan.world if plan else src.ranks
     if ns.rank is not None and not 0 <= ns.rank < world:
         raise UsageError(f"--rank {ns.rank}: the layouts span ranks 0..{world - 1}")
@@ -354,8 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "report with pictures (html).")
     plan.add_argument("src", metavar="SRC", help="the source layout (e.g. the trainer)")
     plan.add_argument("dst", metavar="DST", help="the destination layout (e.g. the inference engine)")
-    plan.add_argument("--set", action="append", metavar="NAME=VALUE",
-                      help="override an `arg` in each layout that declares it (repeatable)")
+    _add_pair_sets(plan)
     plan.add_argument("--format", choices=PLAN_FORMATS, default="text",
                       help="text (default): a report; json: the plan; dot: a Graphviz traffic graph; "
                            "html: a self-contained page with pictures (use -o plan.html)")
@@ -376,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "hold which block in SRC (and DST), and with DST the ops that move it.")
     exp.add_argument("items", nargs="+", metavar="SRC [DST] KEY")
     exp.add_argument("--rank", type=int, default=None, help="only this rank's shards and ops")
-    exp.add_argument("--set", action="append", metavar="NAME=VALUE", help="override an `arg` in both layouts")
+    _add_pair_sets(exp)
     exp.set_defaults(run=cmd_explain)
     run = sub.add_parser("run", help="refit across local gloo processes and check every element",
                          description="Spawn N local gloo processes, fill the source with deterministic "
@@ -384,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("src", metavar="SRC")
     run.add_argument("dst", metavar="DST")
     run.add_argument("--nproc", type=int, required=True, help="processes to spawn (>= the plan's ranks)")
-    run.add_argument("--set", action="append", metavar="NAME=VALUE", help="override an `arg` in both layouts")
+    _add_pair_sets(run)
     run.add_argument("--verify", action="store_true", help="also compare checksums of every transfer")
     run.add_argument("--budget", type=int, default=None, metavar="BYTES", help="staging budget per rank")
     run.add_argument("--steps", type=int, default=1, help="refit this many times (time the best)")
