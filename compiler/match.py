@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from layoutlang.diagnostics import ElaborationError, Note
 from layoutlang.ir import Layout, TensorIR
-from layoutlang.modes import Leaf, PartNode, PartTree
+from layoutlang.modes import Leaf, PartTree
 
 
 class PlanError(ElaborationError):
