@@ -18,6 +18,7 @@ from rich.table import Table
 from . import __version__
 from .diagnostics import LayoutError, UsageError
 from .elaborate import load
+from .report.units import human_bytes
 
 EXIT_OK, EXIT_DIAGNOSTICS, EXIT_USAGE = 0, 1, 2
 
@@ -62,15 +63,6 @@ def _add_pair_sets(p) -> None:
     p.add_argument("--set-dst", action="append", metavar="NAME=VALUE", help="override an `arg` of DST only")
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if size < 1024 or unit == "PiB":
-            return f"{n} B" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
 def _print_error(err: LayoutError, err_console: Console) -> None:
     text = err.render()
     if err_console.is_terminal:
@@ -113,7 +105,7 @@ def summarize(layout, out: Console) -> None:
     if held:
         lo, hi = min(held), max(held)
         lo_r, hi_r = per_rank.index(lo), per_rank.index(hi)
-        out.print(f"  bytes    per rank min {_human(lo)} (rank {lo_r}), max {_human(hi)} (rank {hi_r})",
+        out.print(f"  bytes    per rank min {human_bytes(lo)} (rank {lo_r}), max {human_bytes(hi)} (rank {hi_r})",
                   markup=False)
     if layout.args:
         out.print("  args     " + ", ".join(f"{n}={v}" for n, v in layout.args), markup=False)
@@ -229,8 +221,8 @@ class _Progress:
 
 def cmd_plan(ns, out: Console, err: Console) -> int:
     from layoutlang.compiler import compile_plan
-    from layoutlang.compiler.render import check_rank, iter_json, render_dot, render_text, unused_warning
     from layoutlang.compiler.select import SELECTORS
+    from layoutlang.report.render import check_rank, iter_json, render_dot, render_text, unused_warning
 
     args, src_args, dst_args = _pair_args(ns)
     if ns.selector not in SELECTORS:
@@ -249,7 +241,7 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
     elif ns.format == "dot":
         chunks = iter([render_dot(plan)])
     elif ns.format == "html":
-        from layoutlang.compiler.html import render_html
+        from layoutlang.report.html_page import render_html
 
         chunks = iter([render_html(plan)])
     else:
@@ -300,7 +292,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
            "verify": ns.verify, "budget": ns.budget, "steps": ns.steps, "timeout": ns.timeout,
            "ranks_per_node": ns.ranks_per_node}
     out.print(f"refit {ns.src} -> {ns.dst}: {plan.stats['tensors']} tensors, {plan.stats['ops']} ops, "
-              f"{_human(plan.stats['bytes'])} on {ns.nproc} gloo processes", markup=False)
+              f"{human_bytes(plan.stats['bytes'])} on {ns.nproc} gloo processes", markup=False)
     start = time.perf_counter()
     results = launch(job, ns.nproc, timeout=ns.timeout * 2 + 120)
     wall = time.perf_counter() - start
@@ -313,8 +305,8 @@ def cmd_run(ns, out: Console, err: Console) -> int:
         res = r.result or {}
         secs = min(res.get("seconds") or [0.0])
         slowest = max(slowest, secs)
-        table.add_row(str(r.rank), _human(res.get("sent_bytes", 0)), _human(res.get("received_bytes", 0)),
-                      _human(res.get("local_bytes", 0)), f"{secs:.3f}",
+        table.add_row(str(r.rank), human_bytes(res.get("sent_bytes", 0)), human_bytes(res.get("received_bytes", 0)),
+                      human_bytes(res.get("local_bytes", 0)), f"{secs:.3f}",
                       "ok" if r.ok else "FAILED")
     out.print(table)
     moved = plan.stats["bytes"]
@@ -333,7 +325,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
 
 def cmd_explain(ns, out: Console, err: Console) -> int:
     from layoutlang.compiler import compile_plan
-    from layoutlang.compiler.explain import explain
+    from layoutlang.report.explain import explain
 
     if len(ns.items) not in (2, 3):
         raise UsageError("expected SRC [DST] KEY", help="e.g. layoutc explain train.layout infer.layout "

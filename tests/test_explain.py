@@ -16,8 +16,9 @@ import pytest
 
 from layoutlang import compile_plan, load
 from layoutlang.cli import main
-from layoutlang.compiler.explain import explain_text, rank_ranges
 from layoutlang.compiler.shards import placement_of
+from layoutlang.report.explain import explain_text
+from layoutlang.report.units import rank_ranges
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted(ROOT.glob("examples/**/*.layout"))
@@ -52,7 +53,7 @@ GOLDEN = {
     # 0:64 -> 64d, 64:128 -> 128 + 64d. dst 0 = gate 0:64 (ranks 0, 1) then up 128:192 (ranks 0, 1),
     # each a 32-row piece, 32 x 64 x 2 = 4096 B (an mxfp8 destination travels as bf16).
     "fc1": ("layers.0.fc1.weight", True),
-    # [64] fp32 replicated over tp (one shard, ranks 0-3) -> [64] bf16 on ranks 0-1: no bar (one
+    # [64] fp32 replicated over tp (one shard, ranks 0..3) -> [64] bf16 on ranks 0..1: no bar (one
     # shard), each destination copies locally (DESIGN: local copy first), 64 x 2 = 128 B.
     "final_norm": ("final_norm.weight", True),
 }
@@ -120,12 +121,16 @@ def test_shard_table_lists_ranks_and_runs():
     s = loads("mesh m (dp=2, tp=2)\ntensor w [(gate: 4 | up: 4) over tp, 3]", "s.layout")
     text = explain_text(s, "w")
     assert "dim 0 parts: gate [0, 4)  up [4, 8)" in text
-    assert "0:2->0:2 2:4->4:6" in text and "0,2" in text  # shard 0: tp 0 on ranks 0 and 2
-    assert "0:2->2:4 2:4->6:8" in text and "1,3" in text
+    assert "0:2->0:2 2:4->4:6" in text and "0, 2" in text  # shard 0: tp 0 on ranks 0 and 2
+    assert "0:2->2:4 2:4->6:8" in text and "1, 3" in text
 
 
 def test_rank_ranges():
-    assert rank_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    """A shard's ranks in the notation of every other report (units.rank_ranges), cut at 48 characters."""
+    assert rank_ranges([0, 1, 2, 3, 8, 10, 11]) == "0..3, 8, 10..11"
+    from layoutlang import loads
+    text = explain_text(loads("mesh m (dp=64, tp=2)\ntensor w [8 over tp, 4]", "s.layout"), "w")
+    assert "0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, ... (64 ranks)" in text
 
 
 def test_cli(capsys):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from layoutlang.compiler import compile_plan
-from layoutlang.compiler.html import render_html, tensor_groups
+from layoutlang.report.html_page import render_html, tensor_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

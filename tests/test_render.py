@@ -40,8 +40,8 @@ import pytest
 
 from layoutlang.cli import main
 from layoutlang.compiler import compile_plan
-from layoutlang.compiler.render import (TEMPLATES, human_bytes, rank_ranges, render_dot, render_json,
-                                        render_text)
+from layoutlang.report.render import TEMPLATES, render_dot, render_json, render_text
+from layoutlang.report.units import human_bytes, rank_ranges
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path("tests") / "golden"  # relative to ROOT: rendered paths stay stable
@@ -58,12 +58,12 @@ CASES = {
     "collocated.dot": ["--format", "dot"],
     "rpn2_rank1.txt": ["--ranks-per-node", "2", "--rank", "1"],
     "rpn2_rank1.json": ["--ranks-per-node", "2", "--rank", "1", "--format", "json"],
-    "offset_rpn2.txt": ["--set", "AT=4", "--ranks-per-node", "2"],
-    "offset.dot": ["--set", "AT=4", "--format", "dot"],
+    "offset_rpn2.txt": ["--set-dst", "AT=4", "--ranks-per-node", "2"],
+    "offset.dot": ["--set-dst", "AT=4", "--format", "dot"],
     # full plans, so that every text/DOT golden above has a proven JSON twin
     "rpn2.json": ["--ranks-per-node", "2", "--format", "json"],
-    "offset.json": ["--set", "AT=4", "--format", "json"],
-    "offset_rpn2.json": ["--set", "AT=4", "--ranks-per-node", "2", "--format", "json"],
+    "offset.json": ["--set-dst", "AT=4", "--format", "json"],
+    "offset_rpn2.json": ["--set-dst", "AT=4", "--ranks-per-node", "2", "--format", "json"],
 }
 
 EXAMPLE_SRC, EXAMPLE_DST = "examples/llama3_8b_train.layout", "examples/llama3_8b_infer.layout"
@@ -134,10 +134,10 @@ def test_output_file_gets_what_stdout_would(tmp_path, capsys):
 # ---- the goldens, proven against the layouts -------------------------------------------
 
 def _case_args(name: str) -> tuple[dict[str, int], int | None, int | None]:
-    """(--set args, --ranks-per-node, --rank) of a golden case."""
+    """(--set / --set-dst args, --ranks-per-node, --rank) of a golden case (only the destination has AT)."""
     argv, args, rpn, rank = CASES[name], {}, None, None
     for flag, value in zip(argv, argv[1:]):
-        if flag == "--set":
+        if flag in ("--set", "--set-dst"):
             k, v = value.split("=")
             args[k] = int(v)
         elif flag == "--ranks-per-node":
@@ -514,4 +514,4 @@ def test_human_bytes_and_rank_ranges():
 def test_templates_ship_with_the_package():
     assert {p.name for p in TEMPLATES.glob("*.j2")} >= {"plan.txt.j2", "plan.dot.j2"}
     pyproject = (ROOT / "pyproject.toml").read_text("utf-8")
-    assert '"layoutlang.compiler" = ["templates/*.j2"]' in pyproject
+    assert '"layoutlang.report" = ["templates/*.j2"]' in pyproject

@@ -3,39 +3,30 @@
 For a key: its logical shape and parts, and for each layout the shards (which
 ranks hold which block, as runs of local -> logical) with a bar per split dim
 showing who holds which logical range; with a destination, the ops that move
-it. Rendered with rich; `explain_text` gives the same as plain text.
+it. Rendered with rich; `explain_text` gives the same as plain text. Rank
+lists and slices are written by units.py, as in every other report.
 """
 
 from __future__ import annotations
+
+import io
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from layoutlang.compiler.shards import placement_of, shards
 from layoutlang.diagnostics import UsageError
 from layoutlang.ir import Layout, TensorIR
 from layoutlang.modes import Run, part_leaves
 
-from .shards import placement_of, shards
+from .units import rank_ranges, slice_text
 
 BAR = 64
 COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
           "bright_green", "bright_yellow", "bright_blue", "bright_red")
 GLYPHS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-def rank_ranges(ranks) -> str:
-    """`0-3,8,10-11`: a sorted rank list, compressed."""
-    out, ranks = [], sorted(ranks)
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    text = ",".join(out)
-    return text if len(text) <= 48 else text[:45] + f"... ({len(ranks)} ranks)"
+RANKS_WIDTH = 48  # a shard's rank list is cut beyond this many characters
 
 
 def _instances(layout: Layout, key: str) -> tuple[TensorIR, ...]:
@@ -74,7 +65,7 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
                 continue
             cells = [_runs_text(runs) for runs in s.runs]
             table.add_row(Text(GLYPHS[i % len(GLYPHS)], style=COLORS[i % len(COLORS)]),
-                          rank_ranges(s.ranks), *cells)
+                          rank_ranges(s.ranks, RANKS_WIDTH), *cells)
         out.append(table)
     return out
 
@@ -130,9 +121,8 @@ def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: i
         for col in ("op", "from", "to", "source slice", "destination slice", "bytes"):
             table.add_column(col, justify="right" if col in ("op", "bytes") else "left")
         for op in ops[:max_ops]:
-            sl = lambda s: "[" + ", ".join(f"{a}:{b}" for a, b in s) + "]"
             table.add_row(str(op.id), f"rank {op.src_rank}", f"rank {op.dst_rank}" + (" (local)" if op.local else ""),
-                          sl(op.src_slice), sl(op.dst_slice), str(op.bytes))
+                          slice_text(op.src_slice), slice_text(op.dst_slice), str(op.bytes))
         parts.append(table)
         if len(ops) > max_ops:
             parts.append(Text(f"... {len(ops) - max_ops} more ops"))
@@ -141,6 +131,6 @@ def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: i
 
 def explain_text(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: int | None = None,
                  width: int = 120) -> str:
-    console = Console(width=width, record=True, file=open("/dev/null", "w"), color_system=None)
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     console.print(explain(src, key, dst, plan, rank))
     return console.export_text()

@@ -12,11 +12,11 @@ are checked against golden files (tests/golden/).
 
 With ``rank=R``, JSON and text show only the ops rank R sends or receives;
 the plan-wide ``stats`` stay plan-wide and ``rank_stats`` describes the ops shown.
+Sizes and rank lists are written by units.py.
 
->>> human_bytes(1536), human_bytes(1023), human_bytes(3 * 2**30)
-('1.50 KiB', '1023 B', '3.00 GiB')
->>> rank_ranges([0, 1, 2, 3, 8, 10, 11])
-'0..3, 8, 10..11'
+>>> from layoutlang import loads
+>>> covered_ranks(loads("mesh a (tp=2)\\nmesh b (tp=2) at 4\\ntensor w [8 over tp, 4] on b"))
+[0, 1, 4, 5]
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from pathlib import Path
 
 import jinja2
 
+from layoutlang.compiler.plan import FORMAT, Op, Plan
 from layoutlang.diagnostics import UsageError
 from layoutlang.ir import Layout
 
-from .plan import FORMAT, Op, Plan
+from .units import counted, human_bytes, rank_ranges
 
-TEMPLATES = Path(__file__).parent / "templates"  # repo: compiler/templates; wheel: layoutlang/compiler/templates
+TEMPLATES = Path(__file__).parent / "templates"  # layoutlang/report/templates (package data)
 
 # The fields LANGUAGE.md 6 requires in "stats", in its order; the other stats follow sorted by name.
 REQUIRED_STATS = ("ops", "bytes", "max_send_bytes", "max_recv_bytes")
@@ -42,39 +43,12 @@ UNUSED_SHOWN = 5  # unused source keys named in a warning before "..."
 
 # ---- small helpers ------------------------------------------------------------
 
-def human_bytes(n: int | float) -> str:
-    """Bytes in binary units with two decimals; below 1 KiB the exact count."""
-    n = int(round(n))
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024:
-            return f"{n} B" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{size:.2f} PiB"
-
-
 def covered_ranks(layout: Layout) -> list[int]:
     """The sorted ranks that the layout's meshes cover (idle ranks below a mesh's `at` excluded)."""
     ranks: set[int] = set()
     for m in layout.meshes:
         ranks.update(range(m.offset, m.end))
     return sorted(ranks)
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """Sorted ranks as inclusive runs, `0..3, 8`, the notation of `layoutc check`."""
-    out: list[str] = []
-    run: list[int] = []
-    for r in sorted(ranks):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}..{run[-1]}")
-        run = [r]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}..{run[-1]}")
-    return ", ".join(out) or "none"
 
 
 def check_rank(plan: Plan, rank: int | None) -> None:
@@ -172,11 +146,6 @@ def _dot_string(text: object) -> str:
     return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def _counted(n: int, noun: str) -> str:
-    """`1 op`, `2 ops`."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 @functools.cache
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False,
@@ -184,11 +153,12 @@ def _env() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined)
     env.filters["human"] = human_bytes
     env.filters["dot"] = _dot_string
-    env.filters["counted"] = _counted
+    env.filters["counted"] = counted
     return env
 
 
-def _layout_title(layout: Layout) -> str:
+def layout_title(layout: Layout) -> str:
+    """`path (name)`, or the path of an unnamed layout."""
     return f"{layout.path} ({layout.name})" if layout.name else layout.path
 
 
@@ -228,7 +198,7 @@ def render_text(plan: Plan, rank: int | None = None, top: int = 8, max_ops: int 
         ops = plan.ops_for_rank(rank)
         rank_view = {**_rank_stats(plan, rank, ops), "shown": [str(op) for op in ops[:max_ops]]}
     context = {
-        "src": _layout_title(plan.src), "dst": _layout_title(plan.dst),
+        "src": layout_title(plan.src), "dst": layout_title(plan.dst),
         "src_ranks": rank_ranges(covered_ranks(plan.src)),
         "dst_ranks": rank_ranges(covered_ranks(plan.dst)),
         "selector": plan.selector_name, "ranks_per_node": plan.ranks_per_node,
@@ -270,7 +240,7 @@ def render_dot(plan: Plan) -> str:
                 clusters.append({"name": name, "label": title, "ranks": sorted(ranks)})
     clustered = {r for c in clusters for r in c["ranks"]}
     context = {
-        "src": _layout_title(plan.src), "dst": _layout_title(plan.dst), "stats": plan.stats,
+        "src": layout_title(plan.src), "dst": layout_title(plan.dst), "stats": plan.stats,
         "clusters": clusters, "loose": sorted((src | dst) - clustered),
         "edges": [{"src": s, "dst": d, "ops": n, "bytes": b,
                    "penwidth": f"{1 + 4 * b / heaviest:.2f}"}
@@ -280,5 +250,5 @@ def render_dot(plan: Plan) -> str:
     return _env().get_template("plan.dot.j2").render(context)
 
 
-__all__ = ["render_json", "iter_json", "render_text", "render_dot", "human_bytes", "covered_ranks",
-           "rank_ranges", "check_rank", "unused_warning"]
+__all__ = ["render_json", "iter_json", "render_text", "render_dot", "covered_ranks", "layout_title",
+           "check_rank", "unused_warning"]
