@@ -11,12 +11,12 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from layoutlang.diagnostics import ElaborationError, Note
+from layoutlang.diagnostics import LayoutError, Note
 from layoutlang.ir import Layout, TensorIR
 from layoutlang.modes import Leaf, PartTree
 
 
-class PlanError(ElaborationError):
+class PlanError(LayoutError):
     """Two layouts that cannot be planned together (missing key, shape, coverage)."""
 
 

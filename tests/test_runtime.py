@@ -139,7 +139,7 @@ def test_killed_peer_fails_every_survivor_naming_it(pair):
         if r.rank == 1:
             continue
         error = r.result["error"]
-        assert error.startswith(f"rank {r.rank}: step 1, bucket 1: "), error
+        assert error.startswith(f"error: rank {r.rank}: step 1, bucket 1: "), error
         assert r.result["outcomes"][0]["peers"] == [1], error
         assert "peer rank 1 " in error or "rank 1 did not finish bucket 1" in error, error
 
