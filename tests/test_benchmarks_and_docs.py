@@ -61,6 +61,17 @@ def test_naive_planner_selfcheck():
 
 
 @pytest.mark.timeout(300)
+def test_replicas_scale_small():
+    proc = _run("benchmarks/replicas_scale.py", "--sizes", "1024,4096")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == ["identity", "disjoint", "result"]
+    rows = [line for line in lines if line.startswith("  N=")]
+    assert len(rows) == 4 and not any("WRONG" in line for line in rows), proc.stdout
+    assert lines[-1] == "result: ok"
+
+
+@pytest.mark.timeout(300)
 def test_plan_scale_quick():
     proc = _run("benchmarks/plan_scale.py", "--quick", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
