@@ -1,7 +1,8 @@
 """The syntax tree of a `.layout` file: frozen dataclasses, each with its span.
 
 Spans are excluded from equality so that two parses of equivalent text
-compare equal (the formatter's round-trip test relies on it).
+compare equal (the formatter's round-trip test relies on it). Nodes are
+slotted: a generated file of a million tensor lines holds ten million of them.
 
 Notation::
 
@@ -23,20 +24,20 @@ def _span() -> Span:
 
 # ---- expressions -----------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Num:
     value: int
     text: str
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Name:
     name: str
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Local:
     """`x.local`: a loop variable's index within the rank's block."""
 
@@ -44,7 +45,7 @@ class Local:
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BinOp:
     op: str  # one of + - * / // %
     left: "Expr"
@@ -52,13 +53,13 @@ class BinOp:
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Neg:
     operand: "Expr"
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Call:
     func: str  # min max cdiv roundup
     args: tuple["Expr", ...]
@@ -70,7 +71,7 @@ Expr = Num | Name | Local | BinOp | Neg | Call
 
 # ---- tensor names ----------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Interp:
     """`{EXPR}` inside a tensor name."""
 
@@ -78,7 +79,7 @@ class Interp:
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NameTemplate:
     """A dotted tensor name: literal text and interpolations, in order."""
 
@@ -89,13 +90,13 @@ class NameTemplate:
 
 # ---- dimension modes -------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Plain:
     extent: Expr
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Product:
     """`(N, M)`: N consecutive copies of M, outer first."""
 
@@ -104,14 +105,14 @@ class Product:
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Part:
     name: str | None
     mode: "Mode"
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Concat:
     """`(a: M1 | b: M2)`: parts in order (packed or strided storage)."""
 
@@ -119,7 +120,7 @@ class Concat:
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Pad:
     """`M pad K`: stored extent rounded up to a multiple of K."""
 
@@ -131,20 +132,20 @@ class Pad:
 Mode = Plain | Product | Concat | Pad
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AxisRef:
     name: str
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     axis: AxisRef
     align: Expr | None
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Dim:
     mode: Mode
     over: tuple[AxisRef, ...]  # empty: not split; several: a combined axis
@@ -154,38 +155,38 @@ class Dim:
 
 # ---- statements ------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Binding:
     name: str
     value: Expr
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Header:
     name: str
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Include:
     path: str
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Arg:
     bindings: tuple[Binding, ...]
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Const:
     bindings: tuple[Binding, ...]
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MeshDecl:
     name: str
     axes: tuple[Binding, ...]
@@ -194,27 +195,27 @@ class MeshDecl:
     name_span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DefaultDtype:
     dtype: str
     span: Span = _span()
     dtype_span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ident:
     name: str
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Place:
     axis: AxisRef
     coord: Expr
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorDecl:
     name: NameTemplate
     key: NameTemplate | None
@@ -225,7 +226,7 @@ class TensorDecl:
     span: Span = _span()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ForLoop:
     var: str
     start: Expr
@@ -241,7 +242,7 @@ class ForLoop:
 Stmt = Header | Include | Arg | Const | MeshDecl | DefaultDtype | TensorDecl | ForLoop
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Comment:
     """A `#` comment, kept for the formatter."""
 
@@ -250,7 +251,7 @@ class Comment:
     col: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class File:
     statements: tuple[Stmt, ...]
     comments: tuple[Comment, ...] = field(default=(), compare=False, repr=False)

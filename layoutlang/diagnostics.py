@@ -26,9 +26,12 @@ class Source:
         return lines[line - 1] if 0 < line <= len(lines) else ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
-    """A region of a source: 1-based line and column, end exclusive."""
+    """A region of a source: 1-based line and column, end exclusive.
+
+    Slotted: every AST node holds one, so a million-line file holds millions.
+    """
 
     source: Source = field(repr=False)
     line: int

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import errno
 import hashlib
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -25,7 +27,9 @@ from .parser import decode, parse_source
 
 INT64_MAX = (1 << 63) - 1
 MAX_RANKS = 1 << 20
-MAX_TENSORS = 1 << 20
+MAX_TENSORS = 1 << 20        # tensor instances per layout; also `tensor` statements, counted before parsing
+MAX_INCLUDE_DEPTH = 64       # nested includes below the top-level file
+MAX_FILE_BYTES = 64 << 20    # per file read; 1<<20 tensor lines of 64 bytes fit
 FUNCTIONS = {"min": None, "max": None, "cdiv": 2, "roundup": 2}
 
 
@@ -36,6 +40,80 @@ def _err(message: str, span: Span | None, help: str | None = None, notes=()) -> 
 def _did_you_mean(name: str, options: Iterable[str]) -> str | None:
     close = difflib.get_close_matches(name, list(options), n=1)
     return f"did you mean `{close[0]}`?" if close else None
+
+
+class FileRefused(Exception):
+    """A path that is not a layout file we will read: `reason` completes
+    "cannot read PATH: ...", `help` says what to do (None: the path is wrong)."""
+
+    def __init__(self, reason: str, help: str | None = None):
+        super().__init__(reason)
+        self.reason, self.help = reason, help
+
+
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(mode: int) -> FileRefused:
+    if stat.S_ISDIR(mode):
+        return FileRefused(os.strerror(errno.EISDIR))
+    kind = next((word for test, word in _KINDS if test(mode)), "not a regular file")
+    return FileRefused(f"not a regular file but {kind}" if kind.startswith("a ") else kind,
+                       help="a layout is a regular file: name a `.layout` file, not a device, pipe or socket")
+
+
+def _too_large(size: str) -> FileRefused:
+    cap = f"{MAX_FILE_BYTES} bytes"
+    if MAX_FILE_BYTES >= 1 << 20 and MAX_FILE_BYTES % (1 << 20) == 0:
+        cap += f" ({MAX_FILE_BYTES >> 20} MiB)"
+    return FileRefused(f"the file has {size} bytes; at most {cap} are read",
+                       help="a layout file is far smaller: check that the path names the right file")
+
+
+def _read_at_most(fh, expected: int, limit: int) -> bytes:
+    """Up to `limit` bytes: one read when the file has the size `stat` gave, else
+    chunks (a buffer of `limit` bytes up front would cost 64 MiB per file)."""
+    data = fh.read(min(expected + 1, limit))
+    if len(data) <= expected:
+        return data
+    parts, total = [data], len(data)
+    while total < limit:
+        chunk = fh.read(min(1 << 20, limit - total))
+        if not chunk:
+            break
+        parts.append(chunk)
+        total += len(chunk)
+    return b"".join(parts)
+
+
+def read_layout_file(path: str) -> bytes:
+    """The bytes of a regular file of at most MAX_FILE_BYTES, else FileRefused.
+
+    The type is checked with `stat` before opening (opening a FIFO blocks) and
+    again on the open descriptor (the path may change in between); at most
+    MAX_FILE_BYTES + 1 bytes are read, so a file that grows, or a /proc file
+    that reports size 0, cannot exhaust memory.
+    """
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(st.st_mode)
+        if st.st_size > MAX_FILE_BYTES:
+            raise _too_large(str(st.st_size))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise _not_regular(mode)
+            data = _read_at_most(fh, st.st_size, MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise FileRefused(exc.strerror or str(exc)) from None
+    except ValueError:  # a NUL in the path
+        raise FileRefused("a path cannot contain a NUL character") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise _too_large(f"more than {MAX_FILE_BYTES}")
+    return data
 
 
 @dataclass
@@ -71,13 +149,20 @@ class _Elaborator:
         self.header: str | None = None
         self.include_stack: list[str] = []
         self.included: set[str] = set()
-        self.keys: dict[str, tuple[int, TensorIR, tuple]] = {}
-        self.names: dict[str, dict[tuple, dict[tuple, TensorIR]]] = {}
+        self.tensor_statements = 0  # in the files parsed so far, loop bodies included
+        # Per instance the elaborator keeps a few words: the first instance of
+        # each key, of each name (a group table only for names declared again).
+        self.keys: dict[str, TensorIR] = {}
+        self.names: dict[str, TensorIR | dict[tuple, dict[tuple, TensorIR]]] = {}
+        # Inside loops, a statement's dims are built once per distinct value of the
+        # loop variables they use (by the statement's id: cleared with the loop).
         self.dim_memo: dict[tuple, tuple[DimIR, ...]] = {}
         self.free_memo: dict[int, tuple[str, ...]] = {}
+        self.dim_pool: dict[DimIR, DimIR] = {}  # equal dims of different statements: one object
+        self.fixed_pool: dict[tuple, tuple] = {}  # placement coordinates, one object per value
         self.texts: list[str] = []  # every source read, in order: the layout's digest
-        self.sized: dict[tuple[int, str], tuple] = {}   # dims (by identity) already size-checked
-        self.signatures: dict[int, tuple] = {}          # id(dims) -> (logical shape, part trees, dims)
+        self.sized: set[tuple[tuple[DimIR, ...], str]] = set()  # (dims, dtype) already size-checked
+        self.signatures: dict[tuple[DimIR, ...], tuple] = {}  # dims -> (logical shape, part trees)
 
     # ---- files and statements -------------------------------------------
     def run_file(self, source: Source, span: Span | None = None) -> None:
@@ -85,9 +170,12 @@ class _Elaborator:
         self.include_stack.append(real)
         self.included.add(real)
         self.texts.append(source.text)
-        file = parse_source(source)
-        for i, stmt in enumerate(file.statements):
-            if isinstance(stmt, ast.Header):
+        statements = list(parse_source(source, max_tensors=MAX_TENSORS, tensors_before=self.tensor_statements,
+                                       comments=False).statements)
+        self.tensor_statements += _count_statements(statements)
+        for i, stmt in enumerate(statements):
+            statements[i] = None  # done with its AST as soon as it is elaborated: the IR
+            if isinstance(stmt, ast.Header):  # keeps only spans (and a mode's origin)
                 if i != 0:
                     raise _err("`layout` must be the first statement of a file", stmt.span,
                                help="move the `layout NAME` header to the top")
@@ -131,12 +219,16 @@ class _Elaborator:
                        help="remove one of the includes; shared definitions belong in a third file")
         if real in self.included:
             return  # already included: a file's definitions are taken once
+        depth = len(self.include_stack)  # the top-level file is depth 0
+        if depth > MAX_INCLUDE_DEPTH:
+            raise _err(f"include depth {depth} exceeds the limit of {MAX_INCLUDE_DEPTH} nested includes",
+                       stmt.span, help="include shared files from one place instead of chaining them")
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise _err(f"cannot include \"{stmt.path}\": {exc.strerror or 'cannot read'}", stmt.span,
-                       help=f"the path is relative to this file: looked for {path}") from None
+            data = read_layout_file(path)
+        except FileRefused as exc:
+            raise _err(f"cannot include \"{stmt.path}\": {exc.reason}", stmt.span,
+                       help=(f"{exc.help}; looked for {path}" if exc.help else
+                             f"the path is relative to this file: looked for {path}")) from None
         self.run_file(decode(data, path), stmt.span)
 
     def define(self, b: ast.Binding, kind: str) -> None:
@@ -217,6 +309,9 @@ class _Elaborator:
                                inner.span, help="move it above the loop")
                 self.statement(inner, source)
         self.loops.pop()
+        if not self.loops:  # the memos are keyed by statement ids, which die with the loop
+            self.dim_memo.clear()
+            self.free_memo.clear()
 
     def loop_blocks(self, frame: _Loop, size: int, mesh: Mesh, tensor_span: Span) -> None:
         """Fix a loop's distribution over its axis (size from the first governed tensor)."""
@@ -306,7 +401,7 @@ class _Elaborator:
             fixed.append((idx, coord))
         dtype = (self.dtype_name(stmt.dtype.name, stmt.dtype.span) if stmt.dtype
                  else self.default_dtype)
-        if (id(dims), dtype) not in self.sized:  # dims objects are shared across iterations
+        if (dims, dtype) not in self.sized:
             local = tuple(d.local for d in dims)
             if dtype == "mxfp8" and (not dims or local[-1] % MXFP8_BLOCK):
                 raise _err(f"mxfp8 needs the local last dim to be a multiple of {MXFP8_BLOCK}; "
@@ -314,10 +409,14 @@ class _Elaborator:
                            stmt.dims[-1].span if stmt.dims else stmt.span,
                            help="use another dtype, or a shape whose local last dim is a multiple of 32")
             self.check_size(dims, dtype, stmt)
-            self.sized[(id(dims), dtype)] = dims  # keeps dims alive: the id stays unique
+            self.sized.add((dims, dtype))
         name = self.render(stmt.name, "value")
         key = self.render(stmt.key, "reject") if stmt.key else self.render(stmt.name, "global")
-        t = TensorIR(key, name, dtype, mesh, dims, tuple(sorted(fixed)), stmt.span)
+        if key == name:
+            key = name  # one string object for both
+        fixed = tuple(sorted(fixed))
+        fixed = self.fixed_pool.setdefault(fixed, fixed)
+        t = TensorIR(key, name, dtype, mesh, dims, fixed, stmt.span)
         self.register(t, stmt)
         if len(self.tensors) >= MAX_TENSORS:
             raise _err(f"more than {MAX_TENSORS} tensor instances", stmt.span)
@@ -338,6 +437,10 @@ class _Elaborator:
         return next(iter(self.meshes.values()))
 
     def tensor_dims(self, stmt: ast.TensorDecl, mesh: Mesh, use_axis) -> tuple[DimIR, ...]:
+        """The statement's dims: one tuple per statement (and loop values it uses),
+        so instances of one statement share it; its DimIRs are pooled by value."""
+        if not self.loops:  # elaborated once: nothing to remember
+            return self.build_dims(stmt, mesh, use_axis)
         free = self.free_memo.get(id(stmt))
         if free is None:
             free = tuple(sorted(_free_names(stmt.dims)))
@@ -352,6 +455,11 @@ class _Elaborator:
                 if ast_dim.chunk:
                     use_axis(ast_dim.chunk.axis, "by `chunk`")
             return cached
+        out = self.build_dims(stmt, mesh, use_axis)
+        self.dim_memo[memo_key] = out
+        return out
+
+    def build_dims(self, stmt: ast.TensorDecl, mesh: Mesh, use_axis) -> tuple[DimIR, ...]:
         dims = []
         for d in stmt.dims:
             mode = self.mode(d.mode)
@@ -382,10 +490,8 @@ class _Elaborator:
                 raise _err(f"chunk {chunk.name}={g}: local extent {n} leaves remainder {n % g}",
                            d.chunk.span, help=f"use `chunk {chunk.name} align 1` to pad the tail, "
                                               f"or an extent divisible by {g}")
-            dims.append(dim)
-        out = tuple(dims)
-        self.dim_memo[memo_key] = out
-        return out
+            dims.append(self.dim_pool.setdefault(dim, dim))
+        return tuple(dims)
 
     def mode(self, node: ast.Mode):
         match node:
@@ -426,32 +532,41 @@ class _Elaborator:
             raise _err(f"tensor of {n} elements does not fit in 64-bit sizes", stmt.span,
                        help="check the extents")
 
+    def signature(self, dims: tuple[DimIR, ...]) -> tuple:
+        """What replicas must agree on: the logical shape and the part trees."""
+        sig = self.signatures.get(dims)
+        if sig is None:
+            sig = self.signatures[dims] = (tuple(d.logical for d in dims), tuple(d.part_tree for d in dims))
+        return sig
+
     def register(self, t: TensorIR, stmt: ast.TensorDecl) -> None:
         """Keys unique per statement (replicas across statements); names unique per rank."""
-        entry = self.signatures.get(id(t.dims))
-        if entry is None:
-            entry = self.signatures[id(t.dims)] = (t.logical_shape, tuple(d.part_tree for d in t.dims), t.dims)
-        sig = entry[:2]
         prior = self.keys.get(t.key)
-        if prior is not None and prior[0] == id(stmt):
+        if prior is not None and prior.span is stmt.span:  # each statement has its own span object
             raise _err(f"key `{t.key}` repeats across iterations of this statement", stmt.name.span,
                        help="interpolate every loop variable into the name, e.g. `{l}`")
         self.check_name(t, stmt)
         if prior is None:
-            self.keys[t.key] = (id(stmt), t, sig)
-        elif prior[2] != sig:
-            other = prior[1]
+            self.keys[t.key] = t
+        elif prior.dims is not t.dims and self.signature(prior.dims) != self.signature(t.dims):
             raise _err(f"key `{t.key}` is declared again with a different logical tensor "
-                       f"({_shape(t.logical_shape)} vs {_shape(other.logical_shape)})", stmt.name.span,
-                       notes=[Note("first declared here", other.span)],
+                       f"({_shape(t.logical_shape)} vs {_shape(prior.logical_shape)})", stmt.name.span,
+                       notes=[Note("first declared here", prior.span)],
                        help="statements may share a key only as replicas of one weight; "
                             "use `as KEY` to give this one its own key")
 
     def check_name(self, t: TensorIR, stmt: ast.TensorDecl) -> None:
         """A NAME is declared once per rank (LANGUAGE.md 2.4)."""
         group_key = (t.mesh.name, tuple(i for i, _ in t.fixed))
-        by_group = self.names.setdefault(t.name, {})
         coords = tuple(c for _, c in t.fixed)
+        by_group = self.names.get(t.name)
+        if by_group is None:  # most names: declared once, remembered as the instance alone
+            self.names[t.name] = t
+            return
+        if isinstance(by_group, TensorIR):
+            first = by_group
+            by_group = self.names[t.name] = {
+                (first.mesh.name, tuple(i for i, _ in first.fixed)): {tuple(c for _, c in first.fixed): first}}
         clash = by_group.get(group_key, {}).get(coords)
         if clash is None:
             for gk, members in by_group.items():
@@ -586,6 +701,17 @@ class _Elaborator:
         return frame.value - self.owner(frame)[1]
 
 
+def _count_statements(statements) -> int:
+    """`tensor` statements, loop bodies included (what the parser counted)."""
+    n = 0
+    for s in statements:
+        if isinstance(s, ast.TensorDecl):
+            n += 1
+        elif isinstance(s, ast.ForLoop):
+            n += _count_statements(s.body)
+    return n
+
+
 def _count_tensors(body) -> int:
     """Statements directly in a loop body that make instances (a nested loop counts
     once here; its own trip count is checked when it is entered)."""
@@ -670,8 +796,7 @@ def load(path: str | os.PathLike, args: dict[str, int] | None = None,
     """
     path = os.fspath(path)
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+        data = read_layout_file(path)
+    except FileRefused as exc:
+        raise UsageError(f"cannot read {path}: {exc.reason}", help=exc.help) from None
     return loads(data, path, args, unknown_args=unknown_args)

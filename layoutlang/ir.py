@@ -151,16 +151,11 @@ def _dim_runs(dim: DimIR, c: int, g: int) -> tuple[RunLike, ...]:
     return runs(dim.mode, intervals, tail)
 
 
-_SHAPES: dict[int, tuple] = {}
-
-
+@lru_cache(maxsize=4096)
 def _shapes(dims: tuple[DimIR, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(logical, local) shape, shared by every instance holding this dims object
-    (the memo keeps the object alive, so its id stays its own)."""
-    hit = _SHAPES.get(id(dims))
-    if hit is None:
-        hit = _SHAPES[id(dims)] = (dims, tuple(d.logical for d in dims), tuple(d.local for d in dims))
-    return hit[1], hit[2]
+    """(logical, local) shape, shared by every instance with equal dims (by value:
+    DimIR hashes are cached, and equal dims are mostly the same objects)."""
+    return tuple(d.logical for d in dims), tuple(d.local for d in dims)
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,11 +2,17 @@
 
 Raw Lark errors never escape: each becomes a :class:`ParseError` whose message
 names what was found and, in plain words, what could come there instead.
+
+The parse tree of a whole file never exists: Lark reduces one statement at a
+time, and at each reduction of the `statement` rule the statement's small tree
+(its positions already propagated) becomes AST and is dropped. A file of a
+million tensor lines costs its AST, not a parse tree ten times that size.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -44,24 +50,67 @@ def grammar_text() -> str:
     raise FileNotFoundError("layoutlang's grammar file layout.lark is missing from the install")
 
 
-class _Comments:
-    """Collects comments from the lexer for the parse in progress."""
+class _Statements:
+    """Lark's inline transformer: the parse of one file in progress.
 
-    sink: list[Token] | None = None
-    lock = threading.Lock()  # one parse at a time owns the sink
+    Lark calls `statement` each time it reduces a top-level statement; the
+    statement's tree has its positions propagated by then, so it becomes AST at
+    once. A file's errors keep their order of precedence: a syntax error
+    anywhere, then an expression nesting too deep, then the first error of the
+    tree-to-AST step; after the first error, later statements are only checked.
+    `collect` receives the comments from the lexer. One file parse at a time
+    owns this (the lock); a `{EXPR}` inside a tensor name is parsed,
+    re-entrantly, with the `expr` start rule, which reduces no statement.
+    """
 
-    @classmethod
-    def collect(cls, token: Token) -> None:
-        if cls.sink is not None:
-            cls.sink.append(token)
+    lock = threading.Lock()
+
+    def __init__(self):
+        self.to_ast: _ToAst | None = None
+        self.comments: list[ast.Comment] | None = None
+        self.too_deep: ParseError | None = None
+        self.error: ParseError | None = None
+
+    def begin(self, pos: "_Positions", comments: list) -> None:
+        self.to_ast, self.comments, self.too_deep, self.error = _ToAst(pos), comments, None, None
+
+    def end(self) -> ParseError | None:
+        error = self.too_deep or self.error
+        self.to_ast, self.comments, self.too_deep, self.error = None, None, None, None
+        return error
+
+    def collect(self, token: Token) -> Token:
+        if self.comments is not None:
+            self.comments.append(ast.Comment(str(token), token.line, token.column))
+        return token
+
+    def statement(self, children):
+        (tree,) = children
+        if self.too_deep is not None:
+            return None
+        try:
+            _check_depth(tree, self.to_ast.pos, depth=2)  # depth 1 is the file's `start`
+        except ParseError as err:
+            self.too_deep = err
+            return None
+        if self.error is not None:
+            return None
+        try:
+            return _transform(tree, self.to_ast.pos, self.to_ast)
+        except ParseError as err:
+            self.error = err
+            return None
+
+
+_STATEMENTS = _Statements()
 
 
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
     return Lark(grammar_text(), parser="lalr", lexer="contextual",
                 propagate_positions=True, maybe_placeholders=False,
-                start=["start", "expr"],
-                lexer_callbacks={"COMMENT": _Comments.collect})
+                start=["start", "expr"], transformer=_STATEMENTS,
+                lexer_callbacks={"COMMENT": _STATEMENTS.collect})
 
 
 def _describe(terminal: str) -> str:
@@ -91,16 +140,50 @@ def _found(token: Token) -> str:
     return f"`{text[:40]}`"
 
 
+def _mode_depth(mode: ast.Mode) -> int:
+    """Levels of products, parts and `pad` in a mode, counted without recursion.
+
+    Brackets bound every other nesting, but `(1, 1, ..., 1, M)` nests one
+    product per item with no bracket: unbounded, it would exhaust Python's
+    recursion in every recursive walk of the mode (elaboration, the algebra).
+    """
+    deepest, stack = 0, [(mode, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(node, (ast.Product, ast.Pad)):
+            stack.append((node.inner, depth + 1))
+        elif isinstance(node, ast.Concat):
+            stack.extend((part.mode, depth + 1) for part in node.parts)
+    return deepest
+
+
+def _word(tok: Token) -> str:
+    """A name as a plain, interned string: the few names of a file are shared
+    by all the nodes that use them."""
+    return sys.intern(str(tok))
+
+
 class _Positions:
-    """Maps Lark's 1-based positions (of a whole file or of one `{EXPR}`)."""
+    """Maps Lark's 1-based positions (of a whole file or of one `{EXPR}`).
+
+    Nodes built one after the other often cover the same text (a dim `32`, its
+    mode and its number): they share one Span object.
+    """
 
     def __init__(self, source: Source, line: int = 0, col: int = 0):
         self.source, self.line, self.col = source, line, col
+        self.last: Span | None = None
 
     def span(self, line: int, col: int, end_line: int, end_col: int) -> Span:
         if self.line:  # inside a tensor name: one line, shifted columns
-            return Span(self.source, self.line, self.col + col - 1, self.line, self.col + end_col - 1)
-        return Span(self.source, line, col, end_line, end_col)
+            line, col, end_line, end_col = self.line, self.col + col - 1, self.line, self.col + end_col - 1
+        last = self.last
+        if (last is not None and last.col == col and last.end_col == end_col and last.line == line
+                and last.end_line == end_line):
+            return last
+        self.last = Span(self.source, line, col, end_line, end_col)
+        return self.last
 
     def of_meta(self, meta) -> Span:
         if getattr(meta, "empty", True):
@@ -129,7 +212,7 @@ class _ToAst(Transformer):
 
     # -- expressions
     def number(self, meta, c):
-        text = str(c[0])
+        text = sys.intern(str(c[0]))  # `64` is written a million times: one string
         digits = text.replace("_", "").lstrip("0") or "0"
         if len(digits) > 19 or int(digits) >= 1 << 63:
             raise ParseError("value does not fit in a signed 64-bit integer", self.pos.of_meta(meta),
@@ -137,13 +220,13 @@ class _ToAst(Transformer):
         return ast.Num(int(digits), text, self.pos.of_meta(meta))
 
     def name(self, meta, c):
-        return ast.Name(str(c[0]), self.pos.of_meta(meta))
+        return ast.Name(_word(c[0]), self.pos.of_meta(meta))
 
     def local_name(self, meta, c):
-        return ast.Local(str(c[0]), self.pos.of_meta(meta))
+        return ast.Local(_word(c[0]), self.pos.of_meta(meta))
 
     def call(self, meta, c):
-        return ast.Call(str(c[0]), tuple(c[1:]), self.pos.of_meta(meta))
+        return ast.Call(_word(c[0]), tuple(c[1:]), self.pos.of_meta(meta))
 
     def neg(self, meta, c):
         return ast.Neg(c[0], self.pos.of_meta(meta))
@@ -174,7 +257,7 @@ class _ToAst(Transformer):
         return inner
 
     def named_part(self, meta, c):
-        return ast.Part(str(c[0]), c[1], self.pos.of_meta(meta))
+        return ast.Part(_word(c[0]), c[1], self.pos.of_meta(meta))
 
     def part(self, meta, c):
         return ast.Part(None, c[0], self.pos.of_meta(meta))
@@ -184,7 +267,7 @@ class _ToAst(Transformer):
 
     def concat_one(self, meta, c):
         span = self.pos.of_meta(meta)
-        return ast.Concat((ast.Part(str(c[0]), c[1], span),), span)
+        return ast.Concat((ast.Part(_word(c[0]), c[1], span),), span)
 
     def pad(self, meta, c):
         return ast.Pad(c[0], c[1], self.pos.of_meta(meta))
@@ -204,6 +287,12 @@ class _ToAst(Transformer):
 
     def dim(self, meta, c):
         mode, over, chunk = c[0], (), None
+        depth = _mode_depth(mode)
+        if depth > MAX_NESTING:
+            raise ParseError(f"this dimension's structure nests {depth} levels deep; at most {MAX_NESTING} "
+                             "are supported", mode.span,
+                             help="a product `(A, B, C)` nests one level per item; a real layout "
+                                  "needs a few levels")
         for item in c[1:]:
             if isinstance(item, ast.Chunk):
                 chunk = item
@@ -215,15 +304,12 @@ class _ToAst(Transformer):
         return tuple(c)
 
     def _axis(self, tok: Token) -> ast.AxisRef:
-        return ast.AxisRef(str(tok), self.pos.of_token(tok))
+        return ast.AxisRef(_word(tok), self.pos.of_token(tok))
 
     def _ident(self, tok: Token) -> ast.Ident:
-        return ast.Ident(str(tok), self.pos.of_token(tok))
+        return ast.Ident(_word(tok), self.pos.of_token(tok))
 
     # -- statements
-    def start(self, meta, c):
-        return tuple(c)
-
     def binding(self, meta, c):
         return ast.Binding(str(c[0]), c[1], self.pos.of_token(c[0]))
 
@@ -317,21 +403,70 @@ class _ToAst(Transformer):
         return ast.NameTemplate(text, tuple(pieces), self.pos.of_token(tok))
 
 
+_BRACKETS = re.compile(r"[(\[{)\]}]")
+
+
 def _check_nesting(source: Source) -> None:
     """Refuse absurdly deep nesting before Lark and the Transformer recurse."""
-    depth, line, col = 0, 1, 0
-    for ch in source.text:
-        col += 1
-        if ch == "\n":
-            line, col = line + 1, 0
-        elif ch in "([{":
+    text, depth = source.text, 0
+    for m in _BRACKETS.finditer(text):
+        if m.group() in "([{":
             depth += 1
             if depth > MAX_NESTING:
+                line, col = _line_col(text, m.start())
                 raise ParseError(f"brackets nest deeper than {MAX_NESTING} levels",
                                  Span(source, line, col, line, col + 1),
                                  help="a layout never needs this; check for a runaway bracket")
-        elif ch in ")]}":
-            depth = max(0, depth - 1)
+        elif depth:
+            depth -= 1
+
+
+def _line_col(text: str, index: int) -> tuple[int, int]:
+    """1-based line and column of a character index."""
+    return text.count("\n", 0, index) + 1, index - text.rfind("\n", 0, index)
+
+
+@lru_cache(maxsize=1)
+def _tensor_words() -> re.Pattern:
+    """A lexer in one regular expression: each match skips to the next `tensor`
+    keyword (group 1) and takes the tensor name after it (group 2, the grammar's
+    own TNAME), or to the end of the text.
+
+    Skipped whole, as the real lexer takes them: comments, paths, a name after
+    `as` (`as tensor` names a key), names (`mytensor`, `tensor_`) and integers
+    (`pp=0tensor` is `0` then the keyword). Every character is skippable except
+    a keyword, so no match attempt restarts a scan: linear time.
+    """
+    tname = next(t.pattern.value for t in _lark().terminals if t.name == "TNAME")
+    word, gap = "A-Za-z0-9_", r"(?:\s|#[^\n]*)*"
+    skip = (rf'#[^\n]*|"[^"\n]*"|as(?![{word}]){gap}(?:{tname})?|(?!tensor(?![{word}]))[A-Za-z_][{word}]*'
+            rf"|[0-9](?:_?[0-9])*|[^{word}#]")
+    return re.compile(rf"(?:{skip})*+(?:(tensor)(?![{word}]){gap}({tname})?|\Z)")
+
+
+def _check_tensor_count(source: Source, limit: int, before: int) -> None:
+    """Refuse the (limit+1)-th `tensor` statement of a layout before parsing.
+
+    A cheap scan, not a parse: a file of millions of tensor lines fails in a
+    second, at the statement past the limit, instead of after building them all.
+    """
+    text = source.text
+    budget = limit - before
+    if text.count("tensor") <= budget:  # most files: the count cannot exceed it
+        return
+    seen = 0
+    for m in _tensor_words().finditer(text):
+        if m.group(1) is None:
+            continue
+        seen += 1
+        if seen > budget:
+            start = m.start(1)
+            line, col = _line_col(text, start)
+            name_end = m.end(2) if m.group(2) and "\n" not in text[start:m.start(2)] else m.end(1)
+            raise ParseError(f"more than {limit} tensor statements; a layout holds at most {limit} "
+                             "tensor instances", Span(source, line, col, line, col + name_end - start),
+                             help="generate repeated tensors with `for` loops, or check the program "
+                                  "that wrote this file")
 
 
 def _accepts(err) -> set[str]:
@@ -424,10 +559,11 @@ MAX_DEPTH = 200
 _EXPR_RULES = frozenset("add sub mul exact_div floor_div mod neg number name local_name call".split())
 
 
-def _check_depth(tree, pos: _Positions) -> None:
+def _check_depth(tree, pos: _Positions, depth: int = 1) -> None:
     """Refuse trees deeper than MAX_DEPTH (a chain like `1+1+...+1` of thousands
-    of terms) before the recursive Transformer and evaluator meet them."""
-    stack = [(tree, 1, None)]
+    of terms) before the recursive Transformer and evaluator meet them. `depth`
+    is the root's level: a statement counts from 2, below the file's `start`."""
+    stack = [(tree, depth, None)]
     while stack:
         node, depth, root = stack.pop()
         if root is None and node.data in _EXPR_RULES:
@@ -439,10 +575,12 @@ def _check_depth(tree, pos: _Positions) -> None:
         stack.extend((child, depth + 1, root) for child in node.children if isinstance(child, lark.Tree))
 
 
-def _transform(tree, pos: _Positions):
-    _check_depth(tree, pos)
+def _transform(tree, pos: _Positions, to_ast: "_ToAst | None" = None):
+    """Tree -> AST; the caller has checked the tree's depth when `to_ast` is given."""
+    if to_ast is None:
+        _check_depth(tree, pos)
     try:
-        return _ToAst(pos).transform(tree)
+        return (to_ast or _ToAst(pos)).transform(tree)
     except lark.exceptions.VisitError as err:
         if isinstance(err.orig_exc, ParseError):
             raise err.orig_exc from None
@@ -467,21 +605,31 @@ def decode(data: bytes, path: str) -> Source:
                          help="`.layout` files are UTF-8 text") from None
 
 
-def parse_source(source: Source) -> ast.File:
-    """Parse one file. Raises ParseError; never a raw Lark or Python error."""
+def parse_source(source: Source, *, max_tensors: int | None = None, tensors_before: int = 0,
+                 comments: bool = True) -> ast.File:
+    """Parse one file. Raises ParseError; never a raw Lark or Python error.
+
+    With `max_tensors`, a file whose `tensor` statements, after `tensors_before`
+    others (earlier files of the layout), exceed it is refused before the parse.
+    `comments=False` keeps none (only the formatter needs them; a file of 64 MiB
+    of `#` lines would otherwise hold 33 million).
+    """
     _check_nesting(source)
+    if max_tensors is not None:
+        _check_tensor_count(source, max_tensors, tensors_before)
     pos = _Positions(source)
-    comments: list[Token] = []
-    with _Comments.lock:
-        _Comments.sink = comments
+    kept: list[ast.Comment] = []
+    hook = _STATEMENTS
+    _lark()  # built before the lock: building it parses the grammar, not a layout
+    with hook.lock:
+        hook.begin(pos, kept if comments else None)
         try:
             tree = _run(source.text, "start", pos)
         finally:
-            _Comments.sink = None
-    statements = _transform(tree, pos)
-    return ast.File(statements,
-                    tuple(ast.Comment(str(t), t.line, t.column) for t in comments),
-                    source)
+            error = hook.end()
+    if error is not None:
+        raise error
+    return ast.File(tuple(tree.children), tuple(kept), source)
 
 
 def parse(text: str | bytes, path: str = "<string>") -> ast.File:

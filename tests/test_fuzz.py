@@ -27,8 +27,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import layoutlang
-from layoutlang import Layout, LayoutError
+from layoutlang import Layout, LayoutError, ParseError, ast
 from layoutlang.cli import main
+from layoutlang.diagnostics import Source
+from layoutlang.parser import parse, parse_source
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))  # FUZZ_EXAMPLES=20000 for a long hunt
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -166,11 +168,19 @@ PATHOLOGICAL = {
     "include_nul": 'include "a\x00b"',
     "long_line": "mesh m (tp=2)\ntensor w [" + "1" * 100_000 + "]",
     "long_name": "mesh m (tp=2)\ntensor " + "a." * 50_000 + "a [1]",
+    # Hostile input (issue 8): paths that are no layout file (a device would be
+    # read until memory runs out), and names the count of tensor statements
+    # before parsing must not mistake for the keyword.
+    "include_device": 'include "/dev/zero"',
+    "include_directory": 'include "."',
+    "include_self": 'include "fuzz.layout"',
+    "names_spelled_tensor": "mesh m (tp=2)\ntensor tensor.tensor as tensor [1]  # tensor\ntensor\n  tensor [1]",
 }
-# The ones that are valid layouts, only large: they must LOAD (the tensors they declare).
-VALID_EXTREMES = {"many_statements": 5000, "long_name": 1}
+# The ones that are valid layouts, only large or odd: they must LOAD (the tensors they declare).
+VALID_EXTREMES = {"many_statements": 5000, "long_name": 1, "names_spelled_tensor": 2}
 
 
+@pytest.mark.timeout(60)  # reading a device or a FIFO would hang or exhaust memory instead
 @pytest.mark.parametrize("name", sorted(PATHOLOGICAL))
 def test_pathological_inputs(name):
     layout = check(PATHOLOGICAL[name])
@@ -268,6 +278,26 @@ def mutated(draw) -> str:
 @given(mutated())
 def test_mutated_seeds(text):
     check(text)
+
+
+def _tensor_statements(statements) -> int:
+    return sum(1 if isinstance(s, ast.TensorDecl) else
+               _tensor_statements(s.body) if isinstance(s, ast.ForLoop) else 0 for s in statements)
+
+
+@FUZZ
+@given(mutated())
+def test_tensor_count_before_parsing_is_exact(text):
+    """The cap on tensor statements is checked by a scan before the parse; on
+    every text that parses, the scan counts exactly the parsed statements."""
+    try:
+        n = _tensor_statements(parse(text, PATH).statements)
+    except LayoutError:
+        return
+    parse_source(Source(PATH, text), max_tensors=n)
+    if n:
+        with pytest.raises(ParseError, match=f"more than {n - 1} tensor statements"):
+            parse_source(Source(PATH, text), max_tensors=n - 1)
 
 
 @FUZZ
