@@ -9,10 +9,11 @@ from __future__ import annotations
 from pygments.lexer import RegexLexer, bygroups, include, words
 from pygments.token import Comment, Keyword, Name, Number, Operator, Punctuation, String, Text, Whitespace
 
-KEYWORDS = ("layout", "include", "arg", "const", "mesh", "at", "default", "dtype", "for", "in",
-            "over", "sizes", "pad", "chunk", "align", "on", "as")
-DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "mxfp8")
-FUNCTIONS = ("min", "max", "cdiv", "roundup")
+from .vocabulary import DTYPES, FUNCTIONS, KEYWORDS
+
+# `tensor` and `local` have rules of their own: `tensor` opens a tensor name,
+# `local` is a keyword only after `NAME.`.
+_PLAIN_KEYWORDS = tuple(k for k in KEYWORDS if k not in ("tensor", "local"))
 
 
 class LayoutLexer(RegexLexer):
@@ -37,9 +38,9 @@ class LayoutLexer(RegexLexer):
             (r"\s+", Whitespace),
             (r"#.*?$", Comment.Single),
             (r'"[^"\n]*"', String),
-            (words(KEYWORDS, suffix=r"\b"), Keyword),
+            (words(_PLAIN_KEYWORDS, suffix=r"\b"), Keyword),
             (words(DTYPES, suffix=r"\b"), Keyword.Type),
-            (words(FUNCTIONS, suffix=r"\b"), Name.Builtin),
+            (words(tuple(FUNCTIONS), suffix=r"\b"), Name.Builtin),
             (r"([A-Za-z_]\w*)(\.)(local)\b", bygroups(Name.Variable, Punctuation, Keyword.Pseudo)),
             (r"([A-Za-z_]\w*)(\s*)(:)", bygroups(Name.Label, Whitespace, Punctuation)),
             (r"[A-Za-z_]\w*", Name),

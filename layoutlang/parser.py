@@ -23,10 +23,10 @@ from lark.lexer import PatternStr
 
 from . import ast
 from .diagnostics import Note, ParseError, Source, Span
+from .vocabulary import KEYWORDS
 
 MAX_NESTING = 64
-KEYWORDS = frozenset("layout include arg const mesh at default dtype tensor as on for in over "
-                     "sizes pad chunk align local".split())
+_RESERVED = frozenset(KEYWORDS)
 _INTERP = re.compile(r"\{([^{}\n#]*)\}")
 _TERMINAL_WORDS = {
     "NAME": "a name",
@@ -205,7 +205,7 @@ class _ToAst(Transformer):
     def __default_token__(self, tok: Token):
         # The contextual lexer would accept a keyword as a NAME where no keyword
         # can stand; the language reserves them everywhere, so refuse here.
-        if tok.type == "NAME" and str(tok) in KEYWORDS:
+        if tok.type == "NAME" and str(tok) in _RESERVED:
             raise ParseError(f"`{tok}` is a reserved word and cannot be used as a name",
                              self.pos.of_token(tok), help=f"rename it, e.g. `{tok}_`")
         return tok

@@ -52,3 +52,18 @@ def test_fmt_diff_is_highlighted_on_a_terminal():
     console.print(_highlighted_diff(["--- a\n", "+++ b\n", "@@ -1 +1 @@\n", "-tensor   w [8]\n", "+tensor w [8]\n"]))
     text = console.file.getvalue()
     assert "\x1b[" in text and "tensor" in text and "\x1b[1;32m+" in text
+
+
+def test_the_vocabulary_is_highlighted():
+    from layoutlang.vocabulary import DTYPES, FUNCTIONS, KEYWORDS
+
+    for word in KEYWORDS:
+        if word not in ("tensor", "local", "arg", "const", "mesh"):  # rules of their own, below
+            assert (Keyword, word) in tokens(f"x {word} y"), word
+    assert (Keyword.Declaration, "tensor") in tokens("tensor w [1]")
+    assert (Keyword.Pseudo, "local") in tokens("tensor a.{l.local} [1]")
+    assert (Keyword.Declaration, "mesh") in tokens("mesh m (tp=2)")
+    for word in DTYPES:
+        assert (Keyword.Type, word) in tokens(f"tensor w [1] {word}"), word
+    for word in FUNCTIONS:
+        assert (Name.Builtin, word) in tokens(f"const x = {word}(4, 2)"), word

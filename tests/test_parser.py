@@ -62,3 +62,36 @@ def test_product_count_must_be_plain():
     with pytest.raises(ParseError) as e:
         parse("mesh m (tp=1)\ntensor t [((a: 1 | b: 1), 4)]")
     assert "count of a product" in e.value.message and (e.value.line, e.value.col) == (2, 12)
+
+
+# ---- one vocabulary: the grammar's words are layoutlang.vocabulary's ---------------
+
+def _grammar_words() -> set[str]:
+    from lark.lexer import PatternStr
+
+    from layoutlang.parser import _lark
+
+    return {t.pattern.value for t in _lark().terminals
+            if isinstance(t.pattern, PatternStr) and t.pattern.value.isidentifier()}
+
+
+def test_the_grammars_keywords_are_the_vocabularys():
+    from layoutlang.vocabulary import KEYWORDS
+
+    assert _grammar_words() == set(KEYWORDS)
+    assert len(set(KEYWORDS)) == len(KEYWORDS)
+
+
+def test_dtypes_and_functions_are_names_in_the_grammar_not_tokens():
+    """They are checked (with a did-you-mean) by elaboration, against the vocabulary."""
+    from layoutlang.vocabulary import DTYPES, FUNCTIONS
+
+    assert not _grammar_words() & (set(DTYPES) | set(FUNCTIONS))
+
+
+@pytest.mark.parametrize("word", __import__("layoutlang.vocabulary").vocabulary.KEYWORDS)
+def test_every_keyword_is_reserved(word):
+    with pytest.raises(ParseError) as e:
+        parse(f"const {word} = 3")
+    assert (e.value.line, e.value.col) == (1, 7)
+    assert e.value.message == f"`{word}` is a reserved word and cannot be used as a name"
