@@ -61,7 +61,7 @@ class Neg:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    func: str  # min max cdiv roundup
+    func: str  # checked against vocabulary.FUNCTIONS when elaborated
     args: tuple["Expr", ...]
     span: Span = _span()
 

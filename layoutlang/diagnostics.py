@@ -11,7 +11,9 @@ compiler message so editors and humans can jump to it::
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
+from typing import Iterable
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +101,16 @@ class ElaborationError(LayoutError):
 
 class UsageError(LayoutError):
     """A command-line or API argument is wrong (not a file position)."""
+
+
+def did_you_mean(name: str, options: Iterable[str]) -> str | None:
+    """A help line naming the closest option, if one is close.
+
+    >>> did_you_mean("fp8_e4m", ["bf16", "fp8_e4m3"])
+    'did you mean `fp8_e4m3`?'
+    """
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"did you mean `{close[0]}`?" if close else None
 
 
 def _snippet(span: Span) -> list[str]:

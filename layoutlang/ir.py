@@ -9,23 +9,22 @@ Any rank's view is computed on demand::
     t.local_shape        stored extents after over / pad / chunk
     t.runs(rank)         per dim: Run(local_start, logical_start, length) and
                          PadRun(local_start, length), covering local storage
+
+What is computed on demand is remembered by the object it describes (a dim
+keeps its runs per coordinate, a tensor its shapes), never in a process-wide
+memo: dropping a layout drops everything computed about it.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from functools import lru_cache
 from math import prod
 
-from .diagnostics import Span
-from .modes import (ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals,
-                    runs, select)
-
-DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "mxfp8")
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "mxfp8": 1}
-QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "mxfp8")
-MXFP8_BLOCK = 32
+from .diagnostics import Source, Span
+from .modes import (ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals, runs,
+                    select)
+from .vocabulary import DTYPE, DTYPES, ELEMENT_BYTES, MXFP8_BLOCK, QUANTIZED
 
 
 @dataclass(frozen=True)
@@ -36,8 +35,13 @@ class Axis:
 
 @dataclass(frozen=True)
 class Mesh:
+    """Ranks offset .. offset+size-1, row-major coordinates (last axis fastest).
+
+    >>> Mesh("m", (Axis("dp", 2), Axis("tp", 4)), 8).coords(13)
+    (1, 1)
+    """
+
     __hash__ = _cached_hash
-    """Ranks offset .. offset+size-1, row-major coordinates (last axis fastest)."""
 
     name: str
     axes: tuple[Axis, ...]
@@ -101,6 +105,12 @@ class ChunkSplit:
 
 @dataclass(frozen=True)
 class DimIR:
+    """One dim of a tensor: its mode (logical order and storage), `over` and `chunk`.
+
+    Equal dims of one layout are one object (the elaborator pools them), so the
+    runs each coordinate holds are computed once per layout and kept here.
+    """
+
     __hash__ = _cached_hash
     mode: ModeIR
     over: Split | None
@@ -139,28 +149,28 @@ class DimIR:
         return c, g
 
     def runs_at(self, c: int, g: int) -> tuple[RunLike, ...]:
-        return _dim_runs(self, c, g)
+        """The runs of over coordinate `c`, chunk `g` (remembered by this dim)."""
+        found = self._runs.get((c, g))
+        if found is None:
+            intervals = select(self.mode, self.over.size, c) if self.over else [(0, self.mode.stored)]
+            tail = 0
+            if self.chunk is not None:
+                intervals, tail = chunk_intervals(intervals, self.chunk.size, g, self.chunk.align)
+            found = self._runs[(c, g)] = runs(self.mode, intervals, tail)
+        return found
 
-
-@lru_cache(maxsize=65536)
-def _dim_runs(dim: DimIR, c: int, g: int) -> tuple[RunLike, ...]:
-    intervals = select(dim.mode, dim.over.size, c) if dim.over else [(0, dim.mode.stored)]
-    tail = 0
-    if dim.chunk is not None:
-        intervals, tail = chunk_intervals(intervals, dim.chunk.size, g, dim.chunk.align)
-    return runs(dim.mode, intervals, tail)
-
-
-@lru_cache(maxsize=4096)
-def _shapes(dims: tuple[DimIR, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(logical, local) shape, shared by every instance with equal dims (by value:
-    DimIR hashes are cached, and equal dims are mostly the same objects)."""
-    return tuple(d.logical for d in dims), tuple(d.local for d in dims)
+    @cached_property
+    def _runs(self) -> dict[tuple[int, int], tuple[RunLike, ...]]:
+        return {}
 
 
 @dataclass(frozen=True, eq=False)
 class TensorIR:
-    """One tensor instance: what ranks hold it, under which name, how it is cut."""
+    """One tensor instance: what ranks hold it, under which name, how it is cut.
+
+    `logical_shape` and `local_shape` are the dims' logical and local extents;
+    the elaborator gives instances with equal dims the same two tuples.
+    """
 
     key: str
     name: str
@@ -168,15 +178,9 @@ class TensorIR:
     mesh: Mesh
     dims: tuple[DimIR, ...]
     fixed: tuple[tuple[int, int], ...]  # (mesh axis index, coordinate): `at` and `for ... over`
+    logical_shape: tuple[int, ...] = field(repr=False)
+    local_shape: tuple[int, ...] = field(repr=False)
     span: Span | None = field(default=None, repr=False)
-
-    @cached_property
-    def logical_shape(self) -> tuple[int, ...]:
-        return _shapes(self.dims)[0]
-
-    @cached_property
-    def local_shape(self) -> tuple[int, ...]:
-        return _shapes(self.dims)[1]
 
     @cached_property
     def local_bytes(self) -> int:
@@ -209,34 +213,51 @@ class TensorIR:
 
     def ranks(self):
         """Every rank that holds this instance, ascending."""
-        fixed = dict(self.fixed)
-        ranges = [range(fixed[i], fixed[i] + 1) if i in fixed else range(a.size)
-                  for i, a in enumerate(self.mesh.axes)]
-        for coords in itertools.product(*ranges):
-            yield self.mesh.rank(coords)
+        return placement_ranks(self.mesh, self.fixed)
+
+
+def placement_ranks(mesh: Mesh, fixed: tuple[tuple[int, int], ...]):
+    """Every rank of `mesh` whose coordinates are `fixed` (axis index, coordinate), ascending."""
+    pinned = dict(fixed)
+    ranges = [range(pinned[i], pinned[i] + 1) if i in pinned else range(a.size)
+              for i, a in enumerate(mesh.axes)]
+    for coords in itertools.product(*ranges):
+        yield mesh.rank(coords)
 
 
 def storage_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     """Bytes a rank stores: elements (padding included) plus quantization scales."""
     n = prod(shape)
-    size = n * ELEMENT_BYTES[dtype]
-    if dtype == "mxfp8":
+    kind = DTYPE[dtype]
+    size = n * kind.element_bytes
+    if kind.scales == "block":
         size += n // MXFP8_BLOCK
-    elif dtype in QUANTIZED:
+    elif kind.scales == "tensor":
         size += 4
     return size
 
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    """One elaborated `.layout` file: meshes, tensors, and the args it used."""
+    """One elaborated `.layout` file: meshes, tensors, the args it used, and its text.
+
+    `sources` are the texts it was compiled from, the main file first, then each
+    included file in the order it was read: the same `Source` objects the spans
+    point at, so carrying them costs nothing.
+    """
 
     path: str
     name: str | None
     meshes: tuple[Mesh, ...]
     tensors: tuple[TensorIR, ...]
     args: tuple[tuple[str, int], ...]
-    digest: str = ""  # sha256 of every source text read (includes too) and the args
+    digest: str  # sha256 of every source text read (includes too) and the args
+    sources: tuple[Source, ...] = field(repr=False)
+
+    @property
+    def source_text(self) -> str:
+        """The main file's text as it was compiled (a later edit of the file does not change it)."""
+        return self.sources[0].text
 
     @cached_property
     def ranks(self) -> int:
@@ -249,9 +270,6 @@ class Layout:
             out.setdefault(t.key, []).append(t)
         return {k: tuple(v) for k, v in out.items()}
 
-    def tensors_on(self, rank: int) -> list[TensorIR]:
-        return [t for t in self.tensors if t.holds(rank)]
-
     def bytes_per_rank(self) -> list[int]:
         """Stored bytes on every rank, computed per placement group, not per rank."""
         groups: dict[tuple, int] = {}
@@ -261,11 +279,10 @@ class Layout:
         meshes = {m.name: m for m in self.meshes}
         out = [0] * self.ranks
         for (mesh_name, fixed), size in groups.items():
-            probe = TensorIR("", "", "bf16", meshes[mesh_name], (), fixed)
-            for r in probe.ranks():
+            for r in placement_ranks(meshes[mesh_name], fixed):
                 out[r] += size
         return out
 
 
 __all__ = ["Axis", "Mesh", "Split", "ChunkSplit", "DimIR", "TensorIR", "Layout", "Run", "PadRun",
-           "DTYPES", "ELEMENT_BYTES", "QUANTIZED", "storage_bytes"]
+           "DTYPES", "ELEMENT_BYTES", "QUANTIZED", "MXFP8_BLOCK", "storage_bytes", "placement_ranks"]

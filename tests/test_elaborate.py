@@ -1,10 +1,12 @@
 """Unit tests of elaboration and the IR's per-rank answers, on hand-worked layouts."""
 
+import gc
 import tracemalloc
+import weakref
 
 import pytest
 
-from layoutlang import LayoutError, PadRun, Run, loads
+from layoutlang import LayoutError, PadRun, Run, load, loads
 
 
 def one(text, **args):
@@ -125,3 +127,37 @@ def test_ir_memory_is_independent_of_rank_count():
     peak(1)  # warm the parser so that neither measurement pays for building it
     small, large = peak(1), peak(1024)
     assert large < 1.2 * small, (small, large)
+
+
+def test_exact_division_shows_the_operands_parentheses():
+    with pytest.raises(LayoutError) as e:
+        loads("const A = 8, B = 2\nconst C = 2*(A - B)/(A - 3)")
+    assert e.value.message == "`2*(A - B)/(A - 3)` is not exact: 12 / 5 leaves remainder 2"
+
+
+def test_a_layout_carries_the_texts_it_was_compiled_from(tmp_path):
+    (tmp_path / "common.layout").write_text("const H = 8\n")
+    main = tmp_path / "main.layout"
+    main.write_text('include "common.layout"\nmesh m (tp=2)\ntensor w [H over tp]\n')
+    layout = load(main)
+    assert layout.source_text == main.read_text()
+    assert [(s.path, s.text) for s in layout.sources] == [
+        (str(main), main.read_text()), (str(tmp_path / "common.layout"), "const H = 8\n")]
+    main.write_text("mesh m (tp=1)\n")  # an edit after compiling changes nothing
+    assert layout.source_text.endswith("tensor w [H over tp]\n")
+    # held once: the text the spans point at, not a copy
+    assert layout.tensors[0].span.source is layout.sources[0]
+    assert loads("mesh m (tp=1)").source_text == "mesh m (tp=1)"
+
+
+def test_what_is_computed_about_a_layout_is_dropped_with_it():
+    """No process-wide memo keeps a dim, a source or a shape alive (caches belong to their objects)."""
+    layout = loads("mesh m (dp=2, tp=4)\nfor l in 0..4 {\n  tensor w.{l} [(a: 16 | b: 8) over tp, 4 chunk dp]\n}")
+    for t in layout.tensors:
+        for r in t.ranks():
+            t.runs(r)
+    dim, source = weakref.ref(layout.tensors[0].dims[0]), weakref.ref(layout.sources[0])
+    assert {id(t.local_shape) for t in layout.tensors} == {id(layout.tensors[0].local_shape)}
+    del layout, t
+    gc.collect()
+    assert dim() is None and source() is None

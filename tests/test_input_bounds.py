@@ -28,8 +28,8 @@ import pytest
 
 import layoutlang
 from layoutlang import LayoutError, UsageError
-from layoutlang import elaborate
 from layoutlang.cli import main
+from layoutlang.elaborate import limits
 
 FAST = pytest.mark.timeout(60)  # each finishes in a few seconds; a hang fails, not blocks
 
@@ -105,7 +105,7 @@ def test_top_level_directory_is_a_usage_error(tmp_path):
 def test_include_of_an_oversized_file_is_refused_before_reading(tmp_path):
     big = tmp_path / "big.layout"
     with open(big, "wb") as fh:  # sparse: 64 MiB + 1 byte on paper, nothing on disk
-        fh.truncate(elaborate.MAX_FILE_BYTES + 1)
+        fh.truncate(limits.MAX_FILE_BYTES + 1)
     main_path = _including(tmp_path, "big.layout")
     err = _error(main_path)
     assert err.render() == (
@@ -126,9 +126,9 @@ def test_a_file_at_the_size_cap_is_read_and_one_byte_more_is_not(tmp_path, monke
     text = b"mesh m (tp=2)\ntensor w [8 over tp]\n"
     path = tmp_path / "w.layout"
     path.write_bytes(text)
-    monkeypatch.setattr(elaborate, "MAX_FILE_BYTES", len(text))
+    monkeypatch.setattr(limits, "MAX_FILE_BYTES", len(text))
     assert len(layoutlang.load(path).tensors) == 1
-    monkeypatch.setattr(elaborate, "MAX_FILE_BYTES", len(text) - 1)
+    monkeypatch.setattr(limits, "MAX_FILE_BYTES", len(text) - 1)
     with pytest.raises(UsageError) as info:
         layoutlang.load(path)
     assert info.value.message == f"cannot read {path}: the file has {len(text)} bytes; at most {len(text) - 1} bytes are read"
@@ -139,7 +139,7 @@ def test_a_file_at_the_size_cap_is_read_and_one_byte_more_is_not(tmp_path, monke
 def test_a_file_larger_than_its_stat_size_is_read_only_up_to_the_cap(tmp_path, monkeypatch):
     """/proc files report size 0 and are regular: the read itself is bounded."""
     assert os.stat("/proc/self/status").st_size < 64
-    monkeypatch.setattr(elaborate, "MAX_FILE_BYTES", 64)
+    monkeypatch.setattr(limits, "MAX_FILE_BYTES", 64)
     main_path = _including(tmp_path, "/proc/self/status")
     err = _error(main_path)
     assert err.message == 'cannot include "/proc/self/status": the file has more than 64 bytes; at most 64 bytes are read'
@@ -158,7 +158,7 @@ def _chain(tmp_path: Path, n: int) -> Path:
 
 @FAST
 def test_include_chain_at_the_depth_cap_loads(tmp_path):
-    layout = layoutlang.load(_chain(tmp_path, elaborate.MAX_INCLUDE_DEPTH))
+    layout = layoutlang.load(_chain(tmp_path, limits.MAX_INCLUDE_DEPTH))
     assert [t.name for t in layout.tensors] == ["w"]
 
 
@@ -177,7 +177,7 @@ def test_include_chain_of_500_stops_at_the_cap_with_a_diagnostic(tmp_path):
 
 @FAST
 def test_more_tensor_statements_than_the_cap_fail_before_parsing(tmp_path):
-    cap = elaborate.MAX_TENSORS
+    cap = limits.MAX_TENSORS
     path = tmp_path / "many.layout"
     path.write_text("mesh m (tp=2)\n" + "".join(f"tensor w{i} [8 over tp]\n" for i in range(cap + 1)))
     err = _error(path)
@@ -192,7 +192,7 @@ def test_more_tensor_statements_than_the_cap_fail_before_parsing(tmp_path):
 
 
 def test_tensor_statements_are_counted_across_includes_and_loop_bodies(tmp_path, monkeypatch):
-    monkeypatch.setattr(elaborate, "MAX_TENSORS", 5)
+    monkeypatch.setattr(limits, "MAX_TENSORS", 5)
     (tmp_path / "inc.layout").write_text(
         "for l in 0..1 {\n  tensor a{l} [1]\n  tensor b{l} [1]\n}\n"
         "tensor c [1]\ntensor d [1]  # the 4th of this file, the 6th of the layout\n")
@@ -202,12 +202,12 @@ def test_tensor_statements_are_counted_across_includes_and_loop_bodies(tmp_path,
     assert err.span.source.path == str(tmp_path / "inc.layout")
     assert (err.line, err.col, err.span.end_col) == (6, 1, 9)
     assert err.message == "more than 5 tensor statements; a layout holds at most 5 tensor instances"
-    monkeypatch.setattr(elaborate, "MAX_TENSORS", 6)
+    monkeypatch.setattr(limits, "MAX_TENSORS", 6)
     assert len(layoutlang.load(main_path).tensors) == 6  # x, a0, b0, c, d, y
 
 
 def test_the_count_skips_comments_paths_and_names_spelled_tensor(monkeypatch):
-    monkeypatch.setattr(elaborate, "MAX_TENSORS", 3)
+    monkeypatch.setattr(limits, "MAX_TENSORS", 3)
     text = ('mesh m (tp=2)  # tensor tensor tensor\n'
             'const mytensor = 2, tensor_ = 1\n'
             'tensor tensor.tensor as tensor [mytensor]\n'
@@ -216,14 +216,14 @@ def test_the_count_skips_comments_paths_and_names_spelled_tensor(monkeypatch):
     with pytest.raises(LayoutError) as info:
         layoutlang.loads(text + '  tensor z [1]\n')
     assert (info.value.line, info.value.col, info.value.span.end_col) == (6, 3, 11)
-    monkeypatch.setattr(elaborate, "MAX_TENSORS", 2)
+    monkeypatch.setattr(limits, "MAX_TENSORS", 2)
     with pytest.raises(LayoutError) as info:
         layoutlang.loads(text)
     assert (info.value.line, info.value.col, info.value.span.end_col) == (5, 23, 31)
 
 
 def test_instances_past_the_cap_from_loops_keep_their_diagnostic(monkeypatch):
-    monkeypatch.setattr(elaborate, "MAX_TENSORS", 8)
+    monkeypatch.setattr(limits, "MAX_TENSORS", 8)
     with pytest.raises(LayoutError) as info:
         layoutlang.loads("mesh m (tp=2)\nfor l in 0..3 {\n  tensor a{l} [1]\n  tensor b{l} [1]\n  tensor c{l} [1]\n}")
     assert info.value.message == "this loop makes 9 tensors; at most 8 per layout are supported"
@@ -241,8 +241,8 @@ def test_every_nesting_limit_at_once_loads_without_recursion_error(tmp_path):
             "tensor w [(" + "1, " * 63 + "4), " + "-" * 180 + "1+A]\n"
             + "".join(f"for v{k} in 0..1 {{\n" for k in range(30))
             + "tensor x{" + "1+" * 150 + "v29} [(" + "1, " * 63 + "4)]\n" + "}" * 30 + "\n")
-    path = _chain(tmp_path, elaborate.MAX_INCLUDE_DEPTH)
-    (tmp_path / f"c{elaborate.MAX_INCLUDE_DEPTH}.layout").write_text(last)
+    path = _chain(tmp_path, limits.MAX_INCLUDE_DEPTH)
+    (tmp_path / f"c{limits.MAX_INCLUDE_DEPTH}.layout").write_text(last)
     layout = layoutlang.load(path)
     assert [t.name for t in layout.tensors] == ["w", "x150"]
 

@@ -1,0 +1,193 @@
+"""What each dim of a tensor statement is: its mode, its `over` split and its `chunk`, checked.
+
+Guarantees: every extent, count and pad multiple is at least 1 and every stored
+extent fits in 64 bits; a dim's storage alternates in at most `modes.MAX_RUNS`
+pieces; `over` splits the mode legally (`modes.check_split`), `chunk` divides
+the local extent unless it has `align`, and `align` is at least 1; a dtype fits
+the local shape (a block-scaled dtype needs a last dim of whole blocks) and the
+tensor's bytes fit 64 bits.
+
+Sharing (what keeps a layout of 10^5 instances small): equal dims are one
+`DimIR` object per layout, equal shapes one tuple; inside loops a statement's
+dims are built once per distinct value of the loop variables they use (the
+axes are still claimed for every instance). These memos belong to one
+elaboration and are dropped with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import ast
+from ..diagnostics import ElaborationError, Note, did_you_mean
+from ..ir import ChunkSplit, DimIR, Mesh, Split, storage_bytes
+from ..modes import MAX_RUNS, ConcatM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
+from ..vocabulary import DTYPE, MXFP8_BLOCK
+from . import limits
+from .meshes import AxisClaims
+from .scope import Scope
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltDims:
+    """A statement's dims and their shapes: one object for every instance that
+    shares them (a statement inside loops, for the loop values its dims use)."""
+
+    dims: tuple[DimIR, ...]
+    logical_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+
+class Dims:
+    """Builds and checks dims for one elaboration, sharing what is equal."""
+
+    def __init__(self, scope: Scope):
+        self.scope = scope
+        self.memo: dict[tuple, BuiltDims] = {}  # (statement id, mesh, loop values used): cleared with the loop
+        self.free: dict[int, tuple[str, ...]] = {}  # statement id -> the names its dims use
+        self.pool: dict[DimIR, DimIR] = {}  # equal dims of different statements: one object
+        self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal shapes: one tuple
+        self.stored: set[tuple[tuple[DimIR, ...], str]] = set()  # (dims, dtype) already checked
+
+    def of(self, stmt: ast.TensorDecl, mesh: Mesh, claims: AxisClaims) -> BuiltDims:
+        """The statement's dims on `mesh`, their axes claimed for this instance."""
+        loops = self.scope.loops
+        if not loops:  # elaborated once: nothing to remember
+            return self.build(stmt, mesh, claims)
+        free = self.free.get(id(stmt))
+        if free is None:
+            free = self.free[id(stmt)] = tuple(sorted(_free_names(stmt.dims)))
+        loop_vals = {f.node.var: f.value for f in loops}
+        memo_key = (id(stmt), mesh.name, tuple(loop_vals.get(n) for n in free))
+        cached = self.memo.get(memo_key)
+        if cached is not None:
+            for ast_dim in stmt.dims:  # still claim the axes
+                for ref in ast_dim.over:
+                    claims.claim(ref, "by `over`")
+                if ast_dim.chunk:
+                    claims.claim(ast_dim.chunk.axis, "by `chunk`")
+            return cached
+        built = self.memo[memo_key] = self.build(stmt, mesh, claims)
+        return built
+
+    def forget_statements(self) -> None:
+        """Drop the per-statement memos (keyed by statement ids, which die with the loop)."""
+        self.memo.clear()
+        self.free.clear()
+
+    def build(self, stmt: ast.TensorDecl, mesh: Mesh, claims: AxisClaims) -> BuiltDims:
+        dims = []
+        for d in stmt.dims:
+            mode = self.mode(d.mode)
+            if fragments(mode) > MAX_RUNS:
+                raise ElaborationError(f"this dimension's storage alternates in {fragments(mode)} pieces; at "
+                                       f"most {MAX_RUNS} are supported", d.mode.span,
+                                       help="a real layout is far less fragmented; check the counts")
+            over = None
+            if d.over:
+                idx = tuple(claims.claim(ref, "by `over`") for ref in d.over)
+                sizes = tuple(mesh.axes[i].size for i in idx)
+                over = Split(idx, tuple(r.name for r in d.over), sizes)
+                label = d.over[0].name if len(d.over) == 1 else "(" + ", ".join(r.name for r in d.over) + ")"
+                try:
+                    check_split(mode, over.size, label)
+                except SplitError as e:
+                    raise ElaborationError(e.message, e.node.origin.span if e.node.origin else d.span,
+                                           help=e.help) from None
+            chunk = None
+            if d.chunk:
+                idx = claims.claim(d.chunk.axis, "by `chunk`")
+                align = self.scope.evaluate(d.chunk.align) if d.chunk.align is not None else None
+                if align is not None and align < 1:
+                    raise ElaborationError(f"`align {align}` must be at least 1", d.chunk.align.span)
+                chunk = ChunkSplit(idx, d.chunk.axis.name, mesh.axes[idx].size, align)
+            dim = DimIR(mode, over, chunk)
+            if chunk is not None and chunk.align is None and dim.split_extent % chunk.size:
+                n, g = dim.split_extent, chunk.size
+                raise ElaborationError(f"chunk {chunk.name}={g}: local extent {n} leaves remainder {n % g}",
+                                       d.chunk.span, help=f"use `chunk {chunk.name} align 1` to pad the tail, "
+                                                          f"or an extent divisible by {g}")
+            dims.append(self.pool.setdefault(dim, dim))
+        logical, local = tuple(d.logical for d in dims), tuple(d.local for d in dims)
+        return BuiltDims(tuple(dims), self.shapes.setdefault(logical, logical), self.shapes.setdefault(local, local))
+
+    def mode(self, node: ast.Mode):
+        """AST mode -> IR mode, every extent evaluated and checked."""
+        match node:
+            case ast.Plain(extent=e):
+                return PlainM(self.extent(e, "extent"), node)
+            case ast.Product(count=n, inner=inner):
+                return _checked(ProductM(self.extent(n, "count"), self.mode(inner), node))
+            case ast.Concat(parts=parts):
+                names = {}
+                for p in parts:
+                    if p.name is not None and p.name in names:
+                        raise ElaborationError(f"part name `{p.name}` is used twice in this concatenation", p.span,
+                                               notes=[Note("first here", names[p.name])])
+                    if p.name is not None:
+                        names[p.name] = p.span
+                return _checked(ConcatM(tuple(PartM(p.name, self.mode(p.mode)) for p in parts), node))
+            case ast.Pad(inner=inner, multiple=k):
+                return _checked(PadM(self.mode(inner), self.extent(k, "pad multiple"), node))
+        raise AssertionError(node)
+
+    def extent(self, expr: ast.Expr, what: str) -> int:
+        v = self.scope.evaluate(expr)
+        if v < 1:
+            raise ElaborationError(f"{what} {v} is not positive; extents must be at least 1", expr.span,
+                                   help="check the expression")
+        return v
+
+    def check_storage(self, built: BuiltDims, dtype: str, stmt: ast.TensorDecl) -> None:
+        """The dtype fits the local shape, and the bytes fit 64 bits (once per dims and dtype)."""
+        dims = built.dims
+        if (dims, dtype) in self.stored:
+            return
+        local = built.local_shape
+        if DTYPE[dtype].scales == "block" and (not dims or local[-1] % MXFP8_BLOCK):
+            raise ElaborationError(f"{dtype} needs the local last dim to be a multiple of {MXFP8_BLOCK}; "
+                                   f"here it is {local[-1] if dims else 'absent (0-d tensor)'}",
+                                   stmt.dims[-1].span if stmt.dims else stmt.span,
+                                   help=f"use another dtype, or a shape whose local last dim is a multiple "
+                                        f"of {MXFP8_BLOCK}")
+        n = 1
+        for d in dims:
+            n *= max(d.logical, d.local)
+        if n * 4 > limits.INT64_MAX or storage_bytes(dtype, local) > limits.INT64_MAX:
+            raise ElaborationError(f"tensor of {n} elements does not fit in 64-bit sizes", stmt.span,
+                                   help="check the extents")
+        self.stored.add((dims, dtype))
+
+
+def _checked(mode):
+    if mode.stored > limits.INT64_MAX:
+        raise ElaborationError(f"stored extent {mode.stored} does not fit in 64 bits", mode.origin.span)
+    return mode
+
+
+def _free_names(nodes) -> set[str]:
+    """Every name an AST subtree uses (spans aside)."""
+    out: set[str] = set()
+
+    def visit(x):
+        if isinstance(x, (ast.Name, ast.Local)):
+            out.add(x.name)
+        elif isinstance(x, tuple):
+            for y in x:
+                visit(y)
+        elif hasattr(x, "__dataclass_fields__"):
+            for f in x.__dataclass_fields__:
+                if f != "span":
+                    visit(getattr(x, f))
+
+    visit(nodes)
+    return out
+
+
+def known_dtype(name: str, span) -> str:
+    """`name` if it is a dtype of the vocabulary, else an error naming them all."""
+    if name not in DTYPE:
+        hint = did_you_mean(name, DTYPE)
+        raise ElaborationError(f"unknown dtype `{name}`", span,
+                               help=(hint + " " if hint else "") + "dtypes are: " + ", ".join(DTYPE))
+    return name

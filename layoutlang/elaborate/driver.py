@@ -1,0 +1,216 @@
+"""The elaboration driver: statements in order, each handed to the pass that owns it.
+
+The order is written down as data: `STATEMENTS` says which pass elaborates
+each kind of statement, `TENSOR_STEPS` what one tensor instance goes through,
+in order. The order of the steps is the order of a tensor's diagnostics: a
+statement with two mistakes reports the earlier step's.
+
+Guarantees: `loads` returns a complete, frozen `Layout` or raises a
+`LayoutError` (a ParseError, an ElaborationError at the offending span, a
+UsageError for bad overrides or an unreadable top-level file); nothing an
+elaboration memoizes outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .. import ast
+from ..diagnostics import ElaborationError, Source, UsageError
+from ..gcpause import gc_paused
+from ..ir import Layout, Mesh, TensorIR
+from ..parser import decode
+from ..vocabulary import DEFAULT_DTYPE
+from . import limits, loops, meshes, names
+from .dims import Dims, known_dtype
+from .meshes import AxisClaims
+from .names import Names
+from .scope import Scope
+from .sources import FileRefused, Sources, read_layout_file
+
+
+class Elaboration:
+    """One layout being elaborated: the state its passes read and extend."""
+
+    def __init__(self, overrides: dict[str, int]):
+        self.meshes: dict[str, Mesh] = {}  # in declaration order; the first is the default
+        self.scope = Scope(overrides, self.meshes)
+        self.sources = Sources()
+        self.dims = Dims(self.scope)
+        self.names = Names()
+        self.tensors: list[TensorIR] = []
+        self.default_dtype = DEFAULT_DTYPE
+        self.header: str | None = None
+        self.fixed_pool: dict[tuple, tuple] = {}  # placement coordinates, one object per value
+
+
+def run_file(el: Elaboration, source: Source) -> None:
+    """Elaborate one file's statements in order (an include runs its file in place)."""
+    statements = el.sources.open(source)
+    for i, stmt in enumerate(statements):
+        statements[i] = None  # done with its AST as soon as it is elaborated: the IR
+        if stmt.__class__ is ast.Header:  # keeps only spans (and a mode's origin)
+            if i != 0:
+                raise ElaborationError("`layout` must be the first statement of a file", stmt.span,
+                                       help="move the `layout NAME` header to the top")
+            if el.sources.at_top_level:
+                el.header = stmt.name
+            continue
+        STATEMENTS[stmt.__class__](el, stmt, source)
+    el.sources.close()
+
+
+# ---- statements -----------------------------------------------------------------------
+
+def include(el: Elaboration, stmt: ast.Include, source: Source) -> None:
+    included = el.sources.include(stmt, source)
+    if included is not None:
+        run_file(el, included)
+
+
+def args(el: Elaboration, stmt: ast.Arg, source: Source) -> None:
+    for b in stmt.bindings:
+        el.scope.define(b, "arg")
+
+
+def consts(el: Elaboration, stmt: ast.Const, source: Source) -> None:
+    for b in stmt.bindings:
+        el.scope.define(b, "const")
+
+
+def mesh(el: Elaboration, stmt: ast.MeshDecl, source: Source) -> None:
+    el.meshes[stmt.name] = meshes.declare(stmt, el.scope, el.meshes)
+
+
+def default_dtype(el: Elaboration, stmt: ast.DefaultDtype, source: Source) -> None:
+    el.default_dtype = known_dtype(stmt.dtype, stmt.dtype_span)
+
+
+def for_loop(el: Elaboration, stmt: ast.ForLoop, source: Source) -> None:
+    frame = loops.enter(stmt, el.scope, len(el.tensors))
+    el.scope.loops.append(frame)
+    for v in range(frame.start, frame.stop):
+        frame.value = v
+        for inner in stmt.body:
+            if inner.__class__ is not ast.TensorDecl and inner.__class__ is not ast.ForLoop:
+                raise ElaborationError("only `tensor` and `for` may appear inside a `for` block",
+                                       inner.span, help="move it above the loop")
+            STATEMENTS[inner.__class__](el, inner, source)
+    el.scope.loops.pop()
+    if not el.scope.loops:
+        el.dims.forget_statements()
+
+
+def tensor(el: Elaboration, stmt: ast.TensorDecl, source: Source) -> None:
+    draft = Draft(stmt)
+    for step in TENSOR_STEPS:
+        step(el, draft)
+
+
+# ---- one tensor instance ----------------------------------------------------------------
+
+class Draft:
+    """A tensor instance as its steps fill it in: `claims` (AxisClaims, its mesh
+    inside), `fixed` (axis, coordinate) pairs, `built` (BuiltDims), `dtype`,
+    `name`, `key`; `emit` turns it into a TensorIR."""
+
+    __slots__ = ("stmt", "claims", "fixed", "built", "dtype", "name", "key")
+
+    def __init__(self, stmt: ast.TensorDecl):
+        self.stmt = stmt
+
+
+def on_mesh(el: Elaboration, d: Draft) -> None:
+    """Its mesh (`on MESH` or the first); from here on it claims that mesh's axes."""
+    d.claims = AxisClaims(meshes.mesh_of(d.stmt, el.meshes), d.stmt, len(el.meshes) > 1)
+
+
+def loop_axes(el: Elaboration, d: Draft) -> None:
+    """Enclosing `for ... over` loops place it at the coordinate owning the iteration."""
+    d.fixed = loops.claim_axes(el.scope.loops, d.claims, el.scope, d.stmt.span)
+
+
+def dims(el: Elaboration, d: Draft) -> None:
+    """Its dims, split and chunked (built once per statement and loop values used)."""
+    d.built = el.dims.of(d.stmt, d.claims.mesh, d.claims)
+
+
+def placement(el: Elaboration, d: Draft) -> None:
+    """`at AXIS=C` places it at coordinates."""
+    d.fixed += meshes.placement(d.stmt, d.claims, el.scope)
+
+
+def dtype(el: Elaboration, d: Draft) -> None:
+    """Its dtype (or the default), which must fit its local shape."""
+    stmt = d.stmt
+    d.dtype = known_dtype(stmt.dtype.name, stmt.dtype.span) if stmt.dtype else el.default_dtype
+    el.dims.check_storage(d.built, d.dtype, stmt)
+
+
+def naming(el: Elaboration, d: Draft) -> None:
+    """Its NAME and KEY, rendered with the loop values."""
+    d.name, d.key = names.names_and_key(d.stmt, el.scope)
+
+
+def emit(el: Elaboration, d: Draft) -> None:
+    """The instance, if its key and name keep the layout's rules and the count its bound."""
+    fixed = tuple(sorted(d.fixed))
+    fixed = el.fixed_pool.setdefault(fixed, fixed)
+    b = d.built
+    t = TensorIR(d.key, d.name, d.dtype, d.claims.mesh, b.dims, fixed, b.logical_shape, b.local_shape, d.stmt.span)
+    el.names.register(t, d.stmt)
+    if len(el.tensors) >= limits.MAX_TENSORS:
+        raise ElaborationError(f"more than {limits.MAX_TENSORS} tensor instances", d.stmt.span)
+    el.tensors.append(t)
+
+
+# ---- the order, as data ---------------------------------------------------------------------
+
+STATEMENTS = {
+    ast.Include: include,
+    ast.Arg: args,
+    ast.Const: consts,
+    ast.MeshDecl: mesh,
+    ast.DefaultDtype: default_dtype,
+    ast.TensorDecl: tensor,
+    ast.ForLoop: for_loop,
+}
+
+TENSOR_STEPS = (on_mesh, loop_axes, dims, placement, dtype, naming, emit)
+
+
+# ---- the public doors -------------------------------------------------------------------------
+
+def _finish(el: Elaboration, path: str, unknown_args: str) -> Layout:
+    el.scope.check_overrides(unknown_args)
+    arg_values = el.scope.arg_values
+    return Layout(path, el.header, tuple(el.meshes.values()), tuple(el.tensors), tuple(arg_values),
+                  el.sources.digest(arg_values), tuple(el.sources.read))
+
+
+def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None = None,
+          *, unknown_args: str = "error") -> Layout:
+    """Elaborate layout text. Raises LayoutError (with position) for any user error.
+
+    >>> loads("mesh m (tp=2)\\ntensor w [(gate: 4 | up: 4) over tp]").tensors[0].local_shape
+    (4,)
+    """
+    el = Elaboration(args or {})
+    source = decode(text, path) if isinstance(text, bytes) else Source(path, text)
+    with gc_paused():
+        run_file(el, source)
+        return _finish(el, path, unknown_args)
+
+
+def load(path: str | os.PathLike, args: dict[str, int] | None = None,
+         *, unknown_args: str = "error") -> Layout:
+    """Read and elaborate a `.layout` file (includes are relative to it).
+
+    `unknown_args="ignore"` lets one set of args serve two layouts (a plan).
+    """
+    path = os.fspath(path)
+    try:
+        data = read_layout_file(path)
+    except FileRefused as exc:
+        raise UsageError(f"cannot read {path}: {exc.reason}", help=exc.help) from None
+    return loads(data, path, args, unknown_args=unknown_args)
