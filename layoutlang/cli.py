@@ -17,7 +17,7 @@ from rich.table import Table
 
 from . import __version__
 from .diagnostics import LayoutError, UsageError
-from .elaborate import load
+from .elaborate import load, read_source
 from .report.units import human_bytes
 
 EXIT_OK, EXIT_DIAGNOSTICS, EXIT_USAGE = 0, 1, 2
@@ -144,17 +144,12 @@ def cmd_fmt(ns, out: Console, err: Console) -> int:
         paths.extend(sorted(p.rglob("*.layout")) if p.is_dir() else [p])
     status = EXIT_OK
     for path in paths:
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            try:
-                load(path)  # a positioned diagnostic for bad bytes
-            except LayoutError as e:
-                _print_error(e, err)
-                status = max(status, EXIT_DIAGNOSTICS)
-                continue
-            err.print(f"error: cannot read {path}", markup=False)
-            return EXIT_USAGE
+        try:  # a regular file under the size cap (never a FIFO or a device), as UTF-8
+            text = read_source(str(path)).text
+        except LayoutError as e:  # cannot be read, or not UTF-8 (positioned)
+            _print_error(e, err)
+            status = max(status, EXIT_DIAGNOSTICS)
+            continue
         try:
             formatted = format_text(text, str(path))
         except LayoutError as e:

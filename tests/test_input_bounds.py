@@ -146,6 +146,47 @@ def test_a_file_larger_than_its_stat_size_is_read_only_up_to_the_cap(tmp_path, m
     assert (err.line, err.col) == (1, 1)
 
 
+def _fmt(args: list[str]) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["fmt", *args])
+    return code, out.getvalue() + err.getvalue()
+
+
+@FAST
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fmt_refuses_a_fifo_and_an_oversized_file_like_an_unreadable_one(tmp_path):
+    """`layoutc fmt` reads with the same bounded reader: a FIFO does not block it,
+    a huge file does not exhaust memory; each is a diagnostic, and the others are
+    still formatted."""
+    missing = tmp_path / "missing.layout"
+    code, output = _fmt([str(missing)])
+    assert code == 1 and f"error: cannot read {missing}: No such file or directory" in output
+    fifo, big, ok = tmp_path / "pipe.layout", tmp_path / "big.layout", tmp_path / "ok.layout"
+    os.mkfifo(fifo)
+    with open(big, "wb") as fh:  # sparse: 64 MiB + 1 byte on paper
+        fh.truncate(limits.MAX_FILE_BYTES + 1)
+    ok.write_text("mesh m(tp=2)\n")
+    code, output = _fmt([str(fifo), str(big), str(ok)])
+    assert code == 1 and "Traceback" not in output
+    assert f"reformatted {ok}\n" in output
+    assert output.endswith(
+        f"error: cannot read {fifo}: not a regular file but a FIFO (named pipe)\n"
+        "help: a layout is a regular file: name a `.layout` file, not a device, pipe or socket\n"
+        f"error: cannot read {big}: the file has 67108865 bytes; at most 67108864 bytes (64 MiB) are read\n"
+        "help: a layout file is far smaller: check that the path names the right file\n")
+    assert ok.read_text() == "mesh m (tp=2)\n"  # formatted
+    code, output = _fmt([str(tmp_path)])  # a folder walked: its FIFO is refused, not opened
+    assert code == 1 and "FIFO" in output
+
+
+@FAST
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_fmt_refuses_a_device():
+    code, output = _fmt(["/dev/zero"])
+    assert code == 1 and "error: cannot read /dev/zero: not a regular file but a character device" in output
+
+
 # ---- include depth -----------------------------------------------------------------
 
 def _chain(tmp_path: Path, n: int) -> Path:

@@ -22,6 +22,6 @@ hint where one is known.
 """
 
 from .driver import load, loads
-from .sources import FileRefused, read_layout_file
+from .sources import FileRefused, read_layout_file, read_source
 
-__all__ = ["load", "loads", "read_layout_file", "FileRefused"]
+__all__ = ["load", "loads", "read_source", "read_layout_file", "FileRefused"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from .. import ast
-from ..diagnostics import ElaborationError, Source, UsageError
+from ..diagnostics import ElaborationError, Source
 from ..gcpause import gc_paused
 from ..ir import Layout, Mesh, TensorIR
 from ..parser import decode
@@ -26,7 +26,7 @@ from .dims import Dims, known_dtype
 from .meshes import AxisClaims
 from .names import Names
 from .scope import Scope
-from .sources import FileRefused, Sources, read_layout_file
+from .sources import Sources, read_source
 
 
 class Elaboration:
@@ -188,6 +188,13 @@ def _finish(el: Elaboration, path: str, unknown_args: str) -> Layout:
                   el.sources.digest(arg_values), tuple(el.sources.read))
 
 
+def _elaborate(source: Source, args: dict[str, int] | None, unknown_args: str) -> Layout:
+    el = Elaboration(args or {})
+    with gc_paused():
+        run_file(el, source)
+        return _finish(el, source.path, unknown_args)
+
+
 def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None = None,
           *, unknown_args: str = "error") -> Layout:
     """Elaborate layout text. Raises LayoutError (with position) for any user error.
@@ -195,11 +202,8 @@ def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None
     >>> loads("mesh m (tp=2)\\ntensor w [(gate: 4 | up: 4) over tp]").tensors[0].local_shape
     (4,)
     """
-    el = Elaboration(args or {})
     source = decode(text, path) if isinstance(text, bytes) else Source(path, text)
-    with gc_paused():
-        run_file(el, source)
-        return _finish(el, path, unknown_args)
+    return _elaborate(source, args, unknown_args)
 
 
 def load(path: str | os.PathLike, args: dict[str, int] | None = None,
@@ -208,9 +212,4 @@ def load(path: str | os.PathLike, args: dict[str, int] | None = None,
 
     `unknown_args="ignore"` lets one set of args serve two layouts (a plan).
     """
-    path = os.fspath(path)
-    try:
-        data = read_layout_file(path)
-    except FileRefused as exc:
-        raise UsageError(f"cannot read {path}: {exc.reason}", help=exc.help) from None
-    return loads(data, path, args, unknown_args=unknown_args)
+    return _elaborate(read_source(os.fspath(path)), args, unknown_args)

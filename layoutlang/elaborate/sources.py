@@ -22,7 +22,7 @@ import os
 import stat
 
 from .. import ast
-from ..diagnostics import ElaborationError, Source
+from ..diagnostics import ElaborationError, Source, UsageError
 from ..parser import decode, parse_source
 from . import limits
 
@@ -101,6 +101,16 @@ def read_layout_file(path: str) -> bytes:
     if len(data) > cap:
         raise _too_large(f"more than {cap}")
     return data
+
+
+def read_source(path: str) -> Source:
+    """A top-level layout file's text: UsageError if it cannot be read (`load`,
+    `layoutc fmt`), a positioned ParseError if it is not UTF-8."""
+    try:
+        data = read_layout_file(path)
+    except FileRefused as exc:
+        raise UsageError(f"cannot read {path}: {exc.reason}", help=exc.help) from None
+    return decode(data, path)
 
 
 def count_statements(statements) -> int:
