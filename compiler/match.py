@@ -62,8 +62,20 @@ def tree_difference(dst: PartTree, src: PartTree, path: str = "") -> str | None:
     return None
 
 
+def refuse_keys_inside(layout: Layout) -> None:
+    """Keys inside stored tensors (LANGUAGE.md 8) are elaborated and checked but not planned yet."""
+    t = next((t for t in layout.tensors if t.regions is not None), None)
+    if t is not None:
+        raise PlanError("keys inside stored tensors (part keys, stacked dims, transposed storage) are checked "
+                        "but not planned yet", t.span,
+                        help="planning them is the next step of issue 10; until then write one tensor "
+                             "statement per key")
+
+
 def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
     """Pair every destination instance with its source instances; list unused source keys."""
+    refuse_keys_inside(dst)
+    refuse_keys_inside(src)
     by_key = src.by_key
     matches: list[Match] = []
     checked: set[str] = set()

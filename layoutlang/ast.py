@@ -8,6 +8,7 @@ Notation::
 
     Expr := Num | Name | Local | BinOp | Neg | Call
     Mode := Plain | Product | Concat | Pad          (one dimension's structure)
+    Dim.mode := Mode | Stack                        (v2: `e in 0..E` is a stacked dim)
     Stmt := Header | Include | Arg | Const | MeshDecl | DefaultDtype | TensorDecl | ForLoop
 """
 
@@ -107,9 +108,12 @@ class Product:
 
 @dataclass(frozen=True, slots=True)
 class Part:
+    """`name: M` or `name: M as KEY` (v2: a part key, LANGUAGE.md 8.1)."""
+
     name: str | None
     mode: "Mode"
     span: Span = _span()
+    key: "NameTemplate | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,19 @@ Mode = Plain | Product | Concat | Pad
 
 
 @dataclass(frozen=True, slots=True)
+class Stack:
+    """`VAR in A..B` (v2, LANGUAGE.md 8.2): a stacked dim, one key per index.
+
+    Stored like a plain extent B - A; index i holds VAR = A + i in the keys."""
+
+    var: str
+    start: Expr
+    stop: Expr
+    span: Span = _span()
+    var_span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
 class AxisRef:
     name: str
     span: Span = _span()
@@ -147,7 +164,7 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Dim:
-    mode: Mode
+    mode: Mode | Stack
     over: tuple[AxisRef, ...]  # empty: not split; several: a combined axis
     chunk: Chunk | None
     span: Span = _span()
@@ -224,6 +241,7 @@ class TensorDecl:
     mesh: Ident | None
     placement: tuple[Place, ...]
     span: Span = _span()
+    transposed: Ident | None = None  # v2 (LANGUAGE.md 8.3): the word `transposed`, with its span
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,15 @@ def cmd_check(ns, out: Console, err: Console) -> int:
     return status
 
 
+SHOWN_STORED = 8  # stored tensors holding keys (v2) listed by `layoutc check`, one line each
+
+
+def _has_parts(t) -> bool:
+    """Does a v2 tensor cut a non-stacked dim into several keys (part keys)?"""
+    r = t.regions[0]
+    return any(hi - lo != t.logical_shape[i] for i, (lo, hi) in enumerate(r.box) if i not in r.stacked)
+
+
 def summarize(layout, out: Console) -> None:
     per_rank = layout.bytes_per_rank()
     held = [b for b in per_rank if b]
@@ -101,7 +110,20 @@ def summarize(layout, out: Console) -> None:
     for m in layout.meshes:
         axes = ", ".join(f"{a.name}={a.size}" for a in m.axes)
         out.print(f"  mesh     {m.name} ({axes}) ranks {m.offset}..{m.end - 1}", markup=False)
-    out.print(f"  tensors  {len(layout.tensors)} instances, {len(layout.by_key)} keys", markup=False)
+    stored = [t for t in layout.tensors if t.regions is not None]  # v2: keys inside stored tensors
+    keys = len(layout.by_key)
+    if stored:
+        keys = len({k for k, ts in layout.by_key.items() if ts[0].regions is None}
+                   | {r.key for t in stored for r in t.regions})
+    out.print(f"  tensors  {len(layout.tensors)} instances, {keys} keys", markup=False)
+    for t in stored[:SHOWN_STORED]:
+        kinds = [w for w, on in (("part keys", _has_parts(t)), ("stacked", bool(t.regions[0].stacked)),
+                                 ("transposed", t.regions[0].transposed)) if on]
+        out.print(f"  holds    {t.name}: {len(t.regions)} key{'s' if len(t.regions) != 1 else ''} "
+                  f"({', '.join(kinds)})", markup=False)
+    if len(stored) > SHOWN_STORED:
+        out.print(f"  holds    ... and {len(stored) - SHOWN_STORED} more stored tensors holding "
+                  f"{sum(len(t.regions) for t in stored[SHOWN_STORED:])} keys", markup=False)
     if held:
         lo, hi = min(held), max(held)
         lo_r, hi_r = per_rank.index(lo), per_rank.index(hi)

@@ -16,7 +16,7 @@ Canonical style::
     const H = 4096, F = 14336
     mesh train (dp=4, tp=TP) at 64          no spaces around `=` in mesh axes and `at`
     default dtype bf16
-    tensor NAME as KEY [d0, d1] bf16 on m at pp=0, tp=1
+    tensor NAME as KEY [d0, d1] bf16 transposed on m at pp=0, tp=1
     tensor s []
     for l in 0..L over pp sizes [7, 9] {    body indented 2 spaces per level
       tensor x.{l} [H]  # trailing          two spaces before a trailing comment
@@ -31,6 +31,9 @@ Canonical style::
   `(q: A | B)`, `(x: M)`, `M pad K`; a `pad` inside a `pad` is grouped:
   `(M pad 2) pad 4`. Dims: `M over tp`, `M over (dp, tp)`, `M chunk g align 16`.
 - Tensor names and keys are printed as written.
+- Version 2: a part key follows its part's mode, `(q: Q*D as KEY | k: D as KEY)`;
+  a stacked dim is `e in 0..E over ep chunk edp`; `transposed` comes after the
+  dtype: `tensor NAME as KEY [d0, d1] bf16 transposed on m at pp=0`.
 - Comments: a comment on its own line stays before the statement it preceded,
   at that statement's indentation (or at the end of its block or file); a
   trailing comment stays trailing; a comment inside a multi-line statement
@@ -133,12 +136,18 @@ def format_mode(mode: ast.Mode) -> str:
 
 def _part(part: ast.Part) -> str:
     text = format_mode(part.mode)
+    if part.key is not None:
+        text += f" as {part.key.text}"
     return text if part.name is None else f"{part.name}: {text}"
 
 
 def format_dim(dim: ast.Dim) -> str:
-    """`MODE [over AXES] [chunk AXIS [align K]]`."""
-    text = format_mode(dim.mode)
+    """`MODE [over AXES] [chunk AXIS [align K]]`; a stacked dim `e in 0..E over ep`."""
+    if isinstance(dim.mode, ast.Stack):
+        stack = dim.mode
+        text = f"{stack.var} in {format_expr(stack.start)}..{format_expr(stack.stop)}"
+    else:
+        text = format_mode(dim.mode)
     if len(dim.over) == 1:
         text += f" over {dim.over[0].name}"
     elif dim.over:
@@ -194,6 +203,8 @@ def _tensor(t: ast.TensorDecl) -> str:
     text += f" [{', '.join(format_dim(d) for d in t.dims)}]"
     if t.dtype is not None:
         text += f" {t.dtype.name}"
+    if t.transposed is not None:
+        text += " transposed"
     if t.mesh is not None:
         text += f" on {t.mesh.name}"
     if t.placement:

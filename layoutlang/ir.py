@@ -164,12 +164,45 @@ class DimIR:
         return {}
 
 
+@dataclass(frozen=True, slots=True)
+class KeyRegion:
+    """One key inside a stored tensor: the logical box of the STORED tensor that holds it.
+
+    Version 2 (LANGUAGE.md 8): a tensor with part keys, stacked dims or
+    `transposed` storage holds one region per key. `box` is per stored dim a
+    half-open [lo, hi) in the stored tensor's logical coordinates (canonical
+    order after hoisting, LANGUAGE.md 3); a stacked dim's entry is [i, i+1).
+
+    >>> r = KeyRegion("h.0.w", ((0, 1), (0, 768), (0, 2304)), (0,), True)
+    >>> r.key_shape
+    (2304, 768)
+    """
+
+    key: str                                  # rendered (loop and stack variables substituted)
+    box: tuple[tuple[int, int], ...]          # per stored dim, [lo, hi)
+    stacked: tuple[int, ...]                  # stored dims that are stack indices, dropped from the key's shape
+    transposed: bool                          # the key's two (non-stacked) dims are stored in the opposite order
+
+    @property
+    def key_shape(self) -> tuple[int, ...]:
+        """The key's logical shape: box extents without stacked dims, swapped if transposed."""
+        shape = tuple(hi - lo for i, (lo, hi) in enumerate(self.box) if i not in self.stacked)
+        return shape[::-1] if self.transposed else shape
+
+
 @dataclass(frozen=True, eq=False)
 class TensorIR:
     """One tensor instance: what ranks hold it, under which name, how it is cut.
 
     `logical_shape` and `local_shape` are the dims' logical and local extents;
     the elaborator gives instances with equal dims the same two tuples.
+
+    `regions` is None for a v1 tensor: it holds one key, `key`, the whole
+    tensor. A v2 tensor (part keys, stacked dims or `transposed`) lists every key
+    it holds in canonical order (stack indices outer, row-major in dim order;
+    then parts in logical order); its `key` is then its NAME, which is never
+    matched: the compiler matches `regions` (and `Layout.by_key` files it under
+    that NAME).
     """
 
     key: str
@@ -181,6 +214,7 @@ class TensorIR:
     logical_shape: tuple[int, ...] = field(repr=False)
     local_shape: tuple[int, ...] = field(repr=False)
     span: Span | None = field(default=None, repr=False)
+    regions: tuple[KeyRegion, ...] | None = field(default=None, repr=False)
 
     @cached_property
     def local_bytes(self) -> int:
@@ -284,5 +318,5 @@ class Layout:
         return out
 
 
-__all__ = ["Axis", "Mesh", "Split", "ChunkSplit", "DimIR", "TensorIR", "Layout", "Run", "PadRun",
+__all__ = ["Axis", "Mesh", "Split", "ChunkSplit", "DimIR", "KeyRegion", "TensorIR", "Layout", "Run", "PadRun",
            "DTYPES", "ELEMENT_BYTES", "QUANTIZED", "MXFP8_BLOCK", "storage_bytes", "placement_ranks"]

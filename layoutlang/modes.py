@@ -265,6 +265,54 @@ def part_leaves(tree: PartTree, start: int = 0, prefix: str = "") -> list[tuple[
     return out
 
 
+def tree_extent(tree: PartTree) -> int:
+    """Logical elements of a hoisted part tree (the sum of its leaves)."""
+    if isinstance(tree, Leaf):
+        return tree.extent
+    return sum(tree_extent(sub) for _, sub in tree.parts)
+
+
+def part_range(tree: PartTree, path: tuple[int, ...]) -> tuple[int, int]:
+    """Logical [start, stop) of the part reached by `path` (one part index per
+    concatenation level, products and `pad` being transparent in the hoisted tree).
+
+    Preserves hoisting: a part of `(N, (q | k))` is all N copies of it, one
+    contiguous logical range (LANGUAGE.md 3, 8.1).
+
+    >>> part_range(PartNode((("q", Leaf(8)), ("kv", PartNode(((None, Leaf(2)), (None, Leaf(2))))))), (1, 1))
+    (10, 12)
+    """
+    start = 0
+    for i in path:
+        assert isinstance(tree, PartNode), "a path goes through concatenations only"
+        start += sum(tree_extent(sub) for _, sub in tree.parts[:i])
+        tree = tree.parts[i][1]
+    return start, start + tree_extent(tree)
+
+
+def subtree_at(tree: PartTree, start: int, stop: int) -> PartTree | None:
+    """The part (sub)tree covering exactly logical [start, stop), or None: a key's
+    part tree inside a stored tensor with part keys (LANGUAGE.md 8.1).
+
+    >>> subtree_at(PartNode((("q", Leaf(8)), ("k", Leaf(2)))), 8, 10)
+    Leaf(extent=2)
+    """
+    pos = 0
+    while True:
+        if pos == start and tree_extent(tree) == stop - start:
+            return tree
+        if isinstance(tree, Leaf):
+            return None
+        for _, sub in tree.parts:
+            n = tree_extent(sub)
+            if pos <= start and stop <= pos + n:
+                tree = sub
+                break
+            pos += n
+        else:
+            return None
+
+
 def leaf_starts(mode: ModeIR) -> tuple[int, ...]:
     """Logical start of each hoisted leaf (prefix sums in part order)."""
     starts, acc = [], 0

@@ -256,18 +256,24 @@ class _ToAst(Transformer):
             inner = ast.Product(count.extent, inner, span)
         return inner
 
+    def part_key(self, meta, c):
+        return ("key", self._template(c[0]))
+
     def named_part(self, meta, c):
-        return ast.Part(_word(c[0]), c[1], self.pos.of_meta(meta))
+        key = c[2][1] if len(c) > 2 else None
+        return ast.Part(_word(c[0]), c[1], self.pos.of_meta(meta), key)
 
     def part(self, meta, c):
-        return ast.Part(None, c[0], self.pos.of_meta(meta))
+        key = c[1][1] if len(c) > 1 else None
+        return ast.Part(None, c[0], self.pos.of_meta(meta), key)
 
     def concat(self, meta, c):
         return ast.Concat(tuple(c), self.pos.of_meta(meta))
 
     def concat_one(self, meta, c):
         span = self.pos.of_meta(meta)
-        return ast.Concat((ast.Part(_word(c[0]), c[1], span),), span)
+        key = c[2][1] if len(c) > 2 else None
+        return ast.Concat((ast.Part(_word(c[0]), c[1], span, key),), span)
 
     def pad(self, meta, c):
         return ast.Pad(c[0], c[1], self.pos.of_meta(meta))
@@ -299,6 +305,18 @@ class _ToAst(Transformer):
             else:
                 over = item
         return ast.Dim(mode, over, chunk, self.pos.of_meta(meta))
+
+    def stacked_dim(self, meta, c):
+        var, start, stop = c[0], c[1], c[2]
+        over, chunk = (), None
+        for item in c[3:]:
+            if isinstance(item, ast.Chunk):
+                chunk = item
+            else:
+                over = item
+        head = self.pos.span(var.line, var.column, stop.span.end_line, stop.span.end_col)
+        stack = ast.Stack(_word(var), start, stop, head, self.pos.of_token(var))
+        return ast.Dim(stack, over, chunk, self.pos.of_meta(meta))
 
     def dims(self, meta, c):
         return tuple(c)
@@ -344,6 +362,9 @@ class _ToAst(Transformer):
     def dtype(self, meta, c):
         return ("dtype", self._ident(c[0]))
 
+    def transposed(self, meta, c):
+        return ("transposed", ast.Ident("transposed", self.pos.of_meta(meta)))
+
     def on(self, meta, c):
         return ("on", self._ident(c[0]))
 
@@ -354,7 +375,7 @@ class _ToAst(Transformer):
         return ("at", tuple(c))
 
     def tensor(self, meta, c):
-        fields = {"key": None, "dims": (), "dtype": None, "on": None, "at": ()}
+        fields = {"key": None, "dims": (), "dtype": None, "transposed": None, "on": None, "at": ()}
         for item in c[1:]:
             if isinstance(item, tuple) and item and isinstance(item[0], str):
                 fields[item[0]] = item[1]
@@ -362,7 +383,7 @@ class _ToAst(Transformer):
                 fields["dims"] = item
         return ast.TensorDecl(self._template(c[0]), fields["key"], fields["dims"],
                               fields["dtype"], fields["on"], fields["at"],
-                              self.pos.of_meta(meta))
+                              self.pos.of_meta(meta), fields["transposed"])
 
     def sizes(self, meta, c):
         return ("sizes", tuple(c))

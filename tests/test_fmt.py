@@ -57,6 +57,17 @@ GOLDEN = {
         "tensor decoder.layers.{l.local}.w as decoder.layers.{l}.w[H,F]bf16 on m at pp = 0,tp=1",
         "tensor decoder.layers.{l.local}.w as decoder.layers.{l}.w [H, F] bf16 on m at pp=0, tp=1\n"),
     "tensor 0-d": ("tensor s [ ]", "tensor s []\n"),
+    # -- version 2 (LANGUAGE.md 8)
+    "part keys": ("tensor w [(KV,(q:QG*D as m.{l}.q_proj.weight|k:D  as  m.{l}.k|v : D as m.{l}.v))over tp,H]",
+                  "tensor w [(KV, (q: QG*D as m.{l}.q_proj.weight | k: D as m.{l}.k | v: D as m.{l}.v)) "
+                  "over tp, H]\n"),
+    "part key unnamed and one-part": ("tensor w [(4 as A|(x:4 pad 8 as B))]",
+                                      "tensor w [(4 as A | (x: 4 pad 8 as B))]\n"),
+    "stacked dims": ("tensor w as k.{e}.{j}[e  in 0 ..E over ep chunk edp align 2,j in 1..3,H]",
+                     "tensor w as k.{e}.{j} [e in 0..E over ep chunk edp align 2, j in 1..3, H]\n"),
+    "transposed": ("tensor c as h.w[768,2304]bf16   transposed on m at pp=0",
+                   "tensor c as h.w [768, 2304] bf16 transposed on m at pp=0\n"),
+    "transposed without dtype": ("tensor c [2, 3]\n  transposed", "tensor c [2, 3] transposed\n"),
     "tensor name verbatim": ("tensor a.{ l+1 }.b{e} [1]", "tensor a.{ l+1 }.b{e} [1]\n"),
     "for": ("for l in 0..L{tensor x.{l} [H]}", "for l in 0..L {\n  tensor x.{l} [H]\n}\n"),
     "for over sizes": ("for l in 0 .. L over pp sizes[7,9]{ }",
@@ -274,7 +285,8 @@ def _mode_node(children):
     """Mirror the grammar: `mode := group [pad E]`, groups are parenthesized."""
     items = st.lists(EXPRS, min_size=1, max_size=2)
     product = st.tuples(items, children).map(lambda t: _wrap(", ".join([*t[0], t[1]])))
-    part = st.tuples(st.sampled_from(["", "q: ", "k :", "up:"]), children).map("".join)
+    part = st.tuples(st.sampled_from(["", "q: ", "k :", "up:"]), children,
+                     st.sampled_from(["", "", " as m.{l}.q", " as  k{e}.w"])).map("".join)
     concat = st.lists(part, min_size=2, max_size=3).map(lambda ps: _wrap(" | ".join(ps)))
     one = st.tuples(st.sampled_from(["x: ", "gate:"]), children).map(lambda t: _wrap("".join(t)))
     group = st.one_of(product, concat, one, EXPRS.map(_wrap))
@@ -289,7 +301,10 @@ MODES = st.recursive(EXPRS, _mode_node, max_leaves=6)
 
 @st.composite
 def dims(draw):
-    text = draw(MODES)
+    if draw(st.integers(0, 5)) == 0:  # v2: a stacked dim
+        text = f"{draw(st.sampled_from(['e', 'j']))}{draw(SEP)}in{draw(SEP)}{draw(EXPRS)}..{draw(EXPRS)}"
+    else:
+        text = draw(MODES)
     over = draw(st.sampled_from(["", "tp", "(dp, tp)", "( dp,ep , tp )"]))
     if over:
         text += f"{draw(SEP)}over{draw(SEP)}{over}"
@@ -313,6 +328,8 @@ def tensors(draw):
     text += draw(OPT) + "[" + draw(OPT) + f"{draw(OPT)},{draw(OPT)}".join(ds) + draw(OPT) + "]"
     if draw(st.booleans()):
         text += f"{draw(SEP)}{draw(st.sampled_from(['bf16', 'fp32', 'mxfp8']))}"
+    if draw(st.integers(0, 3)) == 0:
+        text += f"{draw(SEP)}transposed"
     if draw(st.booleans()):
         text += f"{draw(SEP)}on{draw(SEP)}m"
     places = draw(st.lists(st.tuples(st.sampled_from(["pp", "tp"]), EXPRS), max_size=2))
@@ -426,7 +443,9 @@ def test_fuzz_expr_ast(expr):
 
 def _ast_mode_node(children):
     product = st.builds(ast.Product, AST_EXPRS, children)
-    part = st.builds(ast.Part, st.sampled_from([None, "q", "k"]), children)
+    key = st.sampled_from([None, None, "m.{l}.q", "k{e}.w"]).map(
+        lambda k: k and parse(f"tensor {k} [1]").statements[0].name)
+    part = st.builds(lambda n, m, k: ast.Part(n, m, None, k), st.sampled_from([None, "q", "k"]), children, key)
     concat = st.lists(part, min_size=2, max_size=3).map(lambda ps: ast.Concat(tuple(ps)))
     one = st.builds(lambda n, m: ast.Concat((ast.Part(n, m),)), st.sampled_from(["x", "up"]),
                     children)

@@ -12,6 +12,8 @@ question and says in its docstring what it guarantees:
     meshes    which ranks exist, which mesh a tensor is on, which axes it claims
     dims      what each dim is: AST mode -> IR mode, `over` and `chunk` checked
     names     what an instance is called; keys and names unique
+    keys      which keys a stored tensor holds (v2: part keys, stacked dims,
+              `transposed`) and the logical box of each
     limits    how much input is taken
 
 Every user error is an `ElaborationError` at the offending span, with a fix

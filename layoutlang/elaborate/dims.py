@@ -1,6 +1,6 @@
 """What each dim of a tensor statement is: its mode, its `over` split and its `chunk`, checked.
 
-Guarantees: every extent, count and pad multiple is at least 1 and every stored
+Guarantees: a stacked dim `e in A..B` (v2) is a plain extent B - A >= 1; every extent, count and pad multiple is at least 1 and every stored
 extent fits in 64 bits; a dim's storage alternates in at most `modes.MAX_RUNS`
 pieces; `over` splits the mode legally (`modes.check_split`), `chunk` divides
 the local extent unless it has `align`, and `align` is at least 1; a dtype fits
@@ -78,7 +78,7 @@ class Dims:
     def build(self, stmt: ast.TensorDecl, mesh: Mesh, claims: AxisClaims) -> BuiltDims:
         dims = []
         for d in stmt.dims:
-            mode = self.mode(d.mode)
+            mode = self.stack(d.mode) if d.mode.__class__ is ast.Stack else self.mode(d.mode)
             if fragments(mode) > MAX_RUNS:
                 raise ElaborationError(f"this dimension's storage alternates in {fragments(mode)} pieces; at "
                                        f"most {MAX_RUNS} are supported", d.mode.span,
@@ -131,6 +131,15 @@ class Dims:
                 return _checked(PadM(self.mode(inner), self.extent(k, "pad multiple"), node))
         raise AssertionError(node)
 
+    def stack(self, node: ast.Stack) -> PlainM:
+        """`e in A..B`: stored like a plain extent B - A (LANGUAGE.md 8.2)."""
+        start, stop = self.scope.evaluate(node.start), self.scope.evaluate(node.stop)
+        if stop - start < 1:
+            raise ElaborationError(f"stacked dim `{node.var} in {start}..{stop}` holds {max(0, stop - start)} "
+                                   "indices; a stack holds at least 1", node.span,
+                                   help="ranges are half-open `A..B` with A < B")
+        return _checked(PlainM(stop - start, node))
+
     def extent(self, expr: ast.Expr, what: str) -> int:
         v = self.scope.evaluate(expr)
         if v < 1:
@@ -177,7 +186,7 @@ def _free_names(nodes) -> set[str]:
                 visit(y)
         elif hasattr(x, "__dataclass_fields__"):
             for f in x.__dataclass_fields__:
-                if f != "span":
+                if f != "span" and f != "key":  # a part's key is not the dim's
                     visit(getattr(x, f))
 
     visit(nodes)

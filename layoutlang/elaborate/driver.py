@@ -23,6 +23,7 @@ from ..parser import decode
 from ..vocabulary import DEFAULT_DTYPE
 from . import limits, loops, meshes, names
 from .dims import Dims, known_dtype
+from .keys import Keys
 from .meshes import AxisClaims
 from .names import Names
 from .scope import Scope
@@ -38,6 +39,7 @@ class Elaboration:
         self.sources = Sources()
         self.dims = Dims(self.scope)
         self.names = Names()
+        self.keys = Keys(self.scope)
         self.tensors: list[TensorIR] = []
         self.default_dtype = DEFAULT_DTYPE
         self.header: str | None = None
@@ -99,6 +101,7 @@ def for_loop(el: Elaboration, stmt: ast.ForLoop, source: Source) -> None:
     el.scope.loops.pop()
     if not el.scope.loops:
         el.dims.forget_statements()
+        el.keys.forget_statements()
 
 
 def tensor(el: Elaboration, stmt: ast.TensorDecl, source: Source) -> None:
@@ -112,9 +115,11 @@ def tensor(el: Elaboration, stmt: ast.TensorDecl, source: Source) -> None:
 class Draft:
     """A tensor instance as its steps fill it in: `claims` (AxisClaims, its mesh
     inside), `fixed` (axis, coordinate) pairs, `built` (BuiltDims), `dtype`,
-    `name`, `key`; `emit` turns it into a TensorIR."""
+    `name`, `key`; for a v2 tensor `stored_keys` (StoredKeys, else None), its
+    `regions` and the span of the key each came from; `emit` turns it into a TensorIR."""
 
-    __slots__ = ("stmt", "claims", "fixed", "built", "dtype", "name", "key")
+    __slots__ = ("stmt", "claims", "fixed", "built", "dtype", "name", "key", "stored_keys", "regions",
+                 "region_spans")
 
     def __init__(self, stmt: ast.TensorDecl):
         self.stmt = stmt
@@ -123,6 +128,11 @@ class Draft:
 def on_mesh(el: Elaboration, d: Draft) -> None:
     """Its mesh (`on MESH` or the first); from here on it claims that mesh's axes."""
     d.claims = AxisClaims(meshes.mesh_of(d.stmt, el.meshes), d.stmt, len(el.meshes) > 1)
+
+
+def stored_keys(el: Elaboration, d: Draft) -> None:
+    """v2: its part keys, stacked dims and `transposed`, checked (None for a v1 tensor)."""
+    d.stored_keys = el.keys.shape_of(d.stmt)
 
 
 def loop_axes(el: Elaboration, d: Draft) -> None:
@@ -148,8 +158,19 @@ def dtype(el: Elaboration, d: Draft) -> None:
 
 
 def naming(el: Elaboration, d: Draft) -> None:
-    """Its NAME and KEY, rendered with the loop values."""
-    d.name, d.key = names.names_and_key(d.stmt, el.scope)
+    """Its NAME and KEY, rendered with the loop values (a v2 tensor's keys are its regions')."""
+    if d.stored_keys is None:
+        d.name, d.key = names.names_and_key(d.stmt, el.scope)
+    else:
+        d.name = d.key = names.render(d.stmt.name, "value", el.scope)
+
+
+def key_regions(el: Elaboration, d: Draft) -> None:
+    """v2: the keys it holds, each a box of its logical tensor (its `key` is then its NAME)."""
+    if d.stored_keys is None:
+        d.regions = d.region_spans = None
+        return
+    d.regions, d.region_spans = el.keys.regions(d.stored_keys, d.stmt, d.built.dims)
 
 
 def emit(el: Elaboration, d: Draft) -> None:
@@ -157,8 +178,9 @@ def emit(el: Elaboration, d: Draft) -> None:
     fixed = tuple(sorted(d.fixed))
     fixed = el.fixed_pool.setdefault(fixed, fixed)
     b = d.built
-    t = TensorIR(d.key, d.name, d.dtype, d.claims.mesh, b.dims, fixed, b.logical_shape, b.local_shape, d.stmt.span)
-    el.names.register(t, d.stmt)
+    t = TensorIR(d.key, d.name, d.dtype, d.claims.mesh, b.dims, fixed, b.logical_shape, b.local_shape, d.stmt.span,
+                 d.regions)
+    el.names.register(t, d.stmt, d.region_spans)
     if len(el.tensors) >= limits.MAX_TENSORS:
         raise ElaborationError(f"more than {limits.MAX_TENSORS} tensor instances", d.stmt.span)
     el.tensors.append(t)
@@ -176,7 +198,7 @@ STATEMENTS = {
     ast.ForLoop: for_loop,
 }
 
-TENSOR_STEPS = (on_mesh, loop_axes, dims, placement, dtype, naming, emit)
+TENSOR_STEPS = (on_mesh, stored_keys, loop_axes, dims, placement, dtype, naming, key_regions, emit)
 
 
 # ---- the public doors -------------------------------------------------------------------------

@@ -10,5 +10,6 @@ within seconds instead of a hang, a MemoryError or a RecursionError
 INT64_MAX = (1 << 63) - 1    # every value, extent and byte size fits in a signed 64-bit integer
 MAX_RANKS = 1 << 20          # ranks of one layout (a mesh's offset + size)
 MAX_TENSORS = 1 << 20        # tensor instances per layout; also `tensor` statements, counted before parsing
+MAX_KEYS = 1 << 20           # keys held inside stored tensors (v2 regions), per layout
 MAX_INCLUDE_DEPTH = 64       # nested includes below the top-level file
 MAX_FILE_BYTES = 64 << 20    # per file read; 1<<20 tensor lines of 64 bytes fit

@@ -49,9 +49,26 @@ class Names:
         self.names: dict[str, TensorIR | dict[tuple, dict[tuple, TensorIR]]] = {}
         self.signatures: dict[tuple[DimIR, ...], tuple] = {}  # dims -> (logical shape, part trees)
 
-    def register(self, t: TensorIR, stmt: ast.TensorDecl) -> None:
-        """Keys unique per statement (replicas across statements); names unique per rank."""
+    def register(self, t: TensorIR, stmt: ast.TensorDecl, region_spans=None) -> None:
+        """Keys unique per statement (replicas across statements); names unique per rank.
+
+        A v2 tensor registers the keys of its regions (`region_spans`: where each
+        was written); a key inside a stored tensor is declared by one statement only."""
+        if t.regions is not None:
+            self.check_name(t, stmt)
+            for region, span in zip(t.regions, region_spans):
+                prior = self.keys.get(region.key)
+                if prior is None:
+                    self.keys[region.key] = t
+                elif prior.span is stmt.span:
+                    raise ElaborationError(f"key `{region.key}` repeats across iterations of this statement", span,
+                                           help="interpolate every loop variable into the key, e.g. `{l}`")
+                else:
+                    raise _declared_again(region.key, t, prior, span)
+            return
         prior = self.keys.get(t.key)
+        if prior is not None and prior.regions is not None:
+            raise _declared_again(t.key, t, prior, stmt.name.span if stmt.key is None else stmt.key.span)
         if prior is not None and prior.span is stmt.span:  # each statement has its own span object
             raise ElaborationError(f"key `{t.key}` repeats across iterations of this statement", stmt.name.span,
                                    help="interpolate every loop variable into the name, e.g. `{l}`")
@@ -98,6 +115,15 @@ class Names:
                                    notes=[Note("also declared here", clash.span)],
                                    help="names are local state-dict keys; each rank may hold a name once")
         by_group.setdefault(group_key, {})[coords] = t
+
+
+def _declared_again(key: str, t: TensorIR, prior: TensorIR, span) -> ElaborationError:
+    """A key held inside a stored tensor (v2) and declared by another statement too."""
+    inside = prior if prior.regions is not None else t
+    return ElaborationError(f"key `{key}` is declared again; it is a key inside the stored tensor `{inside.name}`",
+                            span, notes=[Note("first declared here", prior.span)],
+                            help="a key held inside a stored tensor (part keys, stacked dims, `transposed`) is "
+                                 "declared by one statement only; give one of them another key")
 
 
 def _intersect(a: TensorIR, b: TensorIR) -> bool:
