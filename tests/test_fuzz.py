@@ -106,11 +106,24 @@ tensor model.norm.weight [H] fp32
 tensor model.scalar []
 """
 
-SEEDS = [SEED_TP_GTP, SEED_PP, SEED_MOE, SEED_INFER]
+SEED_V2 = """\
+layout v2_keys_inside
+const L = 2, H = 64, E = 4, I = 32, KV = 2, QG = 2, D = 16
+mesh infer (ep=2, tp=2)
+for l in 0..L {
+  tensor layers.{l}.qkv [(KV, (q: QG*D as m.{l}.q | k: D as m.{l}.k | v: D as m.{l}.v)) over tp, H]
+  tensor layers.{l}.w13 [e in 0..E over ep, (gate: I as m.{l}.e.{e}.gate | up: I as m.{l}.e.{e}.up) over tp, H] mxfp8
+  tensor layers.{l}.w2 as m.{l}.e.{e}.down [e in 0..E over ep, H, I over tp]
+  tensor layers.{l}.stk as m.{l}.s.{i}.{j} [i in 1..3, j in 0..2 over ep, H, I]
+  tensor layers.{l}.conv as m.{l}.conv [H, 3*H over tp] bf16 transposed
+}
+"""
+
+SEEDS = [SEED_TP_GTP, SEED_PP, SEED_MOE, SEED_INFER, SEED_V2]
 
 TOKEN = re.compile(r"\s+|#[^\n]*|\"[^\"\n]*\"|[A-Za-z_][A-Za-z0-9_]*|[0-9][0-9_]*|\.\.|//|.", re.S)
 WORDS = ("layout include arg const mesh at default dtype tensor as on for in over sizes pad "
-         "chunk align local min max cdiv roundup bf16 fp16 fp32 fp8_e4m3 fp8_e5m2 mxfp8").split()
+         "chunk align local transposed min max cdiv roundup bf16 fp16 fp32 fp8_e4m3 fp8_e5m2 mxfp8").split()
 PUNCT = list("()[]{},|:=.*/%+-\"#\n") + ["..", "//", "{}", "\t", "\x00", "é", "\u2028"]
 NUMBERS = ["0", "-1", "1", "3", "31", "2**40", str(2**40), str(2**62), str(2**63), str(10**30),
            "1_000_000_000", "99999999999999999999999999999999999999999999"]
@@ -215,7 +228,8 @@ def test_random_bytes(data):
 
 
 _vocab = st.sampled_from(WORDS + PUNCT + ["m", "tp", "l", "x.y", "{l}", "{l.local}", "8", "0..4",
-                                          "w", "(tp=2)", "[8 over tp]", "\n", " "])
+                                          "w", "(tp=2)", "[8 over tp]", "e in 0..4", "(q: 4 as k.{e} | v: 4 as v)",
+                                          "\n", " "])
 
 
 @FUZZ
@@ -335,7 +349,7 @@ def test_cli_on_mutated_seeds(text):
     assert (code == 0) == expected_ok, output
 
 
-@pytest.mark.parametrize("seed", SEEDS, ids=["tp_gtp", "pp", "moe", "infer"])
+@pytest.mark.parametrize("seed", SEEDS, ids=["tp_gtp", "pp", "moe", "infer", "v2"])
 def test_cli_on_seeds(seed):
     code, output = _run_cli(seed)
     assert code == 0, output

@@ -67,3 +67,11 @@ def test_the_vocabulary_is_highlighted():
         assert (Keyword.Type, word) in tokens(f"tensor w [1] {word}"), word
     for word in FUNCTIONS:
         assert (Name.Builtin, word) in tokens(f"const x = {word}(4, 2)"), word
+
+
+def test_v2_words_are_highlighted():
+    toks = tokens("tensor w13 [e in 0..E over ep, (gate: I as m.{l}.e.{e}.gate | up: I as m.up{e}), H] bf16 transposed")
+    assert (Keyword, "in") in toks and (Keyword, "transposed") in toks
+    assert (Keyword, "as") in toks and (Name.Variable, "m.") in toks
+    assert (Name.Label, "gate") in toks and (Keyword.Type, "bf16") in toks
+    assert not [v for t, v in toks if t is Error]

@@ -95,3 +95,30 @@ def test_every_keyword_is_reserved(word):
         parse(f"const {word} = 3")
     assert (e.value.line, e.value.col) == (1, 7)
     assert e.value.message == f"`{word}` is a reserved word and cannot be used as a name"
+
+
+def test_v2_part_keys_stacked_dims_and_transposed():
+    f = parse("mesh m (ep=2)\ntensor w [e in 1..E over ep chunk g, (KV, (q: 4 as m.{e}.q | 2 as m.{e}.k)), H] "
+              "bf16 transposed on m")
+    t = f.statements[1]
+    stack = t.dims[0].mode
+    assert isinstance(stack, ast.Stack) and stack.var == "e"
+    assert stack.start == ast.Num(1, "1") and stack.stop == ast.Name("E")
+    assert (stack.var_span.line, stack.var_span.col, stack.span.end_col) == (2, 11, 20)
+    assert [a.name for a in t.dims[0].over] == ["ep"] and t.dims[0].chunk.axis.name == "g"
+    parts = t.dims[1].mode.inner.parts
+    assert [(p.name, p.key.text) for p in parts] == [("q", "m.{e}.q"), (None, "m.{e}.k")]
+    assert isinstance(parts[0].key.pieces[1], ast.Interp)
+    assert t.transposed == ast.Ident("transposed") and (t.transposed.span.line, t.transposed.span.col) == (2, 86)
+    assert t.dtype.name == "bf16" and t.mesh.name == "m"
+    one = parse("mesh m (tp=1)\ntensor w [(x: 4 as K)]").statements[1].dims[0].mode
+    assert one == ast.Concat((ast.Part("x", ast.Plain(ast.Num(4, "4")), None, ast.NameTemplate("K", ("K",))),))
+    assert parse("mesh m (tp=1)\ntensor w [4]").statements[1].transposed is None
+
+
+@pytest.mark.parametrize("text", ["tensor w [(q: 4 as)]", "tensor w [e in 0.., 4]", "tensor w [e in ..4]",
+                                  "tensor w [4] on m transposed", "tensor w [(e in 0..4, 2)]",
+                                  "tensor w [e in 0..4 pad 2]"])
+def test_v2_syntax_errors(text):
+    with pytest.raises(ParseError):
+        parse(text)
