@@ -5,7 +5,8 @@ budget, `verify`, a number of `steps`, `timeout` (the Refitter's, seconds),
 `pg_timeout` (the process group's; by default far above `timeout`, so that
 nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
-`retry` (after a failed refit, call refit once more and report what it said),
+`groups` (lists of global ranks: each rank refits in the sub-group that holds it, the
+plan's ranks being that group's ranks; ranks in none only create the groups), `retry` (after a failed refit, call refit once more and report what it said),
 `linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
 2 s after a failure by default),
 and test faults, each `{"rank": R, ...}`: `die` (exit `after` seconds into
@@ -50,7 +51,15 @@ def main(job_path: str, out_path: str) -> int:
         # far above the Refitter's timeout: no result may lean on the process group's own
         pg_timeout = timedelta(seconds=job.get("pg_timeout", max(600, 10 * job.get("timeout", 60))))
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=pg_timeout)
-        result.update(run(job, rank))
+        groups = [(members, dist.new_group(members)) for members in job.get("groups", [])]  # all ranks call
+        mine = [(members, g) for members, g in groups if rank in members]
+        if not groups:
+            result.update(run(job, rank))
+        elif mine:  # the plan's ranks are ranks of the sub-group
+            group = mine[0][1]
+            result.update(run(job, dist.get_rank(group), group))  # torch orders a group's ranks
+        else:
+            result.update({"outside_group": True, "check_errors": []})
         result["ok"] = not result.get("check_errors") and not result.get("error")
     except Exception as exc:  # noqa: BLE001 - reported to the launcher as data
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -89,7 +98,7 @@ def _exit_with_launcher() -> None:
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
 
 
-def run(job: dict, rank: int) -> dict:
+def run(job: dict, rank: int, group=None) -> dict:
     from layoutlang.compiler import compile_plan
     from .errors import RefitError
     from .fill import check_destination, empty_destination, source_tensor
@@ -101,8 +110,9 @@ def run(job: dict, rank: int) -> dict:
         dst_args = {**(dst_args or {}), **odd["dst_args"]}
     plan = compile_plan(job["src"], job["dst"], args=job.get("args"), src_args=job.get("src_args"),
                         dst_args=dst_args, ranks_per_node=job.get("ranks_per_node"))
-    refitter = Refitter(plan, budget_bytes=job.get("budget"), timeout=timedelta(seconds=job.get("timeout", 60)),
-                        verify=job.get("verify", False), hooks=FaultHooks(job, rank))
+    refitter = Refitter(plan, group=group, budget_bytes=job.get("budget"),
+                        timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
+                        hooks=FaultHooks(job, rank))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
     wrong = job.get("wrong_shape")  # test fault: one rank passes a tensor of another shape
@@ -122,7 +132,7 @@ def run(job: dict, rank: int) -> dict:
         if stall_before.get("rank") == rank and stall_before.get("step", 1) == step:
             time.sleep(stall_before.get("seconds", 3600))
         if barriers:
-            dist.barrier()
+            dist.barrier(group=group)
         outcome = _attempt(refitter, src, dst, RefitError)
         outcomes.append(outcome)
         if outcome["error"] and job.get("retry"):
@@ -131,7 +141,7 @@ def run(job: dict, rank: int) -> dict:
             succeeded = False
             break
         if barriers:
-            dist.barrier()
+            dist.barrier(group=group)
         times.append(outcome["seconds"])
     errors = []
     if succeeded:

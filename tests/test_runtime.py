@@ -161,3 +161,21 @@ def test_ranks_with_different_plans_refuse_to_start(pair):
                      10, timeout=150)
     for r in results:
         assert r.result and "ranks hold different plans" in r.result["error"] and "[3]" in r.result["error"]
+
+
+@pytest.mark.timeout(180)
+def test_two_sub_groups_refit_the_same_plan_at_once(tmp_path):
+    """Refitter(group=...): the plan's ranks are group ranks, peers map to global ranks, and two
+    groups run the same plan at once in one store (each meets under its members' namespace)."""
+    (tmp_path / "src.layout").write_text("mesh s (tp=2)\ntensor w [48 over tp, 8]\ntensor n [6]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (tp=2)\ntensor w [48, 8 over tp] fp32\ntensor n [6] fp16\n")
+    results = launch({"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "verify": True,
+                      "steps": 2, "groups": [[3, 1], [0, 2, 4]]}, 6, timeout=150)
+    _assert_all_ok(results)
+    assert results[5].result["outside_group"] is True
+    # group ranks 0 and 1 hold the plan (torch orders a group's ranks): global 1, 3 and 0, 2; 4 is idle
+    assert {r.rank: r.result["checked_tensors"] for r in results if r.rank != 5} == {0: 2, 1: 2, 2: 2, 3: 2, 4: 0}
+    for r in results:
+        if r.rank in (0, 1, 2, 3):
+            # w: [48, 4] fp32 per rank (768 B); n: [6] fp16 (12 B)
+            assert r.result["received_bytes"] + r.result["local_bytes"] == 48 * 4 * 4 + 6 * 2
