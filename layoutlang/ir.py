@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from math import prod
+from typing import ClassVar
 
 from .diagnostics import Source, Span
 from .modes import (ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals, runs,
@@ -198,11 +199,11 @@ class TensorIR:
     the elaborator gives instances with equal dims the same two tuples.
 
     `regions` is None for a v1 tensor: it holds one key, `key`, the whole
-    tensor. A v2 tensor (part keys, stacked dims or `transposed`) lists every key
-    it holds in canonical order (stack indices outer, row-major in dim order;
-    then parts in logical order); its `key` is then its NAME, which is never
-    matched: the compiler matches `regions` (and `Layout.by_key` files it under
-    that NAME).
+    tensor. A v2 tensor (a `KeyedTensorIR`: part keys, stacked dims or
+    `transposed`) lists every key it holds in canonical order (stack indices
+    outer, row-major in dim order; then parts in logical order); its `key` is
+    then its NAME, which is never matched: the compiler matches `regions` (and
+    `Layout.by_key` files it under that NAME).
     """
 
     key: str
@@ -214,7 +215,9 @@ class TensorIR:
     logical_shape: tuple[int, ...] = field(repr=False)
     local_shape: tuple[int, ...] = field(repr=False)
     span: Span | None = field(default=None, repr=False)
-    regions: tuple[KeyRegion, ...] | None = field(default=None, repr=False)
+    # v1: one key, the whole tensor. A class attribute, not a field: a v1 instance
+    # stores nothing for it (KeyedTensorIR, below, is the v2 instance).
+    regions: ClassVar[tuple[KeyRegion, ...] | None] = None
 
     @cached_property
     def local_bytes(self) -> int:
@@ -248,6 +251,16 @@ class TensorIR:
     def ranks(self):
         """Every rank that holds this instance, ascending."""
         return placement_ranks(self.mesh, self.fixed)
+
+
+@dataclass(frozen=True, eq=False)
+class KeyedTensorIR(TensorIR):
+    """A stored tensor that holds several keys, or one key stored transposed (LANGUAGE.md 8).
+
+    Everything a TensorIR is, plus `regions` (never None, never empty); `key` is the NAME.
+    """
+
+    regions: tuple[KeyRegion, ...] = field(kw_only=True, repr=False)
 
 
 def placement_ranks(mesh: Mesh, fixed: tuple[tuple[int, int], ...]):
@@ -318,5 +331,5 @@ class Layout:
         return out
 
 
-__all__ = ["Axis", "Mesh", "Split", "ChunkSplit", "DimIR", "KeyRegion", "TensorIR", "Layout", "Run", "PadRun",
+__all__ = ["Axis", "Mesh", "Split", "ChunkSplit", "DimIR", "KeyRegion", "TensorIR", "KeyedTensorIR", "Layout", "Run", "PadRun",
            "DTYPES", "ELEMENT_BYTES", "QUANTIZED", "MXFP8_BLOCK", "storage_bytes", "placement_ranks"]

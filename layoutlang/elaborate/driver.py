@@ -18,7 +18,7 @@ import os
 from .. import ast
 from ..diagnostics import ElaborationError, Source
 from ..gcpause import gc_paused
-from ..ir import Layout, Mesh, TensorIR
+from ..ir import KeyedTensorIR, Layout, Mesh, TensorIR
 from ..parser import decode
 from ..vocabulary import DEFAULT_DTYPE
 from . import limits, loops, meshes, names
@@ -178,8 +178,12 @@ def emit(el: Elaboration, d: Draft) -> None:
     fixed = tuple(sorted(d.fixed))
     fixed = el.fixed_pool.setdefault(fixed, fixed)
     b = d.built
-    t = TensorIR(d.key, d.name, d.dtype, d.claims.mesh, b.dims, fixed, b.logical_shape, b.local_shape, d.stmt.span,
-                 d.regions)
+    if d.regions is None:
+        t = TensorIR(d.key, d.name, d.dtype, d.claims.mesh, b.dims, fixed, b.logical_shape, b.local_shape,
+                     d.stmt.span)
+    else:
+        t = KeyedTensorIR(d.key, d.name, d.dtype, d.claims.mesh, b.dims, fixed, b.logical_shape, b.local_shape,
+                          d.stmt.span, regions=d.regions)
     el.names.register(t, d.stmt, d.region_spans)
     if len(el.tensors) >= limits.MAX_TENSORS:
         raise ElaborationError(f"more than {limits.MAX_TENSORS} tensor instances", d.stmt.span)
