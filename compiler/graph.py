@@ -3,7 +3,8 @@
 Buckets are global: contiguous runs of destination instances in plan order,
 closed as soon as adding the next instance would push some rank's staging
 past the budget (an instance larger than the budget alone is its own
-bucket). Every rank computes the same buckets, so every rank walks them in
+bucket). The keys of one stored tensor (v2 part keys) never straddle two
+buckets: it is assembled and quantized once, whole. Every rank computes the same buckets, so every rank walks them in
 the same order and batched point-to-point exchanges pair up.
 
 A rank's graph (networkx.DiGraph), per bucket::
@@ -72,7 +73,8 @@ def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int
     m = plan.matches[i]
     out: dict[int, int] = {}
     transfers = list(plan.transfers(instance=i))
-    if m.dst.dtype in QUANTIZED:
+    first_key = i == 0 or plan.matches[i - 1].dst is not m.dst  # keys of one stored tensor share it
+    if m.dst.dtype in QUANTIZED and first_key:
         whole = prod(m.dst.local_shape) * 2
         for r in {t.dst_rank for t in transfers}:
             out[r] = out.get(r, 0) + whole
@@ -104,7 +106,8 @@ def buckets(plan: Plan, budget_bytes: int | None, strided: bool = False) -> tupl
     for i in range(n):
         need = instance_staging(plan, i, strided)
         fits = all(used.get(r, 0) + b <= budget_bytes for r, b in need.items())
-        if not fits and i > start:
+        same_tensor = i > 0 and plan.matches[i - 1].dst is plan.matches[i].dst  # quantized once, whole
+        if not fits and i > start and not same_tensor:
             out.append(Bucket(len(out), start, i, plan.op_range(start).start, plan.op_range(i).start))
             start, used = i, {}
         for r, b in need.items():

@@ -12,8 +12,8 @@ import difflib
 from dataclasses import dataclass
 
 from layoutlang.diagnostics import LayoutError, Note
-from layoutlang.ir import Layout, TensorIR
-from layoutlang.modes import Leaf, PartTree
+from layoutlang.ir import KeyRegion, Layout, TensorIR
+from layoutlang.modes import Leaf, PartNode, PartTree, subtree_at
 
 
 class PlanError(LayoutError):
@@ -22,10 +22,30 @@ class PlanError(LayoutError):
 
 @dataclass(frozen=True)
 class Match:
-    """A destination instance and every source instance of its key."""
+    """One destination key in one stored instance, and every source instance that holds the key.
+
+    v1 tensors hold one key, the whole tensor (`region` None). A v2 stored
+    tensor with part keys (LANGUAGE.md 8.1) yields one Match per key, its
+    `region` the key's logical box in the stored tensor; `src_regions[i]` is
+    the same for `src[i]`. Matches of one stored instance are consecutive.
+    """
 
     dst: TensorIR
     src: tuple[TensorIR, ...]
+    region: KeyRegion | None = None
+    src_regions: tuple[KeyRegion | None, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return self.region.key if self.region is not None else self.dst.key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The key's logical shape."""
+        return self.region.key_shape if self.region is not None else self.dst.logical_shape
+
+    def src_region(self, i: int) -> KeyRegion | None:
+        return self.src_regions[i] if self.src_regions else None
 
 
 def _shape(shape) -> str:
@@ -62,53 +82,100 @@ def tree_difference(dst: PartTree, src: PartTree, path: str = "") -> str | None:
     return None
 
 
-def refuse_keys_inside(layout: Layout) -> None:
-    """Keys inside stored tensors (LANGUAGE.md 8) are elaborated and checked but not planned yet."""
-    t = next((t for t in layout.tensors if t.regions is not None), None)
-    if t is not None:
-        raise PlanError("keys inside stored tensors (part keys, stacked dims, transposed storage) are checked "
-                        "but not planned yet", t.span,
-                        help="planning them is the next step of issue 10; until then write one tensor "
-                             "statement per key")
+def refuse_unplanned_regions(layout: Layout) -> None:
+    """Part keys are planned; stacked dims and transposed storage are checked but not planned yet."""
+    for t in layout.tensors:
+        for r in t.regions or ():
+            if r.stacked or r.transposed:
+                what = "stacked dims" if r.stacked else "transposed storage"
+                raise PlanError(f"{what} (LANGUAGE.md 8.2-8.3) are checked but not planned yet", t.span,
+                                help="planning them is the next step of issue 10; part keys are planned "
+                                     "today; until then write one tensor statement per key")
+
+
+def key_items(layout: Layout) -> dict[str, list[tuple[TensorIR, KeyRegion | None]]]:
+    """Every key of a layout with the stored instances (and regions) that hold it, in file order."""
+    out: dict[str, list[tuple[TensorIR, KeyRegion | None]]] = {}
+    for t in layout.tensors:
+        if t.regions is None:
+            out.setdefault(t.key, []).append((t, None))
+        else:
+            for r in t.regions:
+                out.setdefault(r.key, []).append((t, r))
+    return out
+
+
+def _trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
+    """The key's hoisted part tree per dim: a keyed dim contributes the keyed part's subtree."""
+    if region is None:
+        return [d.part_tree for d in t.dims]
+    out = []
+    for d, (lo, hi), n in zip(t.dims, region.box, t.logical_shape):
+        out.append(d.part_tree if (lo, hi) == (0, n) else (subtree_at(d.part_tree, lo, hi) or Leaf(hi - lo)))
+    return out
 
 
 def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
-    """Pair every destination instance with its source instances; list unused source keys."""
-    refuse_keys_inside(dst)
-    refuse_keys_inside(src)
-    by_key = src.by_key
+    """Pair every destination key (per stored instance) with its source instances; list unused source keys."""
+    refuse_unplanned_regions(dst)
+    refuse_unplanned_regions(src)
+    by_key = key_items(src)
     matches: list[Match] = []
     checked: set[str] = set()
-    compared: set[tuple[int, int]] = set()  # (dst dims, src dims) objects already compared
+    compared: set[tuple] = set()  # (dst dims, dst box, src dims, src box) already compared
     for t in dst.tensors:
-        sources = by_key.get(t.key)
-        if sources is None:
-            close = difflib.get_close_matches(t.key, list(by_key), n=1, cutoff=0.8)
-            raise PlanError(
-                f"key `{t.key}` is not in the source layout {src.path}", t.span,
-                help=(f"did you mean `{close[0]}`? " if close else "") +
-                     "give the tensor the source's key with `as KEY`")
-        if t.key not in checked:
-            checked.add(t.key)
-            first = sources[0]
-            if len(t.dims) != len(first.dims) or t.logical_shape != first.logical_shape:
-                raise PlanError(
-                    f"`{t.key}` has logical shape {_shape(t.logical_shape)} here but "
-                    f"{_shape(first.logical_shape)} in the source", t.span,
-                    notes=[Note("the source declaration", first.span)],
-                    help="the two layouts must describe the same logical tensor")
-            if (id(t.dims), id(first.dims)) in compared:
-                matches.append(Match(t, sources))
-                continue
-            compared.add((id(t.dims), id(first.dims)))
-            for i, (d, s) in enumerate(zip(t.dims, first.dims)):
-                diff = tree_difference(d.part_tree, s.part_tree)
-                if diff:
-                    raise PlanError(
-                        f"`{t.key}` dim {i}: {diff}", t.span,
-                        notes=[Note("the source declaration", first.span)],
-                        help="write the same parts on both sides (names may be left out on one); "
-                             "a strided `(gate: F | up: F)` never matches a plain `2*F`")
-        matches.append(Match(t, sources))
+        for region in (None,) if t.regions is None else t.regions:
+            key = region.key if region is not None else t.key
+            items = by_key.get(key)
+            if items is None:
+                raise _missing(key, t, src, by_key)
+            sources = tuple(s for s, _ in items)
+            src_regions = tuple(r for _, r in items) if any(r is not None for _, r in items) else ()
+            m = Match(t, sources, region, src_regions)
+            if key not in checked:
+                checked.add(key)
+                _check_same_key(m, compared)
+            matches.append(m)
     unused = [k for k in by_key if k not in checked]
     return matches, unused
+
+
+def _missing(key: str, t: TensorIR, src: Layout, by_key) -> PlanError:
+    close = difflib.get_close_matches(key, list(by_key), n=1, cutoff=0.8)
+    fused = [s for s in src.tensors if s.regions is None and len(s.dims) and any(
+        isinstance(d.part_tree, PartNode) for d in s.dims)]
+    hint = ""
+    if close:
+        hint = f"did you mean `{close[0]}`? "
+    elif fused:
+        nearest = difflib.get_close_matches(key, [f.name for f in fused], n=1, cutoff=0.0) or [fused[0].name]
+        hint = (f"if a fused source tensor holds it (e.g. `{nearest[0]}`), give its parts keys: "
+                "`(q: ... as KEY | ...)` (LANGUAGE.md 8.1); ")
+    return PlanError(f"key `{key}` is not in the source layout {src.path}", t.span,
+                     notes=[Note(f"stored tensor `{t.name}` declares it", t.span)] if key != t.key else [],
+                     help=hint + ("give the tensor the source's key with `as KEY`" if key == t.key
+                                  else "give the part the source's key with `as KEY`"))
+
+
+def _check_same_key(m: Match, compared: set) -> None:
+    """Same logical shape and the same hoisted part trees for a key on both sides."""
+    first, first_region = m.src[0], m.src_region(0)
+    src_shape = first_region.key_shape if first_region is not None else first.logical_shape
+    if m.shape != src_shape:
+        raise PlanError(
+            f"`{m.key}` has logical shape {_shape(m.shape)} here but {_shape(src_shape)} in the source",
+            m.dst.span, notes=[Note("the source declaration", first.span)],
+            help="the two layouts must describe the same logical tensor")
+    sig = (id(m.dst.dims), m.region.box if m.region else None, id(first.dims),
+           first_region.box if first_region else None)
+    if sig in compared:
+        return
+    compared.add(sig)
+    for i, (d, s) in enumerate(zip(_trees(m.dst, m.region), _trees(first, first_region))):
+        diff = tree_difference(d, s)
+        if diff:
+            raise PlanError(
+                f"`{m.key}` dim {i}: {diff}", m.dst.span,
+                notes=[Note("the source declaration", first.span)],
+                help="write the same parts on both sides (names may be left out on one); "
+                     "a strided `(gate: F | up: F)` never matches a plain `2*F`")

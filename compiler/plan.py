@@ -24,7 +24,7 @@ from layoutlang.diagnostics import Note
 from layoutlang.elaborate import load
 from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
-from layoutlang.modes import cached_property
+from layoutlang.modes import Run, cached_property
 
 from .match import Match, PlanError, match
 from .pieces import Piece, Slice, Source, pieces
@@ -73,6 +73,9 @@ def wire_dtype(dst_dtype: str) -> str:
     return "bf16" if dst_dtype in QUANTIZED else dst_dtype
 
 
+Box = tuple[tuple[int, int], ...] | None  # a key's logical box in its stored tensor; None: all of it
+
+
 @dataclass(frozen=True)
 class Request:
     """One destination rank's need for one piece, and every rank that can feed it."""
@@ -97,6 +100,8 @@ class Geometry:
     pieces: tuple[Piece, ...]
     requests: tuple[Request, ...]
     alternatives: tuple[tuple[tuple[Source, RankSet], ...], ...]
+    dst_box: Box = None                 # the key's region in the stored tensor (v2 part keys), or None
+    src_boxes: tuple[Box, ...] = ()
 
     def source_for(self, k: int, rank: int) -> Source:
         """The alternative of piece k that `rank` holds (the first one wins)."""
@@ -138,7 +143,8 @@ class PlanCache:
 
     def __init__(self):
         self._shards: dict[Placement, tuple[Shard, ...]] = {}
-        self._shard_of_rank: dict[Placement, dict[int, int]] = {}
+        self._shard_of_rank: dict[tuple, dict[int, int]] = {}
+        self._views: dict[tuple, tuple[Shard, ...]] = {}
         self._pieces: dict[tuple, tuple] = {}
         self._holders: dict[tuple[int, ...], RankSet] = {}
 
@@ -148,10 +154,20 @@ class PlanCache:
             hit = self._shards[p] = shards(p)
         return hit
 
-    def shard_of_rank(self, p: Placement) -> dict[int, int]:
-        hit = self._shard_of_rank.get(p)
+    def view(self, p: Placement, box: Box) -> tuple[Shard, ...]:
+        """The shards of one key of a stored tensor: runs clipped to the key's box, in the key's
+        logical coordinates; shards holding nothing of it are left out. `box` None: the shards."""
+        if box is None:
+            return self.shards(p)
+        hit = self._views.get((p, box))
         if hit is None:
-            hit = self._shard_of_rank[p] = {r: i for i, s in enumerate(self.shards(p)) for r in s.ranks}
+            hit = self._views[(p, box)] = clip_shards(self.shards(p), box)
+        return hit
+
+    def shard_of_rank(self, p: Placement, box: Box = None) -> dict[int, int]:
+        hit = self._shard_of_rank.get((p, box))
+        if hit is None:
+            hit = self._shard_of_rank[(p, box)] = {r: i for i, s in enumerate(self.view(p, box)) for r in s.ranks}
         return hit
 
     def holders(self, ranks: tuple[int, ...]) -> RankSet:
@@ -175,11 +191,40 @@ class PlanCache:
         return found
 
 
+def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...]) -> tuple[Shard, ...]:
+    """Shards restricted to a logical box, re-based to its corner (a key inside a stored tensor).
+
+    Preserves: local storage positions (ops stay slices of the STORED tensor);
+    padding is dropped (it belongs to no key); a shard with nothing inside the
+    box is left out.
+    """
+    out = []
+    for sh in shards_:
+        dims = []
+        for runs, (lo, hi) in zip(sh.runs, box):
+            clipped = []
+            for r in runs:
+                if isinstance(r, Run):
+                    a, b = max(lo, r.logical_start), min(hi, r.logical_start + r.length)
+                    if a < b:
+                        clipped.append(Run(r.local_start + a - r.logical_start, a - lo, b - a))
+            if not clipped:
+                break
+            dims.append(tuple(clipped))
+        else:
+            out.append(Shard(tuple(dims), sh.ranks))
+    return tuple(out)
+
+
 def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wire_bytes: int,
-                   cache: PlanCache) -> Geometry:
-    """Pieces per destination shard, proven to tile it; requests in canonical order."""
-    src_shards = [cache.shards(p) for p in src]
-    dst_shards = cache.shards(dst)
+                   cache: PlanCache, dst_box: Box = None, src_boxes: tuple[Box, ...] = ()) -> Geometry:
+    """Pieces per destination shard, proven to tile it; requests in canonical order.
+
+    With boxes (v2 part keys) every shard is first cut to the key's region, so
+    pieces, proof and candidate senders are per key.
+    """
+    src_shards = [cache.view(p, src_boxes[i] if src_boxes else None) for i, p in enumerate(src)]
+    dst_shards = cache.view(dst, dst_box)
     per_shard: list[range] = []
     piece_list: list[Piece] = []
     src_geometry = tuple(tuple(tuple(id(r) for r in s.runs) for s in group) for group in src_shards)
@@ -191,10 +236,10 @@ def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wir
                          for p in piece_list)
     senders = tuple(alts[0][1] if len(alts) == 1 else RankSet(r for _, h in alts for r in h)
                     for alts in alternatives)
-    shard_index = cache.shard_of_rank(dst)
+    shard_index = cache.shard_of_rank(dst, dst_box)
     requests = tuple(Request(rank, k, piece_list[k].elements * wire_bytes, senders[k])
                      for rank in sorted(shard_index) for k in per_shard[shard_index[rank]])
-    return Geometry(dst, src, wire_bytes, tuple(piece_list), requests, alternatives)
+    return Geometry(dst, src, wire_bytes, tuple(piece_list), requests, alternatives, dst_box, tuple(src_boxes))
 
 
 def _logical(runs, a: int, b: int) -> str:
@@ -216,7 +261,7 @@ def _coverage_error(m: Match, shard: Shard, fault) -> PlanError:
     what = {"gap": "no source covers", "overlap": "two sources cover",
             "padding": "a source would write padding at"}[fault.kind]
     return PlanError(
-        f"`{m.dst.key}` on destination rank {rank}: {what} local [{region}", m.dst.span,
+        f"`{m.key}` on destination rank {rank}: {what} local [{region}", m.dst.span,
         notes=[Note("the source declaration", m.src[0].span)],
         help="the destination must receive every logical element exactly once")
 
@@ -261,8 +306,8 @@ class Plan:
         """One entry per destination key, in destination order."""
         seen: dict[str, TensorEntry] = {}
         for m in self.matches:
-            if m.dst.key not in seen:
-                seen[m.dst.key] = TensorEntry(m.dst.key, m.dst.logical_shape, m.src[0].dtype, m.dst.dtype)
+            if m.key not in seen:
+                seen[m.key] = TensorEntry(m.key, m.shape, m.src[0].dtype, m.dst.dtype)
         return tuple(seen.values())
 
     # ---- the public door ----------------------------------------------------------
@@ -292,14 +337,14 @@ class Plan:
         for op_id, i, g, req, sender in self._rows(rank, None):
             m = matches[i]
             src = g.source_for(req.piece, sender)
-            out.append(Op(op_id, m.dst.key, sender, req.rank, m.src[src.instance].name, m.dst.name,
+            out.append(Op(op_id, m.key, sender, req.rank, m.src[src.instance].name, m.dst.name,
                           src.src_slice, g.pieces[req.piece].dst_slice, req.bytes))
         return tuple(out)
 
     def op(self, t: Transfer) -> Op:
         """The op a transfer becomes (named by the layouts' tensors)."""
         m = self.matches[t.instance]
-        return Op(t.op_id, m.dst.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
+        return Op(t.op_id, m.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
                   t.source.src_slice, t.piece.dst_slice, t.bytes)
 
     @property
@@ -407,13 +452,15 @@ def template_stage(plan: Plan) -> None:
         # placement coordinates: equal keys mean equal placements, and hashing
         # a few ints is what keeps grouping cheap at 100k tensors. (Both
         # layouts outlive the plan, so the ids stay valid.)
-        sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed,
-               tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), wire)
+        dst_box = m.region.box if m.region is not None else None
+        src_boxes = tuple(r.box if r is not None else None for r in m.src_regions)
+        sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed, dst_box,
+               tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), src_boxes, wire)
         ti = by_sig.get(sig)
         if ti is None:
             ti = by_sig[sig] = len(geometries)
             geometries.append(build_geometry(m, placement_of(m.dst), tuple(placement_of(s) for s in m.src),
-                                             wire, plan._cache))
+                                             wire, plan._cache, dst_box, src_boxes))
             members.append([])
         plan._instance.append((ti, len(members[ti])))
         members[ti].append(i)

@@ -161,8 +161,8 @@ class Refitter:
             for b in bucket_list:
                 for i in range(b.first_instance, b.stop_instance):
                     t = self.plan.matches[i].dst
-                    if self.dst_held.get(t.name) is t:
-                        dst[b.index].append(t)
+                    if self.dst_held.get(t.name) is t and (not dst[b.index] or dst[b.index][-1] is not t):
+                        dst[b.index].append(t)  # once per stored tensor, however many keys it holds
             self._schedules[strided] = Schedule(bucket_list, tuple(map(tuple, ops)), tuple(map(tuple, dst)))
         return self._schedules[strided]
 

@@ -168,6 +168,32 @@ def _materialize(maps: LocalMap, logical_shape: tuple[int, ...], base: int) -> t
     return values, pad
 
 
+def _materialize_regions(maps: LocalMap, regions, shapes, base) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stored tensor holding several keys: each element's value is its key's base + 1 + its
+    row-major index in that key (the key's coordinates are the stored ones minus the box corner);
+    an element in no key's box (padding) is padding."""
+    shape = [len(xs) for xs in maps]
+    values = torch.zeros(shape, dtype=torch.float64)
+    owned = torch.zeros(shape, dtype=torch.int64)
+    for r in regions:
+        inside = torch.ones(shape, dtype=torch.bool)
+        idx = torch.full(shape, float(base[r.key] + 1), dtype=torch.float64)
+        for d, (xs, (lo, hi), stride) in enumerate(zip(maps, r.box, _strides(shapes[r.key]))):
+            view = [1] * len(shape)
+            view[d] = len(xs)
+            inside = inside & torch.tensor([x is not None and lo <= x < hi for x in xs], dtype=torch.bool).view(view)
+            idx = idx + torch.tensor([0 if x is None else (x - lo) * stride for x in xs], dtype=torch.float64).view(view)
+        values = torch.where(inside, idx, values)
+        owned = owned + inside.to(torch.int64)
+    assert owned.numel() == 0 or int(owned.max()) <= 1, "two keys' boxes overlap"
+    return values, owned == 0
+
+
+def _holds_key(t, key: str) -> bool:
+    regions = getattr(t, "regions", None)
+    return t.key == key if regions is None else any(r.key == key for r in regions)
+
+
 def _first(mask: torch.Tensor) -> tuple[int, ...] | None:
     """The first (row-major) index where mask is true, or None."""
     if mask.dim() == 0:
@@ -250,20 +276,30 @@ def simulate(src_view, dst_view, plan, *, raise_on_failure: bool = True) -> SimR
 def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
     src, dst = src_view.layout, dst_view.layout
 
-    # Logical shapes and value bases: keys in sorted order, bases cumulative.
+    # Logical shapes and value bases: keys in sorted order, bases cumulative. A v2 stored
+    # tensor (LANGUAGE.md 8.1: `regions`) holds several keys, each a box of its logical tensor.
+    def keys_of(view, t) -> list[tuple[str, tuple[int, ...]]]:
+        if getattr(t, "regions", None) is None:
+            return [(t.key, view.logical_shape(t))]
+        return [(r.key, tuple(hi - lo for lo, hi in r.box)) for r in t.regions]
+
     shapes: dict[str, tuple[int, ...]] = {}
     for view in (dst_view, src_view):
         for t in view.layout.tensors:
-            shape = view.logical_shape(t)
-            if shapes.setdefault(t.key, shape) != shape and view is dst_view:
-                problem(f"key {t.key}: destination statements disagree on the logical shape")
+            for key, shape in keys_of(view, t):
+                if shapes.setdefault(key, shape) != shape and view is dst_view:
+                    problem(f"key {key}: destination statements disagree on the logical shape")
+    src_shapes: dict[str, set] = defaultdict(set)
+    for t in src.tensors:
+        for key, shape in keys_of(src_view, t):
+            src_shapes[key].add(shape)
     for t in dst.tensors:
-        s_shapes = {src_view.logical_shape(s) for s in src.tensors if s.key == t.key}
-        if not s_shapes:
-            problem(f"key {t.key}: destination tensor {t.name} has no source tensor")
-        elif s_shapes != {dst_view.logical_shape(t)}:
-            problem(f"key {t.key}: logical shape {dst_view.logical_shape(t)} in the destination, "
-                    f"{sorted(s_shapes)} in the source")
+        for key, shape in keys_of(dst_view, t):
+            if not src_shapes[key]:
+                problem(f"key {key}: destination tensor {t.name} has no source tensor")
+            elif src_shapes[key] != {shape}:
+                problem(f"key {key}: logical shape {shape} in the destination, "
+                        f"{sorted(src_shapes[key])} in the source")
     base, acc = {}, 0
     for key in sorted(shapes):
         base[key] = acc
@@ -280,7 +316,10 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             data = [x for x in xs if x is not None]
             if any(not 0 <= x < lshape[d] for x in data) or len(set(data)) != len(data):
                 problem(f"key {t.key}: {t.name} on rank {rank}, dim {d}: bad logical map {xs}")
-        expected, pad = _materialize(maps, shapes[t.key], base[t.key])
+        if getattr(t, "regions", None) is None:
+            expected, pad = _materialize(maps, shapes[t.key], base[t.key])
+        else:
+            expected, pad = _materialize_regions(maps, t.regions, shapes, base)
         if is_dst:
             values = torch.full(expected.shape, SENTINEL, dtype=torch.float64)
             writes = torch.zeros(expected.shape, dtype=torch.int64)
@@ -317,7 +356,7 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
         if d is None:
             problem(f"{where}: destination rank {op.dst_rank} holds no tensor named {op.dst_name}")
             continue
-        if s.tensor.key != op.key or d.tensor.key != op.key:
+        if not _holds_key(s.tensor, op.key) or not _holds_key(d.tensor, op.key):
             problem(f"{where}: op key {op.key}, source tensor key {s.tensor.key}, "
                     f"destination tensor key {d.tensor.key}")
             continue

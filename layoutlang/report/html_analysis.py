@@ -157,13 +157,20 @@ class KeyBlock:
 
 
 def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
-    """The plan's ops for one key, merged per logical rectangle (replicas receive the same one)."""
+    """The plan's ops for one key, merged per logical rectangle (replicas receive the same one).
+
+    Rectangles are in the STORED tensor's logical coordinates: a key inside a fused
+    tensor (v2 part keys) is drawn where it lies in that tensor.
+    """
     found: dict[tuple, tuple] = {}
     for i in instances:
+        region = plan.matches[i].region
         for t in plan.transfers(instance=i):
-            hit = found.get(t.piece.logical)
+            logical = t.piece.logical if region is None else tuple(
+                (a + lo, b + lo) for (a, b), (lo, _) in zip(t.piece.logical, region.box))
+            hit = found.get(logical)
             if hit is None:
-                hit = found[t.piece.logical] = (tuple(t.senders), [], [], t.piece.elements)
+                hit = found[logical] = (tuple(t.senders), [], [], t.piece.elements)
             hit[1].append(t.dst_rank)
             hit[2].append(t.sender)
     return tuple(KeyBlock(logical, holders, tuple(dst), tuple(src), elements)
@@ -197,7 +204,7 @@ def tensor_groups(plan: Plan) -> tuple[TensorGroup, ...]:
     """
     instances: dict[str, list[int]] = {}
     for i, m in enumerate(plan.matches):
-        instances.setdefault(m.dst.key, []).append(i)
+        instances.setdefault(m.key, []).append(i)
     entries = {e.key: e for e in plan.tensors}
     by_group: dict[tuple, list[str]] = {}
     for key, found in instances.items():

@@ -1,0 +1,107 @@
+"""Planning keys inside stored tensors (LANGUAGE.md 8.1 part keys): every decomposition pairs.
+
+The small v2 examples describe one Llama in three decompositions written to the
+HF-key convention: Megatron (grouped QKV and gate|up fc1 with part keys, TP x GTP
+x DP), vLLM (fused q|k|v and gate|up with part keys, MXFP8) and the HF checkpoint
+(every weight unfused, one rank). Every ordered pair plans and the slow
+simulator (tests/plan_simulator.py: values by key and index in the key, from the
+front end's key boxes and runs) finds every destination element written once
+with its value. Expected totals come from the v1 layouts of the same model.
+"""
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from layoutlang import compile_plan, loads
+from layoutlang.compiler import PlanError
+from plan_simulator import RunsView, check_plan_views, check_stats, simulate
+
+EX = Path(__file__).parent.parent / "examples"
+SMALL_V2 = EX / "small" / "v2"
+DECOMPOSITIONS = ("megatron", "vllm", "hf")
+
+
+def _path(name: str) -> str:
+    return str(SMALL_V2 / f"llama_{name}.layout")
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.permutations(DECOMPOSITIONS, 2)),
+                         ids=lambda x: x)
+@pytest.mark.parametrize("at", [0, 5])
+def test_every_decomposition_pair_moves_every_element_once(src, dst, at):
+    dst_args = {} if dst == "megatron" else {"AT": at}
+    plan = compile_plan(_path(src), _path(dst), dst_args=dst_args)
+    report = simulate(RunsView(plan.src), RunsView(plan.dst), plan)
+    check_stats(plan, report)
+    check_plan_views(plan, range(plan.world))
+    assert plan.unused_keys == []
+    assert len({e.key for e in plan.tensors}) == 21  # 3 + 2 layers x 9 HF weights
+
+
+def test_v2_totals_equal_the_v1_layouts_of_the_same_model():
+    """Megatron -> vLLM moves the same bytes as the v1 fused-key pair (examples/small/llama_*)."""
+    v1 = compile_plan(str(EX / "small" / "llama_train.layout"), str(EX / "small" / "llama_infer.layout"))
+    v2 = compile_plan(_path("megatron"), _path("vllm"))
+    assert v2.stats["bytes"] == v1.stats["bytes"]
+    assert v2.stats["max_send_bytes"] == v1.stats["max_send_bytes"]
+    assert v2.stats["network_bytes"] == v1.stats["network_bytes"]
+
+
+def test_full_size_llama_v2_pair_matches_the_v1_pair():
+    v1 = compile_plan(str(EX / "llama3_8b_train.layout"), str(EX / "llama3_8b_infer.layout"))
+    v2 = compile_plan(str(EX / "v2" / "llama3_8b_megatron.layout"), str(EX / "v2" / "llama3_8b_vllm.layout"))
+    assert v2.stats["bytes"] == v1.stats["bytes"] == 32122109952
+    assert round(v2.stats["send_balance"], 4) == round(v1.stats["send_balance"], 4)
+
+
+def test_ops_never_mix_keys_and_name_the_stored_tensors():
+    plan = compile_plan(_path("hf"), _path("vllm"))
+    fused = {op.dst_name for op in plan.ops if op.dst_name.endswith("qkv_proj.weight")}
+    assert fused == {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"}
+    for op in plan.ops:
+        if op.dst_name.endswith("qkv_proj.weight"):
+            part = op.key.rsplit(".", 2)[-2]  # q_proj / k_proj / v_proj
+            assert op.src_name == op.key and part in ("q_proj", "k_proj", "v_proj")
+    # rank 0 of the vLLM engine (TP2): q rows 0..63 of 128, k rows 0..7 of 16, v rows 0..7 of 16
+    mine = [op for op in plan.ops_for_rank(0) if op.dst_name == "model.layers.0.self_attn.qkv_proj.weight"]
+    got = sorted((op.key.rsplit(".", 2)[-2], op.src_slice[0], op.dst_slice[0]) for op in mine if op.dst_rank == 0)
+    assert got == [("k_proj", (0, 8), (64, 72)), ("q_proj", (0, 64), (0, 64)), ("v_proj", (0, 8), (72, 80))]
+
+
+def test_quantized_stored_tensor_is_one_bucket_however_many_keys():
+    from layoutlang.compiler.graph import buckets
+
+    plan = compile_plan(_path("megatron"), _path("vllm"))
+    bucket_list = buckets(plan, 1)  # the smallest budget: cut wherever a cut is allowed
+    assert len(bucket_list) > 5
+    where: dict[int, set[int]] = {}
+    for b in bucket_list:
+        for i in range(b.first_instance, b.stop_instance):
+            where.setdefault(id(plan.matches[i].dst), set()).add(b.index)
+    assert all(len(found) == 1 for found in where.values())
+    assert max(sum(1 for m in plan.matches if m.dst is t) for t in plan.dst.tensors) == 3  # q, k, v
+
+
+def test_missing_key_suggests_part_keys_on_a_fused_source():
+    src = loads("mesh m (tp=2)\ntensor qkv [(q: 8 | k: 4 | v: 4) over tp, 8]\n", "fused.layout")
+    dst = loads("mesh m (r=1)\ntensor q [8, 8]\n", "split.layout")
+    with pytest.raises(PlanError) as info:
+        compile_plan(src, dst)
+    err = info.value
+    assert err.message == "key `q` is not in the source layout fused.layout"
+    assert (err.span.source.path, err.span.line, err.span.col) == ("split.layout", 2, 1)
+    assert err.help.startswith("if a fused source tensor holds it (e.g. `qkv`), give its parts keys: "
+                               "`(q: ... as KEY | ...)`")
+
+
+def test_a_key_whose_parts_differ_is_a_diagnostic_at_both_declarations():
+    src = loads("mesh m (r=1)\ntensor w [(a: 4 as A | b: 4 as B), 8]\n", "s.layout")
+    dst = loads("mesh m (r=1)\ntensor A [(x: 2 | y: 2), 8]\ntensor B [4, 8]\n", "d.layout")
+    with pytest.raises(PlanError) as info:
+        compile_plan(src, dst)
+    err = info.value
+    assert err.message.startswith("`A` dim 0: parts on one side only")
+    assert err.span.source.path == "d.layout" and err.span.line == 2
+    assert err.notes[0].span.source.path == "s.layout"
