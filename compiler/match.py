@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from layoutlang.diagnostics import LayoutError, Note
 from layoutlang.ir import KeyRegion, Layout, TensorIR
-from layoutlang.modes import Leaf, PartNode, PartTree, subtree_at
+from layoutlang.modes import Leaf, PartNode, PartTree, tree_extent
 
 
 class PlanError(LayoutError):
@@ -110,9 +110,28 @@ def _trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
     if region is None:
         return [d.part_tree for d in t.dims]
     out = []
-    for d, (lo, hi), n in zip(t.dims, region.box, t.logical_shape):
-        out.append(d.part_tree if (lo, hi) == (0, n) else (subtree_at(d.part_tree, lo, hi) or Leaf(hi - lo)))
+    for i, (d, (lo, hi)) in enumerate(zip(t.dims, region.box)):
+        out.append(keyed_part(d.part_tree, lo, hi) if i == region.part_dim else d.part_tree)
     return out
+
+
+def keyed_part(tree: PartTree, lo: int, hi: int) -> PartTree:
+    """The subtree of the concatenation part that covers exactly logical [lo, hi): the part
+    that carries a key (`(q: M as KEY | ...)`, hoisted), descending at least one level.
+
+    >>> keyed_part(PartNode((("p0", Leaf(8)),)), 0, 8)
+    Leaf(extent=8)
+    """
+    if isinstance(tree, PartNode):
+        at = 0
+        for _, part in tree.parts:
+            n = tree_extent(part)
+            if (at, at + n) == (lo, hi):
+                return part
+            if at <= lo and hi <= at + n:
+                return keyed_part(part, lo - at, hi - at)
+            at += n
+    return Leaf(hi - lo)
 
 
 def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:

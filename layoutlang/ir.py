@@ -183,6 +183,7 @@ class KeyRegion:
     box: tuple[tuple[int, int], ...]          # per stored dim, [lo, hi)
     stacked: tuple[int, ...]                  # stored dims that are stack indices, dropped from the key's shape
     transposed: bool                          # the key's two (non-stacked) dims are stored in the opposite order
+    part_dim: int | None = None               # the dim whose concatenation part carries the key (part keys)
 
     @property
     def key_shape(self) -> tuple[int, ...]:

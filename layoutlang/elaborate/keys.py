@@ -265,7 +265,8 @@ class Keys:
                                                notes=[Note("also here", held[key])] if held[key] is not span else [],
                                                help="every part key and every stack index must give its own key")
                     held[key] = span
-                    out.append(KeyRegion(key, tuple(box), stacked_idx, info.transposed))
+                    out.append(KeyRegion(key, tuple(box), stacked_idx, info.transposed,
+                                         info.keyed_dim if info.parts else None))
                     spans.append(span)
         finally:
             del scope.loops[len(scope.loops) - len(frames):]
