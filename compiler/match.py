@@ -83,14 +83,13 @@ def tree_difference(dst: PartTree, src: PartTree, path: str = "") -> str | None:
 
 
 def refuse_unplanned_regions(layout: Layout) -> None:
-    """Part keys are planned; stacked dims and transposed storage are checked but not planned yet."""
+    """Part keys and stacked dims are planned; transposed storage is checked but not planned yet."""
     for t in layout.tensors:
         for r in t.regions or ():
-            if r.stacked or r.transposed:
-                what = "stacked dims" if r.stacked else "transposed storage"
-                raise PlanError(f"{what} (LANGUAGE.md 8.2-8.3) are checked but not planned yet", t.span,
-                                help="planning them is the next step of issue 10; part keys are planned "
-                                     "today; until then write one tensor statement per key")
+            if r.transposed:
+                raise PlanError("transposed storage (LANGUAGE.md 8.3) is checked but not planned yet", t.span,
+                                help="planning it is the next step of issue 10; part keys and stacked dims are "
+                                     "planned today; until then store the key in its own order")
 
 
 def key_items(layout: Layout) -> dict[str, list[tuple[TensorIR, KeyRegion | None]]]:
@@ -111,7 +110,8 @@ def _trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
         return [d.part_tree for d in t.dims]
     out = []
     for i, (d, (lo, hi)) in enumerate(zip(t.dims, region.box)):
-        out.append(keyed_part(d.part_tree, lo, hi) if i == region.part_dim else d.part_tree)
+        if i not in region.stacked:  # a stacked dim is not a dim of the key
+            out.append(keyed_part(d.part_tree, lo, hi) if i == region.part_dim else d.part_tree)
     return out
 
 

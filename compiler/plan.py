@@ -73,7 +73,8 @@ def wire_dtype(dst_dtype: str) -> str:
     return "bf16" if dst_dtype in QUANTIZED else dst_dtype
 
 
-Box = tuple[tuple[int, int], ...] | None  # a key's logical box in its stored tensor; None: all of it
+# A key's view of its stored tensor: (logical box, stacked dims); None: the whole tensor, one key.
+Box = tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class PlanCache:
             return self.shards(p)
         hit = self._views.get((p, box))
         if hit is None:
-            hit = self._views[(p, box)] = clip_shards(self.shards(p), box)
+            hit = self._views[(p, box)] = clip_shards(self.shards(p), *box)
         return hit
 
     def shard_of_rank(self, p: Placement, box: Box = None) -> dict[int, int]:
@@ -191,17 +192,27 @@ class PlanCache:
         return found
 
 
-def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...]) -> tuple[Shard, ...]:
-    """Shards restricted to a logical box, re-based to its corner (a key inside a stored tensor).
+@dataclass(frozen=True)
+class KeyShard(Shard):
+    """A shard seen by one key: runs over the key's dims; `at`: (stored dim, local index) of each
+    stacked dim (LANGUAGE.md 8.2) — where this key sits in the shard's storage along it."""
+
+    at: tuple[tuple[int, int], ...] = ()
+
+
+def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...],
+                stacked: tuple[int, ...] = ()) -> tuple[KeyShard, ...]:
+    """Shards restricted to a key's logical box, re-based to its corner, stacked dims taken out.
 
     Preserves: local storage positions (ops stay slices of the STORED tensor);
     padding is dropped (it belongs to no key); a shard with nothing inside the
-    box is left out.
+    box is left out; a stacked dim (box extent 1) leaves the key's dims and is
+    remembered as the local index that holds it.
     """
     out = []
     for sh in shards_:
-        dims = []
-        for runs, (lo, hi) in zip(sh.runs, box):
+        dims, at = [], []
+        for d, (runs, (lo, hi)) in enumerate(zip(sh.runs, box)):
             clipped = []
             for r in runs:
                 if isinstance(r, Run):
@@ -210,10 +221,28 @@ def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...]) ->
                         clipped.append(Run(r.local_start + a - r.logical_start, a - lo, b - a))
             if not clipped:
                 break
-            dims.append(tuple(clipped))
+            if d in stacked:
+                at.append((d, clipped[0].local_start))
+            else:
+                dims.append(tuple(clipped))
         else:
-            out.append(Shard(tuple(dims), sh.ranks))
+            out.append(KeyShard(tuple(dims), sh.ranks, tuple(at)))
     return tuple(out)
+
+
+def _unstack(sl: Slice, at: tuple[tuple[int, int], ...]) -> Slice:
+    """A key-dims slice as a slice of the stored tensor: stacked dims put back at their index."""
+    out = list(sl)
+    for d, local in at:
+        out.insert(d, (local, local + 1))
+    return tuple(out)
+
+
+def _in_storage(p: Piece, dst: Shard, src_shards) -> Piece:
+    """A piece computed over a key's dims, with its slices in the stored tensors' dims."""
+    sources = tuple(Source(a.instance, a.shard, _unstack(a.src_slice, getattr(src_shards[a.instance][a.shard], "at", ())))
+                    for a in p.sources)
+    return Piece(_unstack(p.dst_slice, getattr(dst, "at", ())), p.logical, sources)
 
 
 def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wire_bytes: int,
@@ -225,11 +254,14 @@ def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wir
     """
     src_shards = [cache.view(p, src_boxes[i] if src_boxes else None) for i, p in enumerate(src)]
     dst_shards = cache.view(dst, dst_box)
+    stacked = any(b is not None and b[1] for b in (dst_box, *src_boxes))
     per_shard: list[range] = []
     piece_list: list[Piece] = []
     src_geometry = tuple(tuple(tuple(id(r) for r in s.runs) for s in group) for group in src_shards)
     for s in dst_shards:
         found = cache.proven_pieces(first, s, src_shards, src_geometry)
+        if stacked:
+            found = tuple(_in_storage(p, s, src_shards) for p in found)
         per_shard.append(range(len(piece_list), len(piece_list) + len(found)))
         piece_list.extend(found)
     alternatives = tuple(tuple((a, cache.holders(src_shards[a.instance][a.shard].ranks)) for a in p.sources)
@@ -452,8 +484,8 @@ def template_stage(plan: Plan) -> None:
         # placement coordinates: equal keys mean equal placements, and hashing
         # a few ints is what keeps grouping cheap at 100k tensors. (Both
         # layouts outlive the plan, so the ids stay valid.)
-        dst_box = m.region.box if m.region is not None else None
-        src_boxes = tuple(r.box if r is not None else None for r in m.src_regions)
+        dst_box = (m.region.box, m.region.stacked) if m.region is not None else None
+        src_boxes = tuple((r.box, r.stacked) if r is not None else None for r in m.src_regions)
         sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed, dst_box,
                tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), src_boxes, wire)
         ti = by_sig.get(sig)

@@ -108,6 +108,8 @@ def key_values(t: TensorIR, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros(t.local_shape, dtype=torch.float32)
     mask = torch.zeros(t.local_shape, dtype=torch.bool)
     for r in t.regions:
+        if r.transposed:
+            raise NotImplementedError(f"`{t.name}`: the fill does not model transposed storage yet")
         inside = torch.ones(t.local_shape, dtype=torch.bool)
         flat = torch.zeros(t.local_shape, dtype=torch.int64)
         stride = 1

@@ -178,7 +178,9 @@ def _materialize_regions(maps: LocalMap, regions, shapes, base) -> tuple[torch.T
     for r in regions:
         inside = torch.ones(shape, dtype=torch.bool)
         idx = torch.full(shape, float(base[r.key] + 1), dtype=torch.float64)
-        for d, (xs, (lo, hi), stride) in enumerate(zip(maps, r.box, _strides(shapes[r.key]))):
+        assert not r.transposed, "the simulator does not model transposed storage yet"
+        # strides over the box: a stacked dim (extent 1) contributes nothing to the key's index
+        for d, (xs, (lo, hi), stride) in enumerate(zip(maps, r.box, _strides([hi - lo for lo, hi in r.box]))):
             view = [1] * len(shape)
             view[d] = len(xs)
             inside = inside & torch.tensor([x is not None and lo <= x < hi for x in xs], dtype=torch.bool).view(view)
@@ -281,7 +283,7 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
     def keys_of(view, t) -> list[tuple[str, tuple[int, ...]]]:
         if getattr(t, "regions", None) is None:
             return [(t.key, view.logical_shape(t))]
-        return [(r.key, tuple(hi - lo for lo, hi in r.box)) for r in t.regions]
+        return [(r.key, r.key_shape) for r in t.regions]
 
     shapes: dict[str, tuple[int, ...]] = {}
     for view in (dst_view, src_view):
@@ -370,7 +372,8 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
         if bad:
             continue
         extents = [b - a for a, b in op.src_slice]
-        if extents != [b - a for a, b in op.dst_slice]:
+        # a stacked dim (LANGUAGE.md 8.2) is an extent-1 slice on one side only: compare the rest
+        if [n for n in extents if n != 1] != [b - a for a, b in op.dst_slice if b - a != 1]:
             problem(f"{where}: slice extents differ: {extents} vs {[b - a for a, b in op.dst_slice]}")
             continue
         elements = math.prod(extents)
@@ -384,7 +387,7 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             index = tuple(a + i for (a, _), i in zip(op.src_slice, hit))
             problem(f"{where}: the source slice covers padding at local index {index} of "
                     f"{op.src_name} on rank {op.src_rank}")
-        d.values[dst_region] = s.values[src_region]
+        d.values[dst_region] = s.values[src_region].reshape(d.values[dst_region].shape)
         d.writes[dst_region] += 1
         report.elements += elements
         report.bytes += op.bytes

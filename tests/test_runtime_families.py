@@ -37,6 +37,8 @@ FAMILIES = [
     ("v2-megatron-part-keys-to-vllm-fused-mxfp8", "v2/llama_megatron", "v2/llama_vllm", {}, 8),
     ("v2-hf-split-to-vllm-fused-at4", "v2/llama_hf", "v2/llama_vllm", {"AT": 4}, 8),
     ("v2-megatron-to-hf-checkpoint-at7", "v2/llama_megatron", "v2/llama_hf", {"AT": 7}, 8),
+    # stacked experts (LANGUAGE.md 8.2): per-expert Megatron -> vLLM FusedMoE w13/w2, MXFP8
+    ("v2-moe-per-expert-to-fusedmoe-stacked-at4", "v2/moe_megatron", "v2/moe_vllm", {"AT": 4}, 8),
 ]
 
 

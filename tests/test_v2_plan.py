@@ -21,23 +21,38 @@ from plan_simulator import RunsView, check_plan_views, check_stats, simulate
 EX = Path(__file__).parent.parent / "examples"
 SMALL_V2 = EX / "small" / "v2"
 DECOMPOSITIONS = ("megatron", "vllm", "hf")
+KEYS = {"llama": 3 + 2 * 9,  # embed, lm_head, norm + per layer 2 norms, q, k, v, o, gate, up, down
+        "moe": 2 * (1 + 8 * 3)}  # per layer the router + 8 experts x gate, up, down
 
 
-def _path(name: str) -> str:
-    return str(SMALL_V2 / f"llama_{name}.layout")
+def _path(name: str, model: str = "llama") -> str:
+    return str(SMALL_V2 / f"{model}_{name}.layout")
 
 
+@pytest.mark.parametrize("model", ["llama", "moe"])
 @pytest.mark.parametrize("src,dst", list(itertools.permutations(DECOMPOSITIONS, 2)),
                          ids=lambda x: x)
 @pytest.mark.parametrize("at", [0, 5])
-def test_every_decomposition_pair_moves_every_element_once(src, dst, at):
+def test_every_decomposition_pair_moves_every_element_once(model, src, dst, at):
+    """moe: per-expert Megatron tensors (fc1 with part keys), vLLM FusedMoE stacked w13/w2
+    (LANGUAGE.md 8.2: `e in 0..E over ep` with part keys inside), HF per-expert weights."""
     dst_args = {} if dst == "megatron" else {"AT": at}
-    plan = compile_plan(_path(src), _path(dst), dst_args=dst_args)
+    plan = compile_plan(_path(src, model), _path(dst, model), dst_args=dst_args)
     report = simulate(RunsView(plan.src), RunsView(plan.dst), plan)
     check_stats(plan, report)
     check_plan_views(plan, range(plan.world))
     assert plan.unused_keys == []
-    assert len({e.key for e in plan.tensors}) == 21  # 3 + 2 layers x 9 HF weights
+    assert len({e.key for e in plan.tensors}) == KEYS[model]
+
+
+def test_stacked_expert_ops_land_at_their_expert_index():
+    """vLLM rank 1 of EP4 holds experts 2 and 3 at local indexes 0 and 1 of w13 and w2."""
+    plan = compile_plan(_path("hf", "moe"), _path("vllm", "moe"), dst_args={"AT": 1})
+    ops = [op for op in plan.ops if op.dst_rank == 2 and op.dst_name == "model.layers.0.mlp.experts.w13_weight"]
+    got = sorted((op.key.split(".")[5], op.key.split(".")[6], op.dst_slice) for op in ops)
+    assert got == [("2", "gate_proj", ((0, 1), (0, 32), (0, 64))), ("2", "up_proj", ((0, 1), (32, 64), (0, 64))),
+                   ("3", "gate_proj", ((1, 2), (0, 32), (0, 64))), ("3", "up_proj", ((1, 2), (32, 64), (0, 64)))]
+    assert all(op.src_rank == 0 and op.src_slice == ((0, 32), (0, 64)) for op in ops)
 
 
 def test_v2_totals_equal_the_v1_layouts_of_the_same_model():

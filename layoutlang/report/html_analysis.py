@@ -156,6 +156,13 @@ class KeyBlock:
     elements: int
 
 
+def _in_stored(logical, region) -> tuple[tuple[int, int], ...]:
+    """A rectangle of a key, in its stored tensor's logical coordinates (stacked dims put back)."""
+    it = iter(logical)
+    return tuple(box if d in region.stacked else (lambda ab: (ab[0] + box[0], ab[1] + box[0]))(next(it))
+                 for d, box in enumerate(region.box))
+
+
 def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
     """The plan's ops for one key, merged per logical rectangle (replicas receive the same one).
 
@@ -166,8 +173,7 @@ def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
     for i in instances:
         region = plan.matches[i].region
         for t in plan.transfers(instance=i):
-            logical = t.piece.logical if region is None else tuple(
-                (a + lo, b + lo) for (a, b), (lo, _) in zip(t.piece.logical, region.box))
+            logical = t.piece.logical if region is None else _in_stored(t.piece.logical, region)
             hit = found.get(logical)
             if hit is None:
                 hit = found[logical] = (tuple(t.senders), [], [], t.piece.elements)
