@@ -72,6 +72,16 @@ def test_replicas_scale_small():
 
 
 @pytest.mark.timeout(300)
+def test_stacked_scale_quick():
+    proc = _run("benchmarks/stacked_scale.py", "--quick", "--repeat", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(r"\n  per-expert: one rank [\d.]+ s \(\d+ ops\), full plan [\d.]+ s \((\d+) ops", out), out
+    assert re.search(r"\n     stacked: one rank [\d.]+ s \(\d+ ops\), full plan [\d.]+ s \((\d+) ops", out), out
+    assert "WRONG" not in out and out.rstrip().endswith("result: ok")
+
+
+@pytest.mark.timeout(300)
 def test_plan_scale_quick():
     proc = _run("benchmarks/plan_scale.py", "--quick", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
