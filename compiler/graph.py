@@ -59,7 +59,9 @@ def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, in
         return 0, 0  # a local copy casts in place of its destination view
     m = plan.matches[t.instance]
     src_inst = m.src[t.source.instance]
-    send = 0 if (not strided and contiguous(t.source.src_slice, src_inst.local_shape)
+    src_region = m.src_region(t.source.instance)
+    turned = (m.region is not None and m.region.transposed) != (src_region is not None and src_region.transposed)
+    send = 0 if (not strided and not turned and contiguous(t.source.src_slice, src_inst.local_shape)
                  and src_inst.dtype == wire_dtype(m.dst.dtype)) else t.bytes
     recv = 0 if (not strided and m.dst.dtype not in QUANTIZED
                  and contiguous(t.piece.dst_slice, m.dst.local_shape)) else t.bytes

@@ -82,16 +82,6 @@ def tree_difference(dst: PartTree, src: PartTree, path: str = "") -> str | None:
     return None
 
 
-def refuse_unplanned_regions(layout: Layout) -> None:
-    """Part keys and stacked dims are planned; transposed storage is checked but not planned yet."""
-    for t in layout.tensors:
-        for r in t.regions or ():
-            if r.transposed:
-                raise PlanError("transposed storage (LANGUAGE.md 8.3) is checked but not planned yet", t.span,
-                                help="planning it is the next step of issue 10; part keys and stacked dims are "
-                                     "planned today; until then store the key in its own order")
-
-
 def key_items(layout: Layout) -> dict[str, list[tuple[TensorIR, KeyRegion | None]]]:
     """Every key of a layout with the stored instances (and regions) that hold it, in file order."""
     out: dict[str, list[tuple[TensorIR, KeyRegion | None]]] = {}
@@ -112,7 +102,7 @@ def _trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
     for i, (d, (lo, hi)) in enumerate(zip(t.dims, region.box)):
         if i not in region.stacked:  # a stacked dim is not a dim of the key
             out.append(keyed_part(d.part_tree, lo, hi) if i == region.part_dim else d.part_tree)
-    return out
+    return out[::-1] if region.transposed else out
 
 
 def keyed_part(tree: PartTree, lo: int, hi: int) -> PartTree:
@@ -136,8 +126,6 @@ def keyed_part(tree: PartTree, lo: int, hi: int) -> PartTree:
 
 def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
     """Pair every destination key (per stored instance) with its source instances; list unused source keys."""
-    refuse_unplanned_regions(dst)
-    refuse_unplanned_regions(src)
     by_key = key_items(src)
     matches: list[Match] = []
     checked: set[str] = set()

@@ -49,6 +49,9 @@ class Op:
     src_slice: Slice
     dst_slice: Slice
     bytes: int
+    # a key stored transposed on one side only (LANGUAGE.md 8.3): the source block is (p, q) in
+    # its storage order (stacked dims left out) and the destination stores its transpose (q, p)
+    transpose: tuple[int, int] | None = None
 
     @property
     def local(self) -> bool:
@@ -73,8 +76,8 @@ def wire_dtype(dst_dtype: str) -> str:
     return "bf16" if dst_dtype in QUANTIZED else dst_dtype
 
 
-# A key's view of its stored tensor: (logical box, stacked dims); None: the whole tensor, one key.
-Box = tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None
+# A key's view of its stored tensor: (logical box, stacked dims, transposed); None: the whole tensor.
+Box = tuple[tuple[tuple[int, int], ...], tuple[int, ...], bool] | None
 
 
 @dataclass(frozen=True)
@@ -198,16 +201,18 @@ class KeyShard(Shard):
     stacked dim (LANGUAGE.md 8.2) — where this key sits in the shard's storage along it."""
 
     at: tuple[tuple[int, int], ...] = ()
+    transposed: bool = False  # the key's dims are the stored (non-stacked) dims in reverse order
 
 
 def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...],
-                stacked: tuple[int, ...] = ()) -> tuple[KeyShard, ...]:
+                stacked: tuple[int, ...] = (), transposed: bool = False) -> tuple[KeyShard, ...]:
     """Shards restricted to a key's logical box, re-based to its corner, stacked dims taken out.
 
     Preserves: local storage positions (ops stay slices of the STORED tensor);
     padding is dropped (it belongs to no key); a shard with nothing inside the
     box is left out; a stacked dim (box extent 1) leaves the key's dims and is
-    remembered as the local index that holds it.
+    remembered as the local index that holds it; a transposed key (LANGUAGE.md
+    8.3) sees the stored dims in reverse order.
     """
     out = []
     for sh in shards_:
@@ -226,13 +231,14 @@ def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...],
             else:
                 dims.append(tuple(clipped))
         else:
-            out.append(KeyShard(tuple(dims), sh.ranks, tuple(at)))
+            out.append(KeyShard(tuple(dims[::-1] if transposed else dims), sh.ranks, tuple(at), transposed))
     return tuple(out)
 
 
-def _unstack(sl: Slice, at: tuple[tuple[int, int], ...]) -> Slice:
-    """A key-dims slice as a slice of the stored tensor: stacked dims put back at their index."""
-    out = list(sl)
+def _unstack(sl: Slice, at: tuple[tuple[int, int], ...], transposed: bool = False) -> Slice:
+    """A key-dims slice as a slice of the stored tensor: dims back in storage order, stacked
+    dims put back at their index."""
+    out = list(sl[::-1] if transposed else sl)
     for d, local in at:
         out.insert(d, (local, local + 1))
     return tuple(out)
@@ -240,9 +246,11 @@ def _unstack(sl: Slice, at: tuple[tuple[int, int], ...]) -> Slice:
 
 def _in_storage(p: Piece, dst: Shard, src_shards) -> Piece:
     """A piece computed over a key's dims, with its slices in the stored tensors' dims."""
-    sources = tuple(Source(a.instance, a.shard, _unstack(a.src_slice, getattr(src_shards[a.instance][a.shard], "at", ())))
-                    for a in p.sources)
-    return Piece(_unstack(p.dst_slice, getattr(dst, "at", ())), p.logical, sources)
+    def back(sl: Slice, shard: Shard) -> Slice:
+        return _unstack(sl, getattr(shard, "at", ()), getattr(shard, "transposed", False))
+
+    sources = tuple(Source(a.instance, a.shard, back(a.src_slice, src_shards[a.instance][a.shard])) for a in p.sources)
+    return Piece(back(p.dst_slice, dst), p.logical, sources)
 
 
 def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wire_bytes: int,
@@ -254,7 +262,7 @@ def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wir
     """
     src_shards = [cache.view(p, src_boxes[i] if src_boxes else None) for i, p in enumerate(src)]
     dst_shards = cache.view(dst, dst_box)
-    stacked = any(b is not None and b[1] for b in (dst_box, *src_boxes))
+    stacked = any(b is not None and (b[1] or b[2]) for b in (dst_box, *src_boxes))  # stacked or transposed
     per_shard: list[range] = []
     piece_list: list[Piece] = []
     src_geometry = tuple(tuple(tuple(id(r) for r in s.runs) for s in group) for group in src_shards)
@@ -370,14 +378,15 @@ class Plan:
             m = matches[i]
             src = g.source_for(req.piece, sender)
             out.append(Op(op_id, m.key, sender, req.rank, m.src[src.instance].name, m.dst.name,
-                          src.src_slice, g.pieces[req.piece].dst_slice, req.bytes))
+                          src.src_slice, g.pieces[req.piece].dst_slice, req.bytes,
+                          _transpose(m, src) if g.dst_box or g.src_boxes else None))
         return tuple(out)
 
     def op(self, t: Transfer) -> Op:
         """The op a transfer becomes (named by the layouts' tensors)."""
         m = self.matches[t.instance]
         return Op(t.op_id, m.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
-                  t.source.src_slice, t.piece.dst_slice, t.bytes)
+                  t.source.src_slice, t.piece.dst_slice, t.bytes, _transpose(m, t.source))
 
     @property
     def op_count(self) -> int:
@@ -463,6 +472,16 @@ class Plan:
                 f"{s['bytes']} B, busiest sender {s['send_balance']:.2f}x floor")
 
 
+def _transpose(m: Match, src: Source) -> tuple[int, int] | None:
+    """(p, q) of the source block when exactly one side stores the key transposed, else None."""
+    r, s = m.region, m.src_region(src.instance)
+    if (r is not None and r.transposed) == (s is not None and s.transposed):
+        return None
+    stacked = s.stacked if s is not None else ()
+    p, q = (b - a for d, (a, b) in enumerate(src.src_slice) if d not in stacked)
+    return p, q
+
+
 # ---- the stages, in order ---------------------------------------------------------
 def match_stage(plan: Plan) -> None:
     """Every destination instance with the source instances of its key (match.py)."""
@@ -484,8 +503,8 @@ def template_stage(plan: Plan) -> None:
         # placement coordinates: equal keys mean equal placements, and hashing
         # a few ints is what keeps grouping cheap at 100k tensors. (Both
         # layouts outlive the plan, so the ids stay valid.)
-        dst_box = (m.region.box, m.region.stacked) if m.region is not None else None
-        src_boxes = tuple((r.box, r.stacked) if r is not None else None for r in m.src_regions)
+        dst_box = (m.region.box, m.region.stacked, m.region.transposed) if m.region is not None else None
+        src_boxes = tuple((r.box, r.stacked, r.transposed) if r is not None else None for r in m.src_regions)
         sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed, dst_box,
                tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), src_boxes, wire)
         ti = by_sig.get(sig)

@@ -108,17 +108,19 @@ def key_values(t: TensorIR, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros(t.local_shape, dtype=torch.float32)
     mask = torch.zeros(t.local_shape, dtype=torch.bool)
     for r in t.regions:
-        if r.transposed:
-            raise NotImplementedError(f"`{t.name}`: the fill does not model transposed storage yet")
         inside = torch.ones(t.local_shape, dtype=torch.bool)
         flat = torch.zeros(t.local_shape, dtype=torch.int64)
+        key_dims = [d for d in range(dims) if d not in r.stacked]
+        order = key_dims[::-1] if r.transposed else key_dims  # the key's dims, in the key's order
         stride = 1
-        for d in reversed(range(dims)):
+        for d in reversed(order):
+            lo, hi = r.box[d]
+            flat = flat + (_view(coords[d], d, dims) - lo).clamp_min(0) * stride
+            stride *= hi - lo
+        for d in range(dims):
             lo, hi = r.box[d]
             c = _view(coords[d], d, dims)
             inside = inside & (c >= lo) & (c < hi)
-            flat = flat + (c - lo).clamp_min(0) * stride
-            stride *= hi - lo
         out = torch.where(inside, values(r.key, flat), out)
         mask = mask | inside
     return out, mask

@@ -344,13 +344,17 @@ class Refitter:
                 _zero_padding(dst[t.name], t, me)
 
         def source_view(op) -> torch.Tensor:
+            """The source block, in the RECEIVER's order (a transposed key is turned here)."""
             held = self.src_held[op.src_name]
             value = src[op.src_name]
             if held.dtype in QUANTIZED:
                 if op.src_name not in dequantized:
                     dequantized[op.src_name] = self.meter.alloc(dequantize(value, held.dtype))
                 value = dequantized[op.src_name]
-            return value[_slices(op.src_slice)]
+            block = value[_slices(op.src_slice)]
+            if op.transpose is not None:
+                block = block.reshape(op.transpose).t().reshape([b - a for a, b in op.dst_slice])
+            return block
 
         def target(op):
             """(tensor to receive into, view to copy it to afterwards or None)."""

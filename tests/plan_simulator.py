@@ -178,9 +178,7 @@ def _materialize_regions(maps: LocalMap, regions, shapes, base) -> tuple[torch.T
     for r in regions:
         inside = torch.ones(shape, dtype=torch.bool)
         idx = torch.full(shape, float(base[r.key] + 1), dtype=torch.float64)
-        assert not r.transposed, "the simulator does not model transposed storage yet"
-        # strides over the box: a stacked dim (extent 1) contributes nothing to the key's index
-        for d, (xs, (lo, hi), stride) in enumerate(zip(maps, r.box, _strides([hi - lo for lo, hi in r.box]))):
+        for d, (xs, (lo, hi), stride) in enumerate(zip(maps, r.box, _key_strides(r))):
             view = [1] * len(shape)
             view[d] = len(xs)
             inside = inside & torch.tensor([x is not None and lo <= x < hi for x in xs], dtype=torch.bool).view(view)
@@ -189,6 +187,15 @@ def _materialize_regions(maps: LocalMap, regions, shapes, base) -> tuple[torch.T
         owned = owned + inside.to(torch.int64)
     assert owned.numel() == 0 or int(owned.max()) <= 1, "two keys' boxes overlap"
     return values, owned == 0
+
+
+def _key_strides(r) -> list[int]:
+    """Per STORED dim, its stride in the key's row-major index: stacked dims count 0; a
+    transposed key (LANGUAGE.md 8.3) takes its two dims in the opposite order."""
+    dims = [d for d in range(len(r.box)) if d not in r.stacked]
+    order = dims[::-1] if r.transposed else dims
+    strides = dict(zip(order, _strides([r.box[d][1] - r.box[d][0] for d in order])))
+    return [strides.get(d, 0) for d in range(len(r.box))]
 
 
 def _holds_key(t, key: str) -> bool:
@@ -372,8 +379,16 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
         if bad:
             continue
         extents = [b - a for a, b in op.src_slice]
-        # a stacked dim (LANGUAGE.md 8.2) is an extent-1 slice on one side only: compare the rest
-        if [n for n in extents if n != 1] != [b - a for a, b in op.dst_slice if b - a != 1]:
+        # a stacked dim (LANGUAGE.md 8.2) is an extent-1 slice on one side only: compare the rest;
+        # a key stored transposed on one side (8.3) arrives as the transpose of the (p, q) block
+        want = [n for n in extents if n != 1]
+        turned = getattr(op, "transpose", None)
+        if turned is not None:
+            if math.prod(turned) != math.prod(extents):
+                problem(f"{where}: transpose block {turned} does not hold the source slice's elements")
+                continue
+            want = [n for n in turned[::-1] if n != 1]
+        if want != [b - a for a, b in op.dst_slice if b - a != 1]:
             problem(f"{where}: slice extents differ: {extents} vs {[b - a for a, b in op.dst_slice]}")
             continue
         elements = math.prod(extents)
@@ -387,7 +402,10 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             index = tuple(a + i for (a, _), i in zip(op.src_slice, hit))
             problem(f"{where}: the source slice covers padding at local index {index} of "
                     f"{op.src_name} on rank {op.src_rank}")
-        d.values[dst_region] = s.values[src_region].reshape(d.values[dst_region].shape)
+        block = s.values[src_region]
+        if getattr(op, "transpose", None) is not None:  # one side stores the key transposed
+            block = block.reshape(op.transpose).t()
+        d.values[dst_region] = block.reshape(d.values[dst_region].shape)
         d.writes[dst_region] += 1
         report.elements += elements
         report.bytes += op.bytes

@@ -39,6 +39,8 @@ FAMILIES = [
     ("v2-megatron-to-hf-checkpoint-at7", "v2/llama_megatron", "v2/llama_hf", {"AT": 7}, 8),
     # stacked experts (LANGUAGE.md 8.2): per-expert Megatron -> vLLM FusedMoE w13/w2, MXFP8
     ("v2-moe-per-expert-to-fusedmoe-stacked-at4", "v2/moe_megatron", "v2/moe_vllm", {"AT": 4}, 8),
+    # transposed storage (LANGUAGE.md 8.3): GPT-2's HF Conv1D [in, out] -> a TP engine's [out, in]
+    ("v2-gpt2-conv1d-transposed-to-tp2-at1", "v2/gpt2_hf", "v2/gpt2_tp", {"AT": 1}, 3),
 ]
 
 

@@ -10,12 +10,14 @@ with its value. Expected totals come from the v1 layouts of the same model.
 """
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
 
 from layoutlang import compile_plan, loads
 from layoutlang.compiler import PlanError
+from layoutlang.report.render import iter_json
 from plan_simulator import RunsView, check_plan_views, check_stats, simulate
 
 EX = Path(__file__).parent.parent / "examples"
@@ -120,3 +122,28 @@ def test_a_key_whose_parts_differ_is_a_diagnostic_at_both_declarations():
     assert err.message.startswith("`A` dim 0: parts on one side only")
     assert err.span.source.path == "d.layout" and err.span.line == 2
     assert err.notes[0].span.source.path == "s.layout"
+
+
+@pytest.mark.parametrize("src,dst", [("hf", "tp"), ("tp", "hf")])
+@pytest.mark.parametrize("at", [0, 3])
+def test_transposed_conv1d_pairs_with_an_out_in_engine(src, dst, at):
+    """GPT-2's HF Conv1D stores [in, out] (LANGUAGE.md 8.3) for keys [out, in]."""
+    path = lambda name: str(SMALL_V2 / f"gpt2_{name}.layout")  # noqa: E731
+    plan = compile_plan(path(src), path(dst), dst_args={"AT": at} if dst == "tp" else {})
+    report = simulate(RunsView(plan.src), RunsView(plan.dst), plan)
+    check_stats(plan, report)
+    assert sum(1 for op in plan.ops if op.transpose is not None) == 24  # every 2-d weight, both TP halves
+
+
+def test_a_transposed_op_by_hand():
+    """c_proj [H=32, H] transposed on the HF rank; the engine's row-parallel c_proj [H, H over tp]:
+    tp rank 1 holds key columns 16..32 = stored ROWS 16..32 of the Conv1D weight, a [16, 32] block
+    that arrives as its [32, 16] transpose."""
+    plan = compile_plan(str(SMALL_V2 / "gpt2_hf.layout"), str(SMALL_V2 / "gpt2_tp.layout"), dst_args={"AT": 1})
+    op = next(op for op in plan.ops if op.key == "transformer.h.0.attn.c_proj.weight" and op.dst_rank == 2)
+    assert (op.src_rank, op.src_slice, op.dst_slice, op.transpose) == (0, ((16, 32), (0, 32)), ((0, 32), (0, 16)),
+                                                                       (16, 32))
+    ops = json.loads("".join(iter_json(plan)))["ops"]
+    assert ops[op.id]["transposed"] is True  # LANGUAGE.md 8.4
+    norm = next(o for o in plan.ops if o.key == "transformer.h.0.ln_1.weight")
+    assert "transposed" not in ops[norm.id]

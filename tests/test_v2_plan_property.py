@@ -1,6 +1,7 @@
 """Random pairs across decompositions (LANGUAGE.md 8.1) checked by the slow simulator.
 
-Each side stores the same keys k0..kn-1 (each [e_i, C]) either FUSED — one tensor
+Each side stores the same keys k0..kn-1 (each [e_i, C]), possibly TRANSPOSED
+(stored [C, e_i], LANGUAGE.md 8.3), either FUSED — one tensor
 whose concatenation parts carry the keys, in any part order, optionally grouped
 `(G, (...))`, split `over tp`, optionally `chunk gtp` — or SPLIT into one tensor per
 key (split over tp or replicated). The plan must move every destination element
@@ -27,6 +28,12 @@ def sides(draw, extents: list[int], offset_max: int):
     at = draw(st.integers(0, offset_max))
     mesh = f"mesh m (dp={dp}, gtp={gtp}, tp={tp}) at {at}"
     dtype = draw(st.sampled_from(["", " fp32", " fp16"]))
+    turned = draw(st.booleans())  # stored [C, e] transposed (LANGUAGE.md 8.3) for keys [e, C]
+
+    def dims(first: str) -> str:
+        return f"[{C}, {first}]" if turned else f"[{first}, {C}]"
+
+    t = " transposed" if turned else ""
     if draw(st.booleans()):  # fused, parts carry keys
         order = draw(st.permutations(range(n)))
         group = draw(st.sampled_from([1, 2]))
@@ -35,12 +42,12 @@ def sides(draw, extents: list[int], offset_max: int):
         parts = " | ".join(f"p{i}: {extents[i] // group} as k{i}" for i in order)
         mode = f"({parts})" if group == 1 else f"({group}, ({parts}))"
         split = draw(st.sampled_from(["", " over tp", " over tp chunk gtp"]))
-        body = f"tensor fused [{mode}{split}, {C}]{dtype}"
+        body = f"tensor fused {dims(mode + split)}{dtype}{t}"
     else:  # one tensor per key
         lines = []
         for i in range(n):
             split = draw(st.sampled_from(["", " over tp"]))
-            lines.append(f"tensor t{i} as k{i} [{extents[i]}{split}, {C}]{dtype}")
+            lines.append(f"tensor t{i} as k{i} {dims(str(extents[i]) + split)}{dtype}{t}")
         body = "\n".join(lines)
     return f"{mesh}\n{body}\n"
 

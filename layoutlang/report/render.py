@@ -93,11 +93,14 @@ def _stats_json(stats: dict) -> dict:
 
 
 def _op_json(op: Op) -> str:
-    return json.dumps({
+    fields = {
         "id": op.id, "key": op.key, "src_rank": op.src_rank, "dst_rank": op.dst_rank,
         "src_name": op.src_name, "dst_name": op.dst_name,
         "src_slice": [list(d) for d in op.src_slice], "dst_slice": [list(d) for d in op.dst_slice],
-        "bytes": op.bytes})
+        "bytes": op.bytes}
+    if op.transpose is not None:  # LANGUAGE.md 8.4: the receiver's slice is in its storage order
+        fields["transposed"] = True
+    return json.dumps(fields)
 
 
 def _json_list(items: Iterable[str]) -> Iterator[str]:
