@@ -82,16 +82,9 @@ def tree_difference(dst: PartTree, src: PartTree, path: str = "") -> str | None:
     return None
 
 
-def key_items(layout: Layout) -> dict[str, list[tuple[TensorIR, KeyRegion | None]]]:
+def key_items(layout: Layout) -> dict[str, tuple[tuple[TensorIR, KeyRegion | None], ...]]:
     """Every key of a layout with the stored instances (and regions) that hold it, in file order."""
-    out: dict[str, list[tuple[TensorIR, KeyRegion | None]]] = {}
-    for t in layout.tensors:
-        if t.regions is None:
-            out.setdefault(t.key, []).append((t, None))
-        else:
-            for r in t.regions:
-                out.setdefault(r.key, []).append((t, r))
-    return out
+    return layout.key_index
 
 
 def _trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:

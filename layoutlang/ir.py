@@ -318,6 +318,19 @@ class Layout:
             out.setdefault(t.key, []).append(t)
         return {k: tuple(v) for k, v in out.items()}
 
+    @cached_property
+    def key_index(self) -> dict[str, tuple[tuple[TensorIR, KeyRegion | None], ...]]:
+        """Every key, with the stored instances that hold it and, for a v2 tensor, the key's
+        region inside it (None: a v1 tensor, the whole of it), in file order."""
+        out: dict[str, list] = {}
+        for t in self.tensors:
+            if t.regions is None:
+                out.setdefault(t.key, []).append((t, None))
+            else:
+                for r in t.regions:
+                    out.setdefault(r.key, []).append((t, r))
+        return {k: tuple(v) for k, v in out.items()}
+
     def bytes_per_rank(self) -> list[int]:
         """Stored bytes on every rank, computed per placement group, not per rank."""
         groups: dict[tuple, int] = {}

@@ -147,3 +147,17 @@ def test_a_transposed_op_by_hand():
     assert ops[op.id]["transposed"] is True  # LANGUAGE.md 8.4
     norm = next(o for o in plan.ops if o.key == "transformer.h.0.ln_1.weight")
     assert "transposed" not in ops[norm.id]
+
+
+def test_explain_draws_a_key_inside_a_stacked_tensor_and_a_stored_tensor_by_name():
+    from layoutlang import load
+    from layoutlang.report.explain import explain_text
+
+    src, dst = load(_path("megatron", "moe")), load(_path("vllm", "moe"))
+    plan = compile_plan(src, dst)
+    text = explain_text(src, "model.layers.0.mlp.experts.3.gate_proj.weight", dst, plan, width=160)
+    # expert 3 sits at stacked index 3 of w13 (rows 0..32 = gate); vLLM's EP4 rank 1 holds experts 2, 3
+    assert "holds this key at [3:4, 0:32, 0:64] of its logical tensor, stacked dims [0]" in text
+    assert "[1:2, 0:16, 0:64]" in text and "[1:2, 16:32, 0:64]" in text  # local expert 1, two etp halves
+    text = explain_text(dst, "model.layers.0.mlp.experts.w13_weight", width=160)
+    assert "holds 16 keys: model.layers.0.mlp.experts.0.gate_proj.weight [0:1, 0:32, 0:64]" in text

@@ -15,9 +15,11 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from layoutlang.compiler.match import key_items
+from layoutlang.compiler.plan import clip_shards
 from layoutlang.compiler.shards import placement_of, shards
 from layoutlang.diagnostics import UsageError
-from layoutlang.ir import Layout, TensorIR
+from layoutlang.ir import KeyRegion, Layout, TensorIR
 from layoutlang.modes import Run, part_leaves
 
 from .units import rank_ranges, slice_text
@@ -29,12 +31,18 @@ GLYPHS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 RANKS_WIDTH = 48  # a shard's rank list is cut beyond this many characters
 
 
-def _instances(layout: Layout, key: str) -> tuple[TensorIR, ...]:
-    found = layout.by_key.get(key)
+def _instances(layout: Layout, key: str) -> list[tuple[TensorIR, KeyRegion | None]]:
+    """The stored instances that hold `key` (with the key's region inside them, v2), or, when
+    `key` is a stored tensor's NAME, that tensor whole."""
+    found = key_items(layout).get(key)
     if found is None:
+        named = [(t, None) for t in layout.tensors if t.name == key]
+        if named:
+            return named
         import difflib
-        close = difflib.get_close_matches(key, list(layout.by_key), n=3, cutoff=0.6)
-        raise UsageError(f"key `{key}` is not in {layout.path}",
+        close = difflib.get_close_matches(key, list(key_items(layout)) + [t.name for t in layout.tensors],
+                                          n=3, cutoff=0.6)
+        raise UsageError(f"key `{key}` is not in {layout.path} (nor is a stored tensor of that name)",
                          help=("did you mean: " + ", ".join(f"`{c}`" for c in close)) if close
                          else "`layoutc plan --format json` lists every key")
     return found
@@ -42,20 +50,33 @@ def _instances(layout: Layout, key: str) -> tuple[TensorIR, ...]:
 
 def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
     out: list = []
-    for t in _instances(layout, key):
+    for t, region in _instances(layout, key):
         p = placement_of(t)
         shard_list = shards(p)
+        if region is not None:  # the key inside its stored tensor: shards seen by the key
+            shard_list = clip_shards(shard_list, region.box, region.stacked, region.transposed)
         axes = ", ".join(f"{a.name}={a.size}" for a in t.mesh.axes)
         out.append(Text.assemble((f"{title} ", "bold"), f"{layout.path}: ", (t.name, "bold"),
                                  f"  {t.dtype} on mesh {t.mesh.name} ({axes})  local {list(t.local_shape)}",
                                  f"  replicas over {', '.join(t.replica_axes) or 'none'}"))
-        for d in range(len(t.dims)):
+        if region is not None:
+            box = ", ".join(f"{a}:{b}" for a, b in region.box)
+            how = "".join((f", stacked dims {list(region.stacked)}" if region.stacked else "",
+                           ", stored transposed" if region.transposed else ""))
+            out.append(Text(f"  holds this key at [{box}] of its logical tensor{how}; below, in the key's dims"))
+        elif t.regions is not None:
+            out.append(Text(f"  holds {len(t.regions)} keys: " + ", ".join(
+                f"{r.key} [{', '.join(f'{a}:{b}' for a, b in r.box)}]" for r in t.regions[:8])
+                + (" ..." if len(t.regions) > 8 else "")))
+        extents = region.key_shape if region is not None else t.logical_shape
+        dims = len(extents)
+        for d in range(dims):
             if len({s.runs[d] for s in shard_list}) > 1:
-                out.append(_bar(t, d, shard_list))
+                out.append(_bar(extents[d], d, shard_list))
         table = Table(show_edge=False, box=None, pad_edge=False)
         table.add_column("shard", justify="right")
         table.add_column("ranks")
-        for d in range(len(t.dims)):
+        for d in range(dims):
             table.add_column(f"dim {d}: local -> logical")
         if rank is not None and not t.holds(rank):
             out.append(Text(f"  rank {rank} holds no part of it"))
@@ -82,9 +103,8 @@ def _runs_text(runs) -> str:
     return " ".join(parts)
 
 
-def _bar(t: TensorIR, d: int, shard_list) -> Text:
+def _bar(extent: int, d: int, shard_list) -> Text:
     """Who holds each logical range of dim d: one glyph per cell, coloured per shard."""
-    extent = t.logical_shape[d]
     cells = min(BAR, extent)
     owner = [None] * cells
     for i, s in enumerate(shard_list):
@@ -103,11 +123,11 @@ def _bar(t: TensorIR, d: int, shard_list) -> Text:
 
 def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: int | None = None,
             max_ops: int = 40) -> Group:
-    t = _instances(src, key)[0]
+    t, region = _instances(src, key)[0]
     parts = []
-    head = Text.assemble((key, "bold"), f"  logical {list(t.logical_shape)}")
+    head = Text.assemble((key, "bold"), f"  logical {list(region.key_shape if region else t.logical_shape)}")
     parts.append(head)
-    for d, dim in enumerate(t.dims):
+    for d, dim in enumerate(t.dims if region is None else ()):
         leaves = part_leaves(dim.part_tree)
         if len(leaves) > 1:
             desc = "  ".join(f"{label} [{a}, {b})" for label, a, b in leaves[:8])
@@ -116,7 +136,9 @@ def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: i
     if dst is not None:
         parts.extend(_side(dst, key, "destination", rank))
     if plan is not None:
-        ops = [op for op in (plan.ops_for_rank(rank) if rank is not None else plan.ops) if op.key == key]
+        by_name = key not in key_items(src)  # a stored tensor's NAME: every key it holds
+        ops = [op for op in (plan.ops_for_rank(rank) if rank is not None else plan.ops)
+               if (key in (op.src_name, op.dst_name) if by_name else op.key == key)]
         table = Table(title=f"{len(ops)} ops", show_edge=False, box=None, title_justify="left")
         for col in ("op", "from", "to", "source slice", "destination slice", "bytes"):
             table.add_column(col, justify="right" if col in ("op", "bytes") else "left")
