@@ -61,10 +61,10 @@ def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, in
     src_inst = m.src[t.source.instance]
     src_region = m.src_region(t.source.instance)
     turned = (m.region is not None and m.region.transposed) != (src_region is not None and src_region.transposed)
-    send = 0 if (not strided and not turned and contiguous(t.source.src_slice, src_inst.local_shape)
+    send = 0 if (not strided and not turned and contiguous(t.source.src_slice, src_inst.local_shape_at(t.sender))
                  and src_inst.dtype == wire_dtype(m.dst.dtype)) else t.bytes
     recv = 0 if (not strided and m.dst.dtype not in QUANTIZED
-                 and contiguous(t.piece.dst_slice, m.dst.local_shape)) else t.bytes
+                 and contiguous(t.piece.dst_slice, m.dst.local_shape_at(t.dst_rank))) else t.bytes
     if m.dst.dtype in QUANTIZED:
         recv = 0  # lands in the whole-tensor bf16 assembly buffer, counted per instance
     return send, recv
@@ -77,16 +77,15 @@ def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int
     transfers = list(plan.transfers(instance=i))
     first_key = i == 0 or plan.matches[i - 1].dst is not m.dst  # keys of one stored tensor share it
     if m.dst.dtype in QUANTIZED and first_key:
-        whole = prod(m.dst.local_shape) * 2
         for r in {t.dst_rank for t in transfers}:
-            out[r] = out.get(r, 0) + whole
+            out[r] = out.get(r, 0) + prod(m.dst.local_shape_at(r)) * 2
     dequantized: set[tuple[int, int]] = set()
     for t in transfers:
         send, recv = _op_staging(plan, t, strided)
         src = m.src[t.source.instance]
         if src.dtype in QUANTIZED and (t.sender, id(src)) not in dequantized:
             dequantized.add((t.sender, id(src)))
-            send += prod(src.local_shape) * 2
+            send += prod(src.local_shape_at(t.sender)) * 2
         if send:
             out[t.sender] = out.get(t.sender, 0) + send
         if recv:

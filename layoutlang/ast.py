@@ -160,6 +160,7 @@ class Chunk:
     axis: AxisRef
     align: Expr | None
     span: Span = _span()
+    ragged: bool = False  # `chunk AXIS ragged` (v2): torch.chunk's cut of the local storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +169,7 @@ class Dim:
     over: tuple[AxisRef, ...]  # empty: not split; several: a combined axis
     chunk: Chunk | None
     span: Span = _span()
+    ragged: bool = False  # `over AXES ragged` (v2, LANGUAGE.md 8.5): torch.chunk's split
 
 
 # ---- statements ------------------------------------------------------------

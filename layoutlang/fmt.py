@@ -142,7 +142,7 @@ def _part(part: ast.Part) -> str:
 
 
 def format_dim(dim: ast.Dim) -> str:
-    """`MODE [over AXES] [chunk AXIS [align K]]`; a stacked dim `e in 0..E over ep`."""
+    """`MODE [over AXES [ragged]] [chunk AXIS [align K | ragged]]`; a stacked dim `e in 0..E over ep`."""
     if isinstance(dim.mode, ast.Stack):
         stack = dim.mode
         text = f"{stack.var} in {format_expr(stack.start)}..{format_expr(stack.stop)}"
@@ -152,10 +152,14 @@ def format_dim(dim: ast.Dim) -> str:
         text += f" over {dim.over[0].name}"
     elif dim.over:
         text += f" over ({', '.join(a.name for a in dim.over)})"
+    if dim.ragged:
+        text += " ragged"
     if dim.chunk is not None:
         text += f" chunk {dim.chunk.axis.name}"
         if dim.chunk.align is not None:
             text += f" align {format_expr(dim.chunk.align)}"
+        if dim.chunk.ragged:
+            text += " ragged"
     return text
 
 

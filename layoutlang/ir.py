@@ -23,8 +23,8 @@ from math import prod
 from typing import ClassVar
 
 from .diagnostics import Source, Span
-from .modes import (ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals, runs,
-                    select)
+from .modes import (RAGGED, ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals,
+                    runs, select, select_ragged)
 from .vocabulary import DTYPE, DTYPES, ELEMENT_BYTES, MXFP8_BLOCK, QUANTIZED
 
 
@@ -88,6 +88,7 @@ class Split:
     axes: tuple[int, ...]  # indices into the mesh's axes
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+    ragged: bool = False   # `over AXES ragged` (LANGUAGE.md 8.5): torch.chunk's blocks
 
     @property
     def size(self) -> int:
@@ -102,6 +103,7 @@ class ChunkSplit:
     name: str
     size: int
     align: int | None
+    ragged: bool = False   # `chunk AXIS ragged`: torch.chunk's blocks of the local storage
 
 
 @dataclass(frozen=True)
@@ -123,18 +125,38 @@ class DimIR:
 
     @cached_property
     def split_extent(self) -> int:
-        """Local extent after `over`, before `chunk`."""
+        """Local extent after `over`, before `chunk` (ragged: coordinate 0's, the largest)."""
         if self.over is None:
             return self.mode.stored
-        return sum(b - a for a, b in select(self.mode, self.over.size, 0))
+        return sum(b - a for a, b in self._select(0))
 
     @cached_property
     def local(self) -> int:
+        """Local extent after `over` and `chunk`; ragged: the largest any coordinate holds
+        (`local_at` gives each coordinate's)."""
         if self.chunk is None:
             return self.split_extent
         n, g, k = self.split_extent, self.chunk.size, self.chunk.align
+        if self.chunk.ragged:
+            return -(-n // g)
         total = n if k is None else -(-n // (k * g)) * (k * g)
         return total // g
+
+    @cached_property
+    def ragged(self) -> bool:
+        """Whether local extents differ between coordinates (`ragged` on `over` or `chunk`)."""
+        return bool((self.over is not None and self.over.ragged) or (self.chunk is not None and self.chunk.ragged))
+
+    def local_at(self, c: int, g: int) -> int:
+        """Local extent of over coordinate `c`, chunk `g` (padding included)."""
+        if not self.ragged:
+            return self.local
+        return sum(r.length for r in self.runs_at(c, g))
+
+    def _select(self, c: int) -> list[tuple[int, int]]:
+        if self.over.ragged:
+            return select_ragged(self.mode, self.over.size, c)
+        return select(self.mode, self.over.size, c)
 
     @property
     def part_tree(self) -> PartTree:
@@ -153,10 +175,11 @@ class DimIR:
         """The runs of over coordinate `c`, chunk `g` (remembered by this dim)."""
         found = self._runs.get((c, g))
         if found is None:
-            intervals = select(self.mode, self.over.size, c) if self.over else [(0, self.mode.stored)]
+            intervals = self._select(c) if self.over else [(0, self.mode.stored)]
             tail = 0
             if self.chunk is not None:
-                intervals, tail = chunk_intervals(intervals, self.chunk.size, g, self.chunk.align)
+                align = RAGGED if self.chunk.ragged else self.chunk.align
+                intervals, tail = chunk_intervals(intervals, self.chunk.size, g, align)
             found = self._runs[(c, g)] = runs(self.mode, intervals, tail)
         return found
 
@@ -241,6 +264,14 @@ class TensorIR:
     def holds(self, rank: int) -> bool:
         coords = self.mesh.coords(rank)
         return coords is not None and all(coords[i] == c for i, c in self.fixed)
+
+    def local_shape_at(self, rank: int) -> tuple[int, ...]:
+        """The rank's stored extents: `local_shape`, except where a dim is ragged
+        (LANGUAGE.md 8.5), where ranks hold different extents (possibly 0)."""
+        if not any(d.ragged for d in self.dims):
+            return self.local_shape
+        coords = self.mesh.coords(rank)
+        return tuple(d.local_at(*d.coordinate(coords)) for d in self.dims)
 
     def runs(self, rank: int) -> tuple[tuple[RunLike, ...], ...]:
         """Per dim, the runs mapping the rank's local storage to logical coordinates."""

@@ -349,6 +349,43 @@ def check_split(mode: ModeIR, s: int, axis: str) -> None:
                     help=f"pad to a multiple of {s}, e.g. `pad {mode.multiple * s}`")
 
 
+def ragged_block(n: int, s: int, c: int) -> tuple[int, int]:
+    """[lo, hi) of coordinate c when n things split over s like torch.chunk (LANGUAGE.md 8.5).
+
+    Blocks of cdiv(n, s); the last coordinates may hold fewer, or nothing.
+
+    >>> [ragged_block(5, 2, c) for c in range(2)], [ragged_block(1, 2, c) for c in range(2)]
+    ([(0, 3), (3, 5)], [(0, 1), (1, 1)])
+    >>> [ragged_block(5, 4, c) for c in range(4)]
+    [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
+    b = -(-n // s)
+    return min(c * b, n), min((c + 1) * b, n)
+
+
+def select_ragged(mode: ModeIR, s: int, c: int, base: int = 0) -> list[tuple[int, int]]:
+    """`select` for `over AXIS ragged`: a plain (or padded) extent cuts elements, a
+    product cuts its copies, a concatenation gives each part its own ragged split.
+
+    Empty intervals are left out: a coordinate may hold nothing.
+    Preserves: the pieces of all coordinates partition storage (never replicated).
+    """
+    match mode:
+        case ProductM(count=n, inner=inner):
+            lo, hi = ragged_block(n, s, c)
+            out = [(base + lo * inner.stored, base + hi * inner.stored)]
+        case ConcatM(parts=parts):
+            out, offset = [], base
+            for part in parts:
+                out.extend(select_ragged(part.mode, s, c, offset))
+                offset += part.mode.stored
+            return out
+        case _:
+            lo, hi = ragged_block(mode.stored, s, c)
+            out = [(base + lo, base + hi)]
+    return [(a, b) for a, b in out if a < b]
+
+
 def select(mode: ModeIR, s: int, c: int, base: int = 0) -> list[tuple[int, int]]:
     """Stored intervals [a, b) that coordinate c of s holds, in storage order.
 
@@ -377,17 +414,24 @@ def select(mode: ModeIR, s: int, c: int, base: int = 0) -> list[tuple[int, int]]
     raise AssertionError(mode)
 
 
+RAGGED = -1  # `align` value of `chunk AXIS ragged`: torch.chunk's cut, no padding
+
+
 def chunk_intervals(intervals: list[tuple[int, int]], n_chunks: int, index: int,
                     align: int | None) -> tuple[list[tuple[int, int]], int]:
-    """Cut local storage (the concatenated intervals) into equal chunks.
+    """Cut local storage (the concatenated intervals) into equal chunks
+    (`align` RAGGED: torch.chunk's blocks, the last ones shorter or empty).
 
     Returns chunk `index`'s stored intervals and the count of alignment padding
     elements at its tail. Preserves order: chunk c is local [c*m, (c+1)*m).
     """
     n = sum(b - a for a, b in intervals)
-    total = n if align is None else -(-n // (align * n_chunks)) * (align * n_chunks)
-    m = total // n_chunks
-    lo, hi = index * m, (index + 1) * m
+    if align == RAGGED:
+        lo, hi = ragged_block(n, n_chunks, index)
+    else:
+        total = n if align is None else -(-n // (align * n_chunks)) * (align * n_chunks)
+        m = total // n_chunks
+        lo, hi = index * m, (index + 1) * m
     out, pos = [], 0
     for a, b in intervals:
         length = b - a

@@ -16,6 +16,7 @@ import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import lark
 from lark import Lark, Token, Transformer, v_args
@@ -27,6 +28,14 @@ from .vocabulary import KEYWORDS
 
 MAX_NESTING = 64
 _RESERVED = frozenset(KEYWORDS)
+_RAGGED = object()  # the `ragged` marker the transformer passes from `over`/`chunk` to the dim
+
+
+class _Over(NamedTuple):
+    """`over AXES [ragged]` on its way from the parse tree to `ast.Dim`."""
+
+    axes: tuple
+    ragged: bool
 _INTERP = re.compile(r"\{([^{}\n#]*)\}")
 _TERMINAL_WORDS = {
     "NAME": "a name",
@@ -279,14 +288,19 @@ class _ToAst(Transformer):
         return ast.Pad(c[0], c[1], self.pos.of_meta(meta))
 
     def over_one(self, meta, c):
-        return (self._axis(c[0]),)
+        return _Over((self._axis(c[0]),), len(c) > 1)
 
     def over_tuple(self, meta, c):
-        return tuple(self._axis(t) for t in c)
+        ragged = c[-1] is _RAGGED
+        return _Over(tuple(self._axis(t) for t in (c[:-1] if ragged else c)), ragged)
+
+    def ragged(self, meta, c):
+        return _RAGGED
 
     def chunk(self, meta, c):
-        align = c[1] if len(c) > 1 else None
-        return ast.Chunk(self._axis(c[0]), align, self.pos.of_meta(meta))
+        ragged = len(c) > 1 and c[1] is _RAGGED
+        align = c[1] if len(c) > 1 and not ragged else None
+        return ast.Chunk(self._axis(c[0]), align, self.pos.of_meta(meta), ragged)
 
     def align(self, meta, c):
         return c[0]
@@ -299,24 +313,25 @@ class _ToAst(Transformer):
                              "are supported", mode.span,
                              help="a product `(A, B, C)` nests one level per item; a real layout "
                                   "needs a few levels")
+        ragged = False
         for item in c[1:]:
             if isinstance(item, ast.Chunk):
                 chunk = item
             else:
-                over = item
-        return ast.Dim(mode, over, chunk, self.pos.of_meta(meta))
+                over, ragged = item
+        return ast.Dim(mode, over, chunk, self.pos.of_meta(meta), ragged)
 
     def stacked_dim(self, meta, c):
         var, start, stop = c[0], c[1], c[2]
-        over, chunk = (), None
+        over, chunk, ragged = (), None, False
         for item in c[3:]:
             if isinstance(item, ast.Chunk):
                 chunk = item
             else:
-                over = item
+                over, ragged = item
         head = self.pos.span(var.line, var.column, stop.span.end_line, stop.span.end_col)
         stack = ast.Stack(_word(var), start, stop, head, self.pos.of_token(var))
-        return ast.Dim(stack, over, chunk, self.pos.of_meta(meta))
+        return ast.Dim(stack, over, chunk, self.pos.of_meta(meta), ragged)
 
     def dims(self, meta, c):
         return tuple(c)

@@ -22,7 +22,7 @@ from typing import Literal
 # Reserved everywhere: never a name, an axis, a part or a loop variable.
 KEYWORDS = ("layout", "include", "arg", "const", "mesh", "at", "default", "dtype", "tensor", "as", "on",
             "for", "in", "over", "sizes", "pad", "chunk", "align", "local",
-            "transposed")  # `transposed`: v2 (LANGUAGE.md 8.3)
+            "transposed", "ragged")  # v2: `transposed` (LANGUAGE.md 8.3), `ragged` (8.5)
 
 
 @dataclass(frozen=True)

@@ -324,7 +324,7 @@ class Refitter:
                 if name not in given:
                     problems.append(f"{side} tensor `{name}` is missing")
                     continue
-                problem = _shape_problem(t, given[name])
+                problem = _shape_problem(t, given[name], self.rank)
                 if problem:
                     problems.append(f"{side} tensor `{name}`: {problem}")
                     if len(problems) > 8:
@@ -339,7 +339,8 @@ class Refitter:
         assembly: dict[str, torch.Tensor] = {}
         for t in schedule.dst[b]:
             if t.dtype in QUANTIZED:
-                assembly[t.name] = self.meter.alloc(torch.zeros(t.local_shape, dtype=torch.bfloat16, device=device))
+                assembly[t.name] = self.meter.alloc(torch.zeros(t.local_shape_at(me), dtype=torch.bfloat16,
+                                                                 device=device))
             else:
                 _zero_padding(dst[t.name], t, me)
 
@@ -509,8 +510,8 @@ def _zero_padding(tensor: torch.Tensor, t: TensorIR, rank: int) -> None:
                 tensor.narrow(d, r.local_start, r.length).zero_()
 
 
-def _shape_problem(t: TensorIR, value) -> str | None:
-    expected = tuple(t.local_shape)
+def _shape_problem(t: TensorIR, value, rank: int) -> str | None:
+    expected = tuple(t.local_shape_at(rank))  # ranks of a ragged split hold different extents
     if t.dtype in QUANTIZED:
         value = as_quantized(value, t.dtype)
         data = getattr(value, "data", None)

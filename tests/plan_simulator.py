@@ -318,9 +318,9 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
     def build(view, t, rank, is_dst: bool) -> Local:
         maps = view.local(t, rank)
         lshape = view.logical_shape(t)
-        if tuple(len(xs) for xs in maps) != tuple(t.local_shape):
+        if tuple(len(xs) for xs in maps) != tuple(t.local_shape_at(rank)):
             problem(f"key {t.key}: {t.name} on rank {rank}: map shape "
-                    f"{tuple(len(xs) for xs in maps)} != local_shape {tuple(t.local_shape)}")
+                    f"{tuple(len(xs) for xs in maps)} != local_shape {tuple(t.local_shape_at(rank))}")
         for d, xs in enumerate(maps):
             data = [x for x in xs if x is not None]
             if any(not 0 <= x < lshape[d] for x in data) or len(set(data)) != len(data):

@@ -87,10 +87,11 @@ class Dims:
             if d.over:
                 idx = tuple(claims.claim(ref, "by `over`") for ref in d.over)
                 sizes = tuple(mesh.axes[i].size for i in idx)
-                over = Split(idx, tuple(r.name for r in d.over), sizes)
+                over = Split(idx, tuple(r.name for r in d.over), sizes, d.ragged)
                 label = d.over[0].name if len(d.over) == 1 else "(" + ", ".join(r.name for r in d.over) + ")"
                 try:
-                    check_split(mode, over.size, label)
+                    if not d.ragged:  # a ragged split cuts any extent (LANGUAGE.md 8.5)
+                        check_split(mode, over.size, label)
                 except SplitError as e:
                     raise ElaborationError(e.message, e.node.origin.span if e.node.origin else d.span,
                                            help=e.help) from None
@@ -100,9 +101,14 @@ class Dims:
                 align = self.scope.evaluate(d.chunk.align) if d.chunk.align is not None else None
                 if align is not None and align < 1:
                     raise ElaborationError(f"`align {align}` must be at least 1", d.chunk.align.span)
-                chunk = ChunkSplit(idx, d.chunk.axis.name, mesh.axes[idx].size, align)
+                chunk = ChunkSplit(idx, d.chunk.axis.name, mesh.axes[idx].size, align, d.chunk.ragged)
             dim = DimIR(mode, over, chunk)
-            if chunk is not None and chunk.align is None and dim.split_extent % chunk.size:
+            if chunk is not None and dim.ragged and not chunk.ragged:
+                raise ElaborationError(f"`chunk {chunk.name}` cuts equal chunks, but `over ... ragged` leaves "
+                                       "ranks different local extents", d.chunk.span,
+                                       help=f"write `chunk {chunk.name} ragged` to cut each rank's storage like "
+                                            "torch.chunk")
+            if chunk is not None and chunk.align is None and not chunk.ragged and dim.split_extent % chunk.size:
                 n, g = dim.split_extent, chunk.size
                 raise ElaborationError(f"chunk {chunk.name}={g}: local extent {n} leaves remainder {n % g}",
                                        d.chunk.span, help=f"use `chunk {chunk.name} align 1` to pad the tail, "
@@ -153,9 +159,11 @@ class Dims:
         if (dims, dtype) in self.stored:
             return
         local = built.local_shape
-        if DTYPE[dtype].scales == "block" and (not dims or local[-1] % MXFP8_BLOCK):
+        last = _local_extents(dims[-1]) if dims else {0}
+        if DTYPE[dtype].scales == "block" and (not dims or any(n % MXFP8_BLOCK for n in last)):
+            bad = next((n for n in sorted(last) if n % MXFP8_BLOCK), 0)
             raise ElaborationError(f"{dtype} needs the local last dim to be a multiple of {MXFP8_BLOCK}; "
-                                   f"here it is {local[-1] if dims else 'absent (0-d tensor)'}",
+                                   f"here it is {bad if dims else 'absent (0-d tensor)'}",
                                    stmt.dims[-1].span if stmt.dims else stmt.span,
                                    help=f"use another dtype, or a shape whose local last dim is a multiple "
                                         f"of {MXFP8_BLOCK}")
@@ -166,6 +174,15 @@ class Dims:
             raise ElaborationError(f"tensor of {n} elements does not fit in 64-bit sizes", stmt.span,
                                    help="check the extents")
         self.stored.add((dims, dtype))
+
+
+def _local_extents(dim: DimIR) -> set[int]:
+    """Every local extent a coordinate of `dim` holds (one, unless it is ragged)."""
+    if not dim.ragged:
+        return {dim.local}
+    cs = range(dim.over.size) if dim.over is not None else range(1)
+    gs = range(dim.chunk.size) if dim.chunk is not None else range(1)
+    return {dim.local_at(c, g) for c in cs for g in gs}
 
 
 def _checked(mode):
