@@ -53,8 +53,15 @@ class WorkerResult:
         return None
 
 
-def launch(job: dict, nproc: int, *, timeout: float = 120.0, env: dict | None = None) -> list[WorkerResult]:
-    """Run `job` on `nproc` local gloo workers; every worker is gone when this returns."""
+def launch(job: dict, nproc: int, *, timeout: float = 120.0, env: dict | None = None,
+           program: str | None = None) -> list[WorkerResult]:
+    """Run `job` on `nproc` local gloo workers; every worker is gone when this returns.
+
+    `program`: a Python file to run instead of the refit worker (tests of the
+    framework bridges), called as `python PROGRAM JOB.json OUT.json` with the
+    same environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE); it writes its result
+    as JSON to OUT.json (`{"ok": true, ...}`).
+    """
     with tempfile.TemporaryDirectory(prefix="layoutlang-") as tmp:
         job_path = Path(tmp) / "job.json"
         job_path.write_text(json.dumps(job))
@@ -67,7 +74,8 @@ def launch(job: dict, nproc: int, *, timeout: float = 120.0, env: dict | None = 
                               GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
             err = open(Path(tmp) / f"stderr{rank}.txt", "w")
             procs.append((subprocess.Popen(
-                [sys.executable, "-m", "layoutlang.runtime.worker", str(job_path), str(Path(tmp) / f"out{rank}.json")],
+                [sys.executable, *(["-m", "layoutlang.runtime.worker"] if program is None else [program]),
+                 str(job_path), str(Path(tmp) / f"out{rank}.json")],
                 env=worker_env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True), err))
         deadline = time.monotonic() + timeout
         codes: list[int | None] = [None] * nproc
