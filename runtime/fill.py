@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layoutlang.ir import QUANTIZED, TensorIR
+from layoutlang.ir import QUANTIZED, KeyRegion, TensorIR
 from layoutlang.modes import Run
 
 from .quant import PLAIN_DTYPES, dequantize, quantize
@@ -58,18 +58,31 @@ def _view(x: torch.Tensor, d: int, dims: int) -> torch.Tensor:
     return x.reshape(shape)
 
 
-def logical_index(t: TensorIR, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat logical index of every local element, mask of data elements)."""
-    shape = t.local_shape
-    flat = torch.zeros(shape, dtype=torch.int64)
-    mask = torch.ones(shape, dtype=torch.bool)
-    stride = 1
-    for d in reversed(range(len(shape))):
-        idx = _view(_coords(t, rank)[d], d, len(shape))
-        flat = flat + idx.clamp_min(0) * stride
-        mask = mask & (idx >= 0)
-        stride *= t.logical_shape[d]
-    return flat, mask
+def regions(t: TensorIR) -> tuple[KeyRegion, ...]:
+    """The keys `t` holds, each with its box: a v1 tensor is one key, the whole of it."""
+    if t.regions is not None:
+        return t.regions
+    return (KeyRegion(t.key, tuple((0, n) for n in t.logical_shape), (), False),)
+
+
+def key_axes(r: KeyRegion) -> list[int]:
+    """The stored dim of each of the key's dims, in the key's order (LANGUAGE.md 8.2, 8.3):
+    stacked dims are not the key's; a transposed key reads its two dims in reverse.
+
+    >>> key_axes(KeyRegion("w", ((0, 1), (0, 4), (0, 8)), (0,), True))
+    [2, 1]
+    """
+    dims = [d for d in range(len(r.box)) if d not in r.stacked]
+    return dims[::-1] if r.transposed else dims
+
+
+def _inside(r: KeyRegion, coords: list[torch.Tensor]) -> torch.Tensor:
+    """Mask (broadcastable to the local shape) of the local elements in `r`'s box; padding is in no box."""
+    dims = len(coords)
+    inside = torch.ones([1] * dims, dtype=torch.bool)
+    for d, (lo, hi) in enumerate(r.box):
+        inside = inside & _view((coords[d] >= lo) & (coords[d] < hi), d, dims)
+    return inside
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -96,38 +109,26 @@ def values(key: str, flat: torch.Tensor) -> torch.Tensor:
 def key_values(t: TensorIR, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(value of every local element, mask of data elements), by (key, index in the key).
 
-    A v2 stored tensor holding several keys (LANGUAGE.md 8.1, `t.regions`): each
-    element takes the value of its key at its coordinates in that key (the stored
-    coordinates minus the key box's corner); an element in no box is padding.
+    Each element takes the value of its key at its row-major flat index in that
+    key, the key's coordinates being the stored ones minus the key box's corner
+    taken in the key's order (`key_axes`); an element in no box is padding (0).
+    A v1 tensor is one key whose box is the whole tensor (LANGUAGE.md 8.1).
     """
-    if t.regions is None:
-        flat, mask = logical_index(t, rank)
-        return torch.where(mask, values(t.key, flat), 0.0), mask
     coords = _coords(t, rank)
     dims = len(coords)
     out = torch.zeros(t.local_shape, dtype=torch.float32)
     mask = torch.zeros(t.local_shape, dtype=torch.bool)
-    for r in t.regions:
-        inside = torch.ones(t.local_shape, dtype=torch.bool)
-        flat = torch.zeros(t.local_shape, dtype=torch.int64)
-        key_dims = [d for d in range(dims) if d not in r.stacked]
-        order = key_dims[::-1] if r.transposed else key_dims  # the key's dims, in the key's order
+    for r in regions(t):
+        flat = torch.zeros([1] * dims, dtype=torch.int64)
         stride = 1
-        for d in reversed(order):
+        for d in reversed(key_axes(r)):
             lo, hi = r.box[d]
             flat = flat + (_view(coords[d], d, dims) - lo).clamp_min(0) * stride
             stride *= hi - lo
-        for d in range(dims):
-            lo, hi = r.box[d]
-            c = _view(coords[d], d, dims)
-            inside = inside & (c >= lo) & (c < hi)
+        inside = _inside(r, coords)
         out = torch.where(inside, values(r.key, flat), out)
         mask = mask | inside
     return out, mask
-
-
-def _keys(t: TensorIR) -> tuple[str, ...]:
-    return (t.key,) if t.regions is None else tuple(r.key for r in t.regions)
 
 
 def source_tensor(t: TensorIR, rank: int, device="cpu"):
@@ -155,22 +156,37 @@ class Expected:
     choices: tuple[torch.Tensor, ...] = ()
 
 
-def _locate(s: TensorIR, rank: int, t: TensorIR, dst_coords: list[torch.Tensor]):
-    """(held, index): which of `t`'s local elements source shard (s, rank) holds, and where.
+def _locate(s: TensorIR, rank: int, rs: KeyRegion, rt: KeyRegion, dst_coords: list[torch.Tensor]):
+    """(held, index), or None: which elements of key `rt.key` in the destination's local
+    storage (coordinates `dst_coords`) source shard (s, rank) holds, and where in its storage.
 
-    From the layouts alone: the shard's runs map its local storage to logical
-    coordinates; invert them per dim and look up the destination's coordinates.
+    From the layouts alone, by key coordinate: the destination's region `rt` and the
+    source's `rs` hold the same key; key dim j lies on stored dim key_axes(rt)[j]
+    here and key_axes(rs)[j] there (a transposed side reverses them, a stacked dim is
+    none of them). Per key dim, invert the shard's runs (key coordinate -> local
+    index); a stacked source dim is the one local index that holds the key's stack
+    index (none: the shard does not hold the key). `index` indexes the source's
+    local storage and broadcasts to the destination's local shape.
     """
+    src_coords = _coords(s, rank)
     dims = len(dst_coords)
-    held = torch.ones(t.local_shape, dtype=torch.bool)
-    index = []
-    for d, (sc, dc) in enumerate(zip(_coords(s, rank), dst_coords)):
-        inverse = torch.full((s.logical_shape[d],), -1, dtype=torch.int64)
-        data = sc >= 0
-        inverse[sc[data]] = torch.arange(sc.numel())[data]
-        local = torch.where(dc >= 0, inverse[dc.clamp_min(0)], -1)
-        held = held & _view(local >= 0, d, dims)
-        index.append(_view(local.clamp_min(0), d, dims))
+    index: list[torch.Tensor | None] = [None] * len(src_coords)
+    for d in rs.stacked:
+        found = (src_coords[d] == rs.box[d][0]).nonzero()
+        if not len(found):
+            return None
+        index[d] = found[0, 0]
+    held = _inside(rt, dst_coords)
+    for ds, dt in zip(key_axes(rs), key_axes(rt)):
+        (slo, shi), (tlo, thi) = rs.box[ds], rt.box[dt]
+        sc, dc = src_coords[ds], dst_coords[dt]
+        inverse = torch.full((shi - slo,), -1, dtype=torch.int64)
+        mine = (sc >= slo) & (sc < shi)
+        inverse[sc[mine] - slo] = torch.arange(sc.numel())[mine]
+        wanted = (dc >= tlo) & (dc < thi)
+        local = torch.where(wanted, inverse[(dc - tlo).clamp(0, thi - tlo - 1)], -1)
+        held = held & _view(local >= 0, dt, dims)
+        index[ds] = _view(local.clamp_min(0), dt, dims)
     return held, tuple(index)
 
 
@@ -179,30 +195,38 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
     source shard holding each element has after its own quantization.
 
     Computed from the source LAYOUT (`plan.src`, the front end's IR: every
-    source instance of the key and every rank holding it), never from the
-    plan's ops: the answer must not depend on the plan under test.
+    source instance of each key `t` holds and every rank holding it), never from
+    the plan's ops: the answer must not depend on the plan under test. A
+    quantized source shard holds `source_tensor` (the fill of its local storage,
+    quantized as stored: MXFP8 blocks along the STORAGE last dim, so a
+    transposed source's blocks run along its key's first dim, LANGUAGE.md 8.3;
+    fp8 scales per local tensor, all of a stacked tensor's local experts
+    together) and sends it dequantized; each destination element is located in
+    it by key and coordinate in the key (`_locate`).
     """
     wire = torch.bfloat16 if t.dtype in QUANTIZED else PLAIN_DTYPES[t.dtype]
     exact, mask = key_values(t, rank)
-    keys = set(_keys(t))
-    sources = [s for s in plan.src.tensors if keys & set(_keys(s))] if plan is not None else []
-    if not any(s.dtype in QUANTIZED for s in sources):
+    index = plan.src.key_index if plan is not None else {}
+    holders = [(s, rs, rt) for rt in regions(t) for s, rs in index.get(rt.key, ())]
+    if not any(s.dtype in QUANTIZED for s, _, _ in holders):
         return Expected(exact.to(wire), mask)
-    if t.regions is not None or any(s.regions is not None for s in sources):
-        raise NotImplementedError(f"`{t.name}`: expected values from quantized sources of keys inside "
-                                  "stored tensors are not computed yet")
     coords = _coords(t, rank)
-    shards, seen = [], set()
-    for s in sources:
+    shards, seen, stored = [], set(), {}
+    for s, rs, rt in holders:
+        rs = rs or regions(s)[0]
         for q in s.ranks():
             runs = s.runs(q)
-            if (id(s), runs) in seen:  # a replica with the same runs holds the same bytes
+            if (id(s), runs, rt.key) in seen:  # a replica with the same runs holds the same bytes
                 continue
-            seen.add((id(s), runs))
-            held, index = _locate(s, q, t, coords)
+            seen.add((id(s), runs, rt.key))
+            found = _locate(s, q, rs, rt, coords)
+            if found is None:
+                continue
+            held, where = found
             if s.dtype in QUANTIZED:
-                sent = dequantize(source_tensor(s, q), s.dtype).to(torch.float32)
-                sent = sent[index] if index else sent
+                if (id(s), runs) not in stored:
+                    stored[(id(s), runs)] = dequantize(source_tensor(s, q), s.dtype).to(torch.float32)
+                sent = stored[(id(s), runs)][where]
             else:
                 sent = exact  # a plain shard sends the exact values
             shards.append((held, sent))
@@ -215,7 +239,8 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
                          f"{missing.nonzero()[0].tolist()}")
     want = torch.where(mask, want, 0.0)
     ambiguous = any(bool((held & (sent != want)).any()) for held, sent in shards)
-    choices = tuple(torch.where(held, sent, float("nan")).to(wire) for held, sent in shards) if ambiguous else ()
+    choices = tuple(torch.where(held, sent, float("nan")).to(wire).expand(t.local_shape)
+                    for held, sent in shards) if ambiguous else ()
     return Expected(want.to(wire), mask, choices)
 
 

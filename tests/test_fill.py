@@ -219,3 +219,158 @@ def test_quantized_source_every_source_rank_consistent(dtype):
     for rank in (0, 1):
         exp = expected_destination(dst.tensors[0], rank, _only_src(src))
         assert exp.choices == () and not torch.isnan(exp.values.float()).any()
+
+
+# ---------------------------------------------------------------------------
+# Quantized v2 sources (LANGUAGE.md 8): keys inside stored tensors. The source shard's
+# storage is built here by hand from the rule of each form (where each key element lies),
+# quantized with the reference as STORED, and read back per key.
+
+
+def _mx(rows: torch.Tensor) -> torch.Tensor:
+    """Dequantized MXFP8 of a 2-d tensor, blocks of 32 along its last dim (tests/reference_quant.py)."""
+    return torch.tensor(ref.quantize_mxfp8(rows.tolist()).values)
+
+
+def _mx_value(x: torch.Tensor) -> MXFP8Tensor:
+    """`x` quantized by the reference, as a caller would pass an MXFP8 tensor (any rank >= 1)."""
+    r = ref.quantize_mxfp8(x.reshape(-1, x.shape[-1]).tolist())
+    return MXFP8Tensor(torch.tensor(r.codes, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(x.shape),
+                       torch.tensor(r.scales, dtype=torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // 32))
+
+
+def test_transposed_mxfp8_source_blocks_run_along_the_keys_first_dim():
+    """Conv1D-style `c105 [64 over tp, 32] mxfp8 transposed` holds key c105 [32, 64] as [in, out]:
+    its MXFP8 blocks are 32 consecutive STORED elements (LANGUAGE.md 8.3), i.e. a whole key
+    COLUMN, not 32 elements of a key row. The key name is one whose column 55 is a block
+    below 128 (smaller scale): the two readings then differ, so the test can tell them apart."""
+    src = _layout("mesh s (tp=2)\ntensor c as c105 [64 over tp, 32] mxfp8 transposed\n")
+    dst = _layout("mesh d (r=1) at 2\ntensor c105 [32, 64] bf16\n")
+    key = _grid("c105", (32, 64))
+    storage = key.T  # [in, out]; tp c holds stored rows [32c, 32c + 32), whole blocks each
+    right = _mx(storage).T
+    wrong = _mx(key)  # blocks along the key's last dim
+    assert not torch.equal(right, wrong), "precondition: a column block with a smaller scale"
+    exp = expected_destination(dst.tensors[0], 2, _only_src(src))
+    assert torch.equal(exp.values.to(torch.float32), right) and exp.choices == ()
+    assert check_destination(dst.tensors[0], 2, right.to(torch.bfloat16), _only_src(src)) is None
+    assert check_destination(dst.tensors[0], 2, wrong.to(torch.bfloat16), _only_src(src)) is not None
+
+
+GPT_OSS_SRC = ("mesh s (ep=2)\n"
+               "tensor gate_up [e in 0..2 over ep, 32, (32, (gate: 1 as m42.{e}.gate | up: 1 as m42.{e}.up))]"
+               " mxfp8 transposed\n")
+GPT_OSS_DST = "mesh d (r=1) at 2\nfor e in 0..2 {\n  tensor m42.{e}.gate [32, 32] DTYPE\n  tensor m42.{e}.up [32, 32] DTYPE\n}\n"
+
+
+def _gpt_oss_expected() -> dict[str, torch.Tensor]:
+    """gpt-oss interleaved experts, stored [E, H, 2I] for keys [I, H] (8.2 and 8.3): expert e's
+    storage row h is gate[0, h], up[0, h], gate[1, h], up[1, h], ...; a 32-wide block holds 16
+    gate and 16 up elements, so a gate value's scale depends on up values beside it. Expert e is
+    alone on ep rank e."""
+    out = {}
+    for e in (0, 1):
+        gate, up = _grid(f"m42.{e}.gate", (32, 32)), _grid(f"m42.{e}.up", (32, 32))
+        storage = torch.stack([gate.T, up.T], dim=-1).reshape(32, 64)
+        sent = _mx(storage).reshape(32, 32, 2)
+        out[f"m42.{e}.gate"], out[f"m42.{e}.up"] = sent[..., 0].T, sent[..., 1].T
+        if e == 0:
+            assert not torch.equal(out["m42.0.gate"], _mx(gate.T).T), "precondition: blocks mixing keys matter"
+    return out
+
+
+def test_stacked_interleaved_transposed_mxfp8_source_into_per_expert_keys():
+    src, dst = _layout(GPT_OSS_SRC), _layout(GPT_OSS_DST.replace("DTYPE", "bf16"))
+    want = _gpt_oss_expected()
+    for t in dst.tensors:
+        exp = expected_destination(t, 2, _only_src(src))
+        assert torch.equal(exp.values.to(torch.float32), want[t.key]), t.key
+        assert check_destination(t, 2, want[t.key].to(torch.bfloat16), _only_src(src)) is None
+    other = {"m42.0.gate": "m42.1.gate", "m42.0.up": "m42.0.gate"}  # another expert's, another part's
+    for key, wrong in other.items():
+        t = next(x for x in dst.tensors if x.key == key)
+        assert check_destination(t, 2, want[wrong].to(torch.bfloat16), _only_src(src)) is not None
+
+
+def test_stacked_quantized_source_into_a_quantized_destination():
+    """Each expert key is dequantized from the stacked source, then the mxfp8 destination quantizes
+    what it assembled once: the expected bytes are the reference's, of the reference's values."""
+    src, dst = _layout(GPT_OSS_SRC), _layout(GPT_OSS_DST.replace("DTYPE", "mxfp8"))
+    want = _gpt_oss_expected()
+    for t in dst.tensors:
+        assert check_destination(t, 2, _mx_value(want[t.key]), _only_src(src)) is None, t.key
+    t = next(x for x in dst.tensors if x.key == "m42.1.up")
+    assert check_destination(t, 2, _mx_value(want["m42.1.gate"]), _only_src(src)) is not None
+
+
+def test_stacked_fp8_source_scale_covers_every_local_expert():
+    """`[e in 0..4 over ep, (gate | up) as part keys, 8] fp8_e4m3`: one per-tensor scale per LOCAL
+    tensor (LANGUAGE.md 4), so ep rank c's scale is the amax of experts 2c and 2c + 1, gate and up
+    together; an expert's values depend on its neighbour's."""
+    src = _layout("mesh s (ep=2)\ntensor w13 [e in 0..4 over ep, (gate: 4 as x.{e}.gate | up: 4 as x.{e}.up), 8]"
+                  " fp8_e4m3\n")
+    dst = _layout("mesh d (r=1) at 2\nfor e in 0..4 {\n  tensor x.{e}.gate [4, 8]\n  tensor x.{e}.up [4, 8]\n}\n")
+    want = {}
+    for c in (0, 1):
+        experts = (2 * c, 2 * c + 1)
+        storage = torch.stack([torch.cat([_grid(f"x.{e}.gate", (4, 8)), _grid(f"x.{e}.up", (4, 8))])
+                               for e in experts])  # [2, 8, 8]: local expert, gate rows then up rows, H
+        sent = torch.tensor(ref.quantize_fp8(storage.reshape(-1).tolist(), "fp8_e4m3").values).reshape(2, 8, 8)
+        for i, e in enumerate(experts):
+            want[f"x.{e}.gate"], want[f"x.{e}.up"] = sent[i, :4], sent[i, 4:]
+    alone = torch.tensor(ref.quantize_fp8(torch.cat([_grid("x.0.gate", (4, 8)), _grid("x.0.up", (4, 8))])
+                                          .reshape(-1).tolist(), "fp8_e4m3").values).reshape(8, 8)
+    assert not torch.equal(alone, torch.cat([want["x.0.gate"], want["x.0.up"]])), \
+        "precondition: expert 1 changes expert 0's scale"
+    for t in dst.tensors:
+        exp = expected_destination(t, 2, _only_src(src))
+        assert torch.equal(exp.values.to(torch.float32), want[t.key]) and exp.choices == (), t.key
+        assert check_destination(t, 2, want[t.key].clone(), _only_src(src)) is None
+    t = dst.tensors[0]
+    assert check_destination(t, 2, alone[:4].clone(), _only_src(src)) is not None
+
+
+def test_per_expert_fp8_sources_into_a_stacked_destination():
+    """The other way: per-expert fp8 tensors (each its own scale) -> a stacked bf16 `w2` over ep."""
+    src = _layout("mesh s (r=1)\nfor e in 0..4 {\n  tensor y.{e}.down [8, 4] fp8_e5m2\n}\n")
+    dst = _layout("mesh d (ep=2) at 1\ntensor w2 as y.{e}.down [e in 0..4 over ep, 8, 4]\n")
+    sent = {e: torch.tensor(ref.quantize_fp8(_grid(f"y.{e}.down", (8, 4)).reshape(-1).tolist(), "fp8_e5m2")
+                            .values).reshape(8, 4) for e in range(4)}
+    t = dst.tensors[0]
+    for rank, experts in ((1, (0, 1)), (2, (2, 3))):
+        want = torch.stack([sent[e] for e in experts])
+        exp = expected_destination(t, rank, _only_src(src))
+        assert torch.equal(exp.values.to(torch.float32), want), rank
+        assert check_destination(t, rank, want.to(torch.bfloat16), _only_src(src)) is None
+        assert check_destination(t, rank, want.flip(0).to(torch.bfloat16), _only_src(src)) is not None
+
+
+def test_part_key_shards_replicated_with_different_scales_accept_either_holder():
+    """`(q: (4, 2) as Q0 | k: (2, 2) as K0) over tp` on tp=4: k head h lives whole on tp 2h and
+    2h + 1 (LANGUAGE.md 3), each quantized with its own per-tensor scale: either is right."""
+    src = _layout(OVERLAP_SRC.replace("tensor w [(q: (4, 2) | k: (2, 2))", "tensor w [(q: (4, 2) as Q0 | k: (2, 2) as K0)")
+                  .format(dtype="fp8_e4m3"))
+    dst = _layout("mesh d (tp=1) at 4\ntensor K0 [4, 32] bf16\n")
+    sent = _overlap_sent_keys()
+    assert not torch.equal(sent[0], sent[1]) and not torch.equal(sent[2], sent[3]), "the two holders disagree"
+    t = dst.tensors[0]
+    exp = expected_destination(t, 4, _only_src(src))
+    assert len(exp.choices) == 4 and exp.values.shape == (4, 32)
+    for pick in ((0, 2), (1, 3), (0, 3)):
+        got = torch.cat([sent[c] for c in pick]).to(torch.bfloat16)
+        assert check_destination(t, 4, got, _only_src(src)) is None, pick
+    wrong = torch.cat([sent[2], sent[0]]).to(torch.bfloat16)
+    assert check_destination(t, 4, wrong, _only_src(src)) is not None
+
+
+def _overlap_sent_keys() -> dict[int, torch.Tensor]:
+    """Per tp rank c of the keyed OVERLAP_SRC (fp8_e4m3): the two rows of key K0 it holds (head
+    c // 2), after its own scale; its storage is Q rows 2c, 2c + 1, then those K rows."""
+    q, k = _grid("Q0", (8, 32)), _grid("K0", (4, 32))
+    out = {}
+    for c in range(4):
+        h = c // 2
+        storage = torch.cat([q[2 * c:2 * c + 2], k[2 * h:2 * h + 2]])
+        sent = torch.tensor(ref.quantize_fp8(storage.reshape(-1).tolist(), "fp8_e4m3").values).reshape(4, 32)
+        out[c] = sent[2:]
+    return out
