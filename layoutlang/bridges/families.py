@@ -1,0 +1,839 @@
+"""Layouts of the known model families, from a HF `config.json`, in a framework's convention.
+
+`layoutc new vllm --config config.json --set TP=4` prints the `.layout` text of
+the model that config describes, as vLLM stores it at TP4. Pure Python: no
+framework is imported; the conventions are written down here from each
+framework's source (transformers 5, Megatron-Core 0.16 local spec, vLLM,
+SGLang) and checked against the live models by the bridges' tests.
+
+Every key is the HF checkpoint name of the unfused, per-expert weight
+(LANGUAGE.md 8), so any two layouts written here pair without edits:
+
+>>> cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+...        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+...        "vocab_size": 500}
+>>> text = render(model_from_config(cfg), "vllm", {"TP": 2})
+>>> [line for line in text.splitlines() if "qkv_proj" in line][0].split(" [")[0].strip()
+'tensor model.layers.{l}.self_attn.qkv_proj.weight'
+
+Conventions (`CONVENTIONS`):
+- `megatron`: Megatron-Core GPTModel state-dict names with the local layer spec
+  (`get_gpt_layer_local_spec`: separate `input_layernorm` / `pre_mlp_layernorm`,
+  SequentialMLP experts `mlp.experts.local_experts.{i}`), stage-local layer
+  numbers under PP, local expert numbers under EP, grouped QKV and gate|up fc1
+  with part keys, the vocabulary padded to a multiple of 128*TP.
+- `hf`: the HF checkpoint, every weight whole on one rank (replicated over DP),
+  experts one tensor each (gpt-oss: stacked, as its checkpoint stores them).
+- `hf-memory`: a transformers 5 model in memory: the checkpoint's tensors, except
+  MoE experts stacked (`mlp.experts.gate_up_proj [E, 2I, H]`, gate rows first,
+  `mlp.experts.down_proj [E, H, I]`; gpt-oss `[E, H, 2I]` transposed and
+  interleaved) and Mixtral's `block_sparse_moe` named `mlp`.
+- `vllm`: fused `qkv_proj` (q|k|v), `gate_up_proj`, FusedMoE stacked
+  `w13_weight` / `w2_weight`, DeepSeek MLA `fused_qkv_a_proj`, the vocabulary
+  padded to a multiple of 64.
+- `sglang`: as vLLM, except DeepSeek's `fused_qkv_a_proj_with_mqa` and gpt-oss's
+  names (`model.embed_tokens`, `self_attn`, `w13_weight_bias`); it shards experts
+  within the TP group (vLLM across DP x TP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from ..diagnostics import LayoutError, UsageError
+
+CONVENTIONS = ("megatron", "hf", "hf-memory", "vllm", "sglang")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # config `dtype` -> layout dtype
+
+
+class ConfigError(UsageError):
+    """config.json lacks a field a family needs, or holds a value this module cannot describe."""
+
+
+class BridgeError(LayoutError):
+    """A live model cannot be described: a parameter the layout does not cover, a wrong shape."""
+
+
+# ---- what a config says ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GQA:
+    """Grouped-query attention: q_proj [Q*D, H], k_proj / v_proj [KV*D, H], o_proj [H, Q*D]."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False     # Qwen3: q_norm / k_norm [D]
+    sinks: bool = False       # gpt-oss: one learned sink logit per head [Q]
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek multi-head latent attention (q_lora None: a plain q_proj)."""
+
+    heads: int
+    q_lora: int | None
+    kv_lora: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Routed experts (gate|up [I, H] each, down [H, I]) and what surrounds them.
+
+    `block`, `router` and the expert weight names are the checkpoint's
+    (Mixtral: `block_sparse_moe`, `w1`/`w3`/`w2`).
+    """
+
+    experts: int
+    inter: int
+    block: str = "mlp"
+    router: str = "gate"
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: int | None = None     # intermediate size of the shared expert MLP
+    shared_name: str = "shared_experts"
+    shared_gate: bool = False     # Qwen2-MoE: sigmoid gate on the shared expert [1, H]
+    score_bias: bool = False      # DeepSeek-V3: router e_score_correction_bias [E] fp32
+    router_bias: bool = False     # gpt-oss
+    expert_bias: bool = False     # gpt-oss: biases on every expert weight
+    interleaved: bool = False     # gpt-oss: gate/up interleaved where stacked
+
+
+@dataclass(frozen=True)
+class Model:
+    """The weights of one model, as its config.json says. `moe_layers[l]`: layer l routes."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    vocab: int
+    tied: bool
+    dtype: str
+    attention: GQA | MLA
+    dense: int | None              # intermediate size of the dense MLP layers (None: there are none)
+    moe: MoE | None
+    moe_layers: tuple[bool, ...]
+
+    @property
+    def runs(self) -> tuple[tuple[int, int, bool], ...]:
+        """Maximal runs of layers of one kind: (start, stop, routed)."""
+        out: list[tuple[int, int, bool]] = []
+        for l, routed in enumerate(self.moe_layers):
+            if out and out[-1][2] == routed:
+                out[-1] = (out[-1][0], l + 1, routed)
+            else:
+                out.append((l, l + 1, routed))
+        return tuple(out)
+
+
+def _field(config: Mapping, name: str, *, default=None, kind=int, alias: tuple[str, ...] = ()):
+    """config[name] (or an alias), checked: a missing field without a default is a ConfigError."""
+    for key in (name, *alias):
+        if key in config and config[key] is not None:
+            value = config[key]
+            break
+    else:
+        if default is not None:
+            return default
+        mt = config.get("model_type")
+        raise ConfigError(f"config.json: missing field `{name}`" + (f" (model_type {mt} needs it)" if mt else ""),
+                          help=f"add \"{name}\": ... to config.json" + (f" (or {', '.join(alias)})" if alias else ""))
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ConfigError(f"config.json: field `{key}` is {value!r}, expected a positive integer")
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"config.json: field `{key}` is {value!r}, expected true or false")
+    return value
+
+
+def _count(config: Mapping, name: str) -> int:
+    """A non-negative integer field that defaults to 0 (first_k_dense_replace)."""
+    value = config.get(name) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"config.json: field `{name}` is {value!r}, expected an integer >= 0")
+    return value
+
+
+def model_from_config(config: Mapping) -> Model:
+    """Read a HF config dict (config.json, or `model.config.to_dict()`) into a Model.
+
+    Fields transformers itself defaults are defaulted the same way
+    (num_key_value_heads = num_attention_heads, head_dim = hidden_size //
+    num_attention_heads, tie_word_embeddings false, dtype bf16); any other
+    missing field is a ConfigError naming it.
+    """
+    if "model_type" not in config:
+        raise ConfigError("config.json: missing field `model_type`", help=f"known families: {', '.join(FAMILIES)}")
+    mt = config["model_type"]
+    if mt not in FAMILIES:
+        raise ConfigError(f"config.json: model_type `{mt}` is not a family `layoutc new` knows",
+                          help=f"known families: {', '.join(FAMILIES)}")
+    hidden = _field(config, "hidden_size")
+    layers = _field(config, "num_hidden_layers")
+    vocab = _field(config, "vocab_size")
+    heads = _field(config, "num_attention_heads")
+    tied = _field(config, "tie_word_embeddings", default=False, kind=bool)
+    raw_dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    if raw_dtype not in DTYPES:
+        raise ConfigError(f"config.json: dtype `{raw_dtype}` has no layout dtype",
+                          help=f"use one of {', '.join(DTYPES)}")
+    if config.get("mlp_bias"):
+        raise ConfigError("config.json: `mlp_bias: true` is not described by `layoutc new`",
+                          help="biases on the MLP weights are not written for any family yet")
+    flag = lambda name, default: _field(config, name, default=default, kind=bool)  # noqa: E731
+    moe: MoE | None = None
+    dense: int | None = None
+    routed = [False] * layers
+    if mt == "deepseek_v3":
+        q_lora = config.get("q_lora_rank")
+        if q_lora is not None:
+            q_lora = _field(config, "q_lora_rank")
+        attention: GQA | MLA = MLA(heads, q_lora, _field(config, "kv_lora_rank"), _field(config, "qk_nope_head_dim"),
+                                   _field(config, "qk_rope_head_dim"), _field(config, "v_head_dim"))
+    else:
+        kv = _field(config, "num_key_value_heads", default=heads)
+        head_dim = _field(config, "head_dim", default=hidden // heads)
+        # transformers' defaults: Qwen2 always has q/k/v biases, gpt-oss has attention biases by default
+        bias = {"qwen2": True, "qwen2_moe": flag("qkv_bias", True)}.get(mt, flag("attention_bias", mt == "gpt_oss"))
+        attention = GQA(heads, kv, head_dim, qkv_bias=bias,
+                        o_bias=bias and mt not in ("qwen2", "qwen2_moe"),
+                        qk_norm=mt in ("qwen3", "qwen3_moe"), sinks=mt == "gpt_oss")
+    if mt in ("llama", "mistral", "qwen2", "qwen3"):
+        dense = _field(config, "intermediate_size")
+    elif mt in ("mixtral", "gpt_oss"):
+        experts = _field(config, "num_local_experts", alias=("num_experts",))
+        inter = _field(config, "intermediate_size")
+        moe = (MoE(experts, inter, block="block_sparse_moe", names=("w1", "w3", "w2")) if mt == "mixtral" else
+               MoE(experts, inter, router="router", router_bias=True, expert_bias=True, interleaved=True))
+        routed = [True] * layers
+    elif mt in ("qwen2_moe", "qwen3_moe"):
+        experts = _field(config, "num_experts", alias=("num_local_experts",))
+        step = _field(config, "decoder_sparse_step", default=1)
+        only = config.get("mlp_only_layers") or []
+        routed = [l not in only and (l + 1) % step == 0 for l in range(layers)]
+        dense = _field(config, "intermediate_size") if not all(routed) else None
+        shared = _field(config, "shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+        moe = MoE(experts, _field(config, "moe_intermediate_size"), shared=shared, shared_name="shared_expert",
+                  shared_gate=mt == "qwen2_moe")
+    else:  # deepseek_v3
+        first = _count(config, "first_k_dense_replace")
+        routed = [l >= first for l in range(layers)]
+        dense = _field(config, "intermediate_size") if first else None
+        inter = _field(config, "moe_intermediate_size")
+        moe = MoE(_field(config, "n_routed_experts"), inter, shared=inter * _field(config, "n_shared_experts"),
+                  score_bias=True)
+    if moe is None or not any(routed):
+        moe, routed = None, [False] * layers
+    return Model(mt, layers, hidden, vocab, tied, DTYPES[raw_dtype], attention, dense, moe, tuple(routed))
+
+
+# ---- the text: statements with a line each ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Tensor:
+    """One `tensor` statement: NAME, optional KEY, dims as text (canonical style)."""
+
+    name: str
+    dims: tuple[str, ...]
+    key: str | None = None
+    dtype: str | None = None
+    transposed: bool = False
+    mesh: str | None = None
+    at: str | None = None
+
+    def text(self, default_dtype: str) -> str:
+        out = f"tensor {self.name}"
+        if self.key is not None and self.key != self.name:
+            out += f" as {self.key}"
+        out += f" [{', '.join(self.dims)}]"
+        if self.dtype is not None and self.dtype != default_dtype:
+            out += f" {self.dtype}"
+        if self.transposed:
+            out += " transposed"
+        if self.mesh is not None:
+            out += f" on {self.mesh}"
+        if self.at is not None:
+            out += f" at {self.at}"
+        return out
+
+
+@dataclass(frozen=True)
+class Loop:
+    """`for VAR in START..STOP [over AXIS] { body }`; `comment` goes on the line before it."""
+
+    var: str
+    start: str
+    stop: str
+    body: tuple[Stmt, ...]
+    over: str | None = None
+    comment: str | None = None
+
+
+Stmt = Tensor | Loop
+
+
+@dataclass(frozen=True)
+class Document:
+    """A whole generated `.layout`: header comments, args, consts, meshes, statements."""
+
+    name: str
+    comments: tuple[str, ...]
+    args: tuple[tuple[str, int], ...]
+    consts: tuple[str, ...]           # each `A = 1, B = 2` (one `const` line)
+    meshes: tuple[str, ...]           # each `NAME (axes) at AT`
+    dtype: str
+    body: tuple[Stmt, ...]
+    notes: tuple[str, ...] = field(default=())  # comment lines before the body
+
+
+def render_document(doc: Document) -> tuple[str, dict[int, tuple[int, ...]]]:
+    """The canonical text of `doc` and, per 1-based line, the path of the tensor statement on it.
+
+    A path indexes `doc.body`, then a loop's body, and so on: `(3, 0)` is the
+    first statement of the fourth top-level statement.
+    """
+    lines: list[str] = [f"# {c}" if c else "#" for c in doc.comments]
+    lines.append(f"layout {doc.name}")
+    lines.append("")
+    lines += [f"arg {name} = {value}" for name, value in doc.args]
+    lines += [f"const {c}" for c in doc.consts]
+    lines.append("")
+    lines += [f"mesh {m}" for m in doc.meshes]
+    if doc.dtype != "bf16":
+        lines.append(f"default dtype {doc.dtype}")
+    where: dict[int, tuple[int, ...]] = {}
+    if doc.notes:
+        lines.append("")
+        lines += [f"# {n}" if n else "#" for n in doc.notes]
+    else:
+        lines.append("")
+
+    def block(stmts: tuple[Stmt, ...], depth: int, path: tuple[int, ...]) -> None:
+        pad = "  " * depth
+        for i, stmt in enumerate(stmts):
+            if isinstance(stmt, Tensor):
+                lines.append(pad + stmt.text(doc.dtype))
+                where[len(lines)] = (*path, i)
+                continue
+            if depth == 0 and lines[-1] != "" and not lines[-1].startswith("#"):
+                lines.append("")
+            if stmt.comment:
+                lines.append(f"{pad}# {stmt.comment}")
+            over = f" over {stmt.over}" if stmt.over else ""
+            lines.append(f"{pad}for {stmt.var} in {stmt.start}..{stmt.stop}{over} {{")
+            block(stmt.body, depth + 1, (*path, i))
+            lines.append(pad + "}")
+
+    block(doc.body, 0, ())
+    return "\n".join(lines) + "\n", where
+
+
+def statement_at(doc: Document, path: tuple[int, ...]) -> Tensor:
+    stmt: Stmt = doc.body[path[0]]
+    for i in path[1:]:
+        assert isinstance(stmt, Loop)
+        stmt = stmt.body[i]
+    assert isinstance(stmt, Tensor)
+    return stmt
+
+
+def with_dtypes(doc: Document, dtypes: Mapping[tuple[int, ...], str]) -> Document:
+    """`doc` with the tensor statements at the given paths set to other dtypes."""
+
+    def block(stmts: tuple[Stmt, ...], path: tuple[int, ...]) -> tuple[Stmt, ...]:
+        out = []
+        for i, stmt in enumerate(stmts):
+            here = (*path, i)
+            if isinstance(stmt, Tensor):
+                out.append(replace(stmt, dtype=dtypes[here]) if here in dtypes else stmt)
+            else:
+                out.append(replace(stmt, body=block(stmt.body, here)))
+        return tuple(out)
+
+    return replace(doc, body=block(doc.body, ()))
+
+
+# ---- names and dims shared by the conventions -------------------------------------------------
+
+def _hf(rest: str) -> str:
+    """A per-layer HF checkpoint key (the `{l}` of the enclosing layer loop)."""
+    return f"model.layers.{{l}}.{rest}"
+
+
+def _parts(*parts: tuple[str, str, str]) -> str:
+    """`(name: extent as KEY | ...)` from (name, extent, key)."""
+    return "(" + " | ".join(f"{n}: {e} as {k}" for n, e, k in parts) + ")"
+
+
+def _consts(m: Model, *, megatron: bool = False) -> tuple[str, ...]:
+    out = [f"L = {m.layers}, H = {m.hidden}, V = {_int(m.vocab)}"]
+    a = m.attention
+    if isinstance(a, GQA):
+        out.append(f"Q = {a.heads}, KV = {a.kv_heads}, D = {a.head_dim}" + (", QG = Q/KV" if megatron else ""))
+    else:
+        out.append(f"NH = {a.heads}, " + (f"Q_LORA = {a.q_lora}, " if a.q_lora else "")
+                   + f"KV_LORA = {a.kv_lora}, QK_NOPE = {a.qk_nope}, QK_ROPE = {a.qk_rope}, V_HEAD = {a.v_head}")
+    sizes = []
+    if m.dense is not None:
+        sizes.append(f"F = {_int(m.dense)}")
+    if m.moe is not None:
+        sizes += [f"E = {m.moe.experts}", f"I = {_int(m.moe.inter)}"]
+        if m.moe.shared:
+            sizes.append(f"S = {_int(m.moe.shared)}")
+    if sizes:
+        out.append(", ".join(sizes))
+    return tuple(out)
+
+
+def _int(n: int) -> str:
+    """Large integers with `_` separators, as the examples write them (128_256)."""
+    return f"{n:_}" if n >= 100_000 else str(n)
+
+
+def _header(m: Model, convention: str, lines: list[str]) -> tuple[str, ...]:
+    kind = ("MoE " if m.moe else "") + ("MLA " if isinstance(m.attention, MLA) else "")
+    first = f"{m.model_type} ({kind}{m.layers} layers, hidden {m.hidden}) in the {convention} convention,"
+    return (first, "written by `layoutc new` from its config.json. Keys are the HF checkpoint names",
+            "of the unfused, per-expert weights (LANGUAGE.md 8): any two layouts written",
+            "to this convention pair without edits.", "", *lines)
+
+
+# ---- HF: the checkpoint, and a transformers model in memory ------------------------------------
+
+def _hf_attention(m: Model) -> list[Tensor]:
+    a = m.attention
+    out = [Tensor(_hf("input_layernorm.weight"), ("H",))]
+    if isinstance(a, GQA):
+        for proj, rows in (("q_proj", "Q*D"), ("k_proj", "KV*D"), ("v_proj", "KV*D")):
+            out.append(Tensor(_hf(f"self_attn.{proj}.weight"), (rows, "H")))
+            if a.qkv_bias:
+                out.append(Tensor(_hf(f"self_attn.{proj}.bias"), (rows,)))
+        out.append(Tensor(_hf("self_attn.o_proj.weight"), ("H", "Q*D")))
+        if a.o_bias:
+            out.append(Tensor(_hf("self_attn.o_proj.bias"), ("H",)))
+        if a.qk_norm:
+            out += [Tensor(_hf("self_attn.q_norm.weight"), ("D",)), Tensor(_hf("self_attn.k_norm.weight"), ("D",))]
+        if a.sinks:
+            out.append(Tensor(_hf("self_attn.sinks"), ("Q",)))
+    else:
+        if a.q_lora:
+            out += [Tensor(_hf("self_attn.q_a_proj.weight"), ("Q_LORA", "H")),
+                    Tensor(_hf("self_attn.q_a_layernorm.weight"), ("Q_LORA",)),
+                    Tensor(_hf("self_attn.q_b_proj.weight"), ("NH*(QK_NOPE + QK_ROPE)", "Q_LORA"))]
+        else:
+            out.append(Tensor(_hf("self_attn.q_proj.weight"), ("NH*(QK_NOPE + QK_ROPE)", "H")))
+        out += [Tensor(_hf("self_attn.kv_a_proj_with_mqa.weight"), ("KV_LORA + QK_ROPE", "H")),
+                Tensor(_hf("self_attn.kv_a_layernorm.weight"), ("KV_LORA",)),
+                Tensor(_hf("self_attn.kv_b_proj.weight"), ("NH*(QK_NOPE + V_HEAD)", "KV_LORA")),
+                Tensor(_hf("self_attn.o_proj.weight"), ("H", "NH*V_HEAD"))]
+    out.append(Tensor(_hf("post_attention_layernorm.weight"), ("H",)))
+    return out
+
+
+def _hf_dense(prefix: str, inter: str) -> list[Tensor]:
+    return [Tensor(_hf(f"{prefix}.gate_proj.weight"), (inter, "H")),
+            Tensor(_hf(f"{prefix}.up_proj.weight"), (inter, "H")),
+            Tensor(_hf(f"{prefix}.down_proj.weight"), ("H", inter))]
+
+
+def _expert_key(moe: MoE, which: int, suffix: str = "weight") -> str:
+    return _hf(f"{moe.block}.experts.{{e}}.{moe.names[which]}.{suffix}")
+
+
+def _router(m: Model, name: str) -> list[Tensor]:
+    """The router weight (and bias) stored under the prefix `name`."""
+    moe = m.moe
+    key = _hf(f"{moe.block}.{moe.router}")
+    out = [Tensor(name + ".weight", ("E", "H"), key=key + ".weight")]
+    if moe.router_bias:
+        out.append(Tensor(name + ".bias", ("E",), key=key + ".bias"))
+    return out
+
+
+def _shared_hf(m: Model) -> list[Tensor]:
+    moe = m.moe
+    out = _hf_dense(f"mlp.{moe.shared_name}", "S") if moe.shared else []
+    if moe.shared_gate:
+        out.append(Tensor(_hf("mlp.shared_expert_gate.weight"), ("1", "H")))
+    return out
+
+
+def _stacked_hf(moe: MoE, prefix: str, ep: str = "", etp: str = "", names=("gate_up_proj", "down_proj"),
+                bias_names=("gate_up_proj_bias", "down_proj_bias"), mesh: str | None = None,
+                hf_layout: bool = True) -> list[Tensor]:
+    """Stacked experts: HF in memory (`hf_layout`: gpt-oss transposed) or an engine's FusedMoE."""
+    stack = f"e in 0..E{ep}"
+    if moe.interleaved:
+        up_down = lambda s: (f"(I, (gate: 1 as {_expert_key(moe, 0, s)} | up: 1 as {_expert_key(moe, 1, s)}))"  # noqa: E731
+                             + etp)
+    else:
+        up_down = lambda s: _parts(("gate", "I", _expert_key(moe, 0, s)), ("up", "I", _expert_key(moe, 1, s))) + etp  # noqa: E731
+    transposed = moe.interleaved and hf_layout  # gpt-oss in HF stores [E, H, 2I] and [E, I, H]
+    if transposed:
+        out = [Tensor(f"{prefix}.{names[0]}", (stack, "H", up_down("weight")), transposed=True, mesh=mesh),
+               Tensor(f"{prefix}.{names[1]}", (stack, "I" + etp, "H"), key=_expert_key(moe, 2), transposed=True,
+                      mesh=mesh)]
+    else:
+        out = [Tensor(f"{prefix}.{names[0]}", (stack, up_down("weight"), "H"), mesh=mesh),
+               Tensor(f"{prefix}.{names[1]}", (stack, "H", "I" + etp), key=_expert_key(moe, 2), mesh=mesh)]
+    if moe.expert_bias:
+        out += [Tensor(f"{prefix}.{bias_names[0]}", (stack, up_down("bias")), mesh=mesh),
+                Tensor(f"{prefix}.{bias_names[1]}", (stack, "H"), key=_expert_key(moe, 2, "bias"), mesh=mesh)]
+    return out
+
+
+def _hf_doc(m: Model, sizes: Mapping[str, int], memory: bool) -> Document:
+    moe = m.moe
+    stacked_ckpt = moe is not None and moe.interleaved  # gpt-oss's checkpoint stacks its experts too
+    body: list[Stmt] = [Tensor("model.embed_tokens.weight", ("V", "H")), Tensor("model.norm.weight", ("H",))]
+    if not m.tied:
+        body.append(Tensor("lm_head.weight", ("V", "H")))
+    for start, stop, routed in m.runs:
+        layer: list[Stmt] = _hf_attention(m) if len(m.runs) == 1 else []
+        if not routed:
+            layer += _hf_dense("mlp", "F")
+        else:
+            name = f"model.layers.{{l}}.{'mlp' if memory else moe.block}.{moe.router}"
+            layer += _router(m, name)
+            if moe.score_bias:
+                layer.append(Tensor(_hf("mlp.gate.e_score_correction_bias"), ("E",), dtype="fp32"))
+            if memory or stacked_ckpt:
+                layer += _stacked_hf(moe, _hf("mlp.experts"))
+            else:
+                experts = [Tensor(_expert_key(moe, 0), ("I", "H")), Tensor(_expert_key(moe, 1), ("I", "H")),
+                           Tensor(_expert_key(moe, 2), ("H", "I"))]
+                layer.append(Loop("e", "0", "E", tuple(experts)))
+            layer += _shared_hf(m)
+        body.append(Loop("l", str(start), "L" if stop == m.layers else str(stop), tuple(layer),
+                         comment=None if len(m.runs) == 1 else ("routed experts" if routed else "dense MLP")))
+    if len(m.runs) > 1:
+        body.insert(2 + (not m.tied), Loop("l", "0", "L", tuple(_hf_attention(m)), comment="attention, every layer"))
+    if not memory:
+        notes = ["The HF checkpoint: every weight whole, unfused, on one rank (DP replicas: a",
+                 "DDP trainer, or any rank holding the whole model). Names are keys."]
+    elif moe is None or stacked_ckpt:
+        notes = ["A transformers 5 model in memory (named_parameters and persistent buffers):",
+                 "the same tensors as its checkpoint."]
+    else:
+        notes = ["A transformers 5 model in memory: the checkpoint's tensors, except that every",
+                 "layer's experts are stacked in one gate_up_proj [E, 2I, H] (gate rows first)",
+                 "and one down_proj [E, H, I]; the keys stay the checkpoint's per-expert names."]
+    if moe is not None and moe.block != "mlp" and memory:
+        notes.append(f"Mixtral's `{moe.block}` is `mlp` in memory (transformers renames it at load).")
+    if stacked_ckpt:
+        notes += ["gpt-oss's checkpoint stores the experts stacked as in memory: gate_up_proj",
+                  "[E, H, 2I] (transposed, gate and up interleaved), down_proj [E, I, H]",
+                  "(transposed); keys name one expert's gate/up/down weight [out, in]."]
+    if m.tied:
+        notes.append("Tied embeddings: one tensor, model.embed_tokens.weight (lm_head is the same).")
+    args = (("DP", sizes["DP"]), ("AT", sizes["AT"]))
+    return Document(f"{m.model_type}_{'hf_memory' if memory else 'hf'}", _header(m, _conv(memory), notes),
+                    args, _consts(m), ("hf (dp=DP) at AT",), m.dtype, tuple(body))
+
+
+def _conv(memory: bool) -> str:
+    return "hf-memory" if memory else "hf"
+
+
+# ---- vLLM and SGLang ------------------------------------------------------------------------------
+
+def _engine_attention(m: Model, engine: str) -> list[Tensor]:
+    a = m.attention
+    attn = "attn" if engine == "vllm" and m.model_type == "gpt_oss" else "self_attn"
+    p = f"model.layers.{{l}}.{attn}"
+    out = [Tensor(_hf("input_layernorm.weight"), ("H",))]
+    if isinstance(a, GQA):
+        qkv = lambda s: _parts(("q", "(Q, D)", _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
+                               ("k", "(KV, D)", _hf(f"self_attn.k_proj.{s}")),
+                               ("v", "(KV, D)", _hf(f"self_attn.v_proj.{s}"))) + " over tp"
+        out.append(Tensor(f"{p}.qkv_proj.weight", (qkv("weight"), "H")))
+        if a.qkv_bias:
+            out.append(Tensor(f"{p}.qkv_proj.bias", (qkv("bias"),)))
+        out.append(Tensor(f"{p}.o_proj.weight", ("H", "Q*D over tp"), key=_hf("self_attn.o_proj.weight")))
+        if a.o_bias:
+            out.append(Tensor(f"{p}.o_proj.bias", ("H",), key=_hf("self_attn.o_proj.bias")))
+        if a.qk_norm:
+            out += [Tensor(_hf("self_attn.q_norm.weight"), ("D",)), Tensor(_hf("self_attn.k_norm.weight"), ("D",))]
+        if a.sinks:
+            out.append(Tensor(f"{p}.sinks", ("Q over tp",), key=_hf("self_attn.sinks")))
+    else:
+        if a.q_lora:
+            fused = "fused_qkv_a_proj" if engine == "vllm" else "fused_qkv_a_proj_with_mqa"
+            out += [Tensor(_hf(f"self_attn.{fused}.weight"),
+                           (_parts(("q_a", "Q_LORA", _hf("self_attn.q_a_proj.weight")),
+                                   ("kv_a", "KV_LORA + QK_ROPE", _hf("self_attn.kv_a_proj_with_mqa.weight"))), "H")),
+                    Tensor(_hf("self_attn.q_a_layernorm.weight"), ("Q_LORA",)),
+                    Tensor(_hf("self_attn.q_b_proj.weight"), ("(NH, QK_NOPE + QK_ROPE) over tp", "Q_LORA"))]
+        else:
+            out += [Tensor(_hf("self_attn.q_proj.weight"), ("(NH, QK_NOPE + QK_ROPE) over tp", "H")),
+                    Tensor(_hf("self_attn.kv_a_proj_with_mqa.weight"), ("KV_LORA + QK_ROPE", "H"))]
+        out += [Tensor(_hf("self_attn.kv_a_layernorm.weight"), ("KV_LORA",)),
+                Tensor(_hf("self_attn.kv_b_proj.weight"), ("(NH, QK_NOPE + V_HEAD) over tp", "KV_LORA")),
+                Tensor(_hf("self_attn.o_proj.weight"), ("H", "NH*V_HEAD over tp"))]
+    out.append(Tensor(_hf("post_attention_layernorm.weight"), ("H",)))
+    return out
+
+
+def _engine_dense(prefix: str, inter: str, key_prefix: str | None = None) -> list[Tensor]:
+    kp = key_prefix or prefix
+    return [Tensor(_hf(f"{prefix}.gate_up_proj.weight"),
+                   (_parts(("gate", inter, _hf(f"{kp}.gate_proj.weight")), ("up", inter, _hf(f"{kp}.up_proj.weight")))
+                    + " over tp", "H")),
+            Tensor(_hf(f"{prefix}.down_proj.weight"), ("H", f"{inter} over tp"), key=_hf(f"{kp}.down_proj.weight"))]
+
+
+def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str) -> Document:
+    moe = m.moe
+    gptoss = m.model_type == "gpt_oss"
+    embed = "model.embedding.weight" if engine == "vllm" and gptoss else "model.embed_tokens.weight"
+    body: list[Stmt] = [Tensor(embed, ("V pad 64 over tp", "H"), key="model.embed_tokens.weight"),
+                        Tensor("model.norm.weight", ("H",))]
+    if not m.tied:
+        body.append(Tensor("lm_head.weight", ("V pad 64 over tp", "H")))
+    for start, stop, routed in m.runs:
+        layer: list[Stmt] = _engine_attention(m, engine) if len(m.runs) == 1 else []
+        if not routed:
+            layer += _engine_dense("mlp", "F")
+        else:
+            layer += _router(m, f"model.layers.{{l}}.{moe.block}.{moe.router}")
+            if moe.score_bias:
+                layer.append(Tensor(_hf("mlp.gate.e_score_correction_bias"), ("E",), dtype="fp32"))
+            biases = ("w13_bias", "w2_bias") if engine == "vllm" else ("w13_weight_bias", "w2_weight_bias")
+            layer += _stacked_hf(moe, _hf(f"{moe.block}.experts"), " over ep", " over etp",
+                                 names=("w13_weight", "w2_weight"), bias_names=biases, mesh="experts",
+                                 hf_layout=False)
+            if moe.shared:
+                layer += _engine_dense(f"mlp.{moe.shared_name}", "S")
+            if moe.shared_gate:
+                layer.append(Tensor(_hf("mlp.shared_expert_gate.weight"), ("1", "H")))
+        body.append(Loop("l", str(start), "L" if stop == m.layers else str(stop), tuple(layer),
+                         comment=None if len(m.runs) == 1 else ("routed experts" if routed else "dense MLP")))
+    if len(m.runs) > 1:
+        body.insert(2 + (not m.tied), Loop("l", "0", "L", tuple(_engine_attention(m, engine)),
+                                           comment="attention, every layer"))
+    meshes = ["infer (dp=DP, tp=TP) at AT"]
+    args = [("TP", sizes["TP"]), ("DP", sizes["DP"])]
+    notes = ["vLLM" if engine == "vllm" else "SGLang"]
+    notes[0] += (": fused qkv_proj (each rank's q heads, then its k, then its v heads; k/v heads"
+                 if isinstance(m.attention, GQA) else ": MLA with the two down projections fused in one")
+    if isinstance(m.attention, GQA):
+        notes += ["replicated when TP exceeds their count), gate_up_proj (gate | up, each split",
+                  "over tp), the vocabulary padded to a multiple of 64 and split over tp."]
+    else:
+        fused = "fused_qkv_a_proj" if engine == "vllm" else "fused_qkv_a_proj_with_mqa"
+        notes += [f"replicated `{fused}` (q_a_proj rows, then kv_a_proj_with_mqa rows); q_b_proj and",
+                  "kv_b_proj split by head over tp; the vocabulary padded to a multiple of 64.",
+                  "The engine derives its absorbed MLA matrices from kv_b_proj after loading."]
+    if moe is not None:
+        args.append(("EP", sizes["EP"]))
+        if engine == "vllm":
+            meshes.append("experts (ep=EP, etp=DP*TP/EP) at AT")
+            notes += ["FusedMoE stacks each layer's local experts in w13_weight [E/ep, 2I/etp, H] and",
+                      "w2_weight [E/ep, H, I/etp]. vLLM shards experts over all DP x TP ranks: EP=1",
+                      "splits every expert over them (etp), --enable-expert-parallel is EP=DP*TP."]
+        else:
+            meshes.append("experts (edp=DP, ep=EP, etp=TP/EP) at AT")
+            notes += ["FusedMoE stacks each layer's local experts in w13_weight [E/ep, 2I/etp, H] and",
+                      "w2_weight [E/ep, H, I/etp], within the TP group: --ep-size EP (1: every",
+                      "expert split over tp)."]
+        if gptoss:
+            notes += ["gpt-oss keeps the checkpoint's gate/up interleaving in w13 and its biases; with",
+                      "etp > 1 the engine holds w2's bias on one etp rank only (zeros elsewhere),",
+                      "which this file does not say: use EP for gpt-oss refits."]
+    args.append(("AT", sizes["AT"]))
+    if engine == "sglang" and not (gptoss or isinstance(m.attention, MLA)):
+        notes.append("SGLang stores this family exactly as vLLM does (names and sharding).")
+    if m.tied:
+        notes.append("Tied embeddings: the engine ties lm_head to model.embed_tokens.weight (one tensor).")
+    return Document(f"{m.model_type}_{engine}", _header(m, engine, notes), tuple(args), _consts(m),
+                    tuple(meshes), m.dtype, tuple(body))
+
+
+# ---- Megatron-Core ---------------------------------------------------------------------------------
+
+def _megatron_attention(m: Model, n: str) -> list[Tensor]:
+    """Attention of layer `n` (its stage-local number as written in a NAME)."""
+    a = m.attention
+    p = f"decoder.layers.{{{n}}}.self_attention"
+    out = [Tensor(f"decoder.layers.{{{n}}}.input_layernorm.weight", ("H",), key=_hf("input_layernorm.weight"))]
+    if isinstance(a, GQA):
+        qkv = lambda s: ("(KV, " + _parts(("q", "QG*D", _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
+                                          ("k", "D", _hf(f"self_attn.k_proj.{s}")),
+                                          ("v", "D", _hf(f"self_attn.v_proj.{s}"))) + ") over tp")
+        out.append(Tensor(f"{p}.linear_qkv.weight", (qkv("weight"), "H")))
+        if a.qkv_bias:
+            out.append(Tensor(f"{p}.linear_qkv.bias", (qkv("bias"),)))
+        out.append(Tensor(f"{p}.linear_proj.weight", ("H", "Q*D over tp"), key=_hf("self_attn.o_proj.weight")))
+        if a.o_bias:
+            out.append(Tensor(f"{p}.linear_proj.bias", ("H",), key=_hf("self_attn.o_proj.bias")))
+        if a.qk_norm:
+            out += [Tensor(f"{p}.q_layernorm.weight", ("D",), key=_hf("self_attn.q_norm.weight")),
+                    Tensor(f"{p}.k_layernorm.weight", ("D",), key=_hf("self_attn.k_norm.weight"))]
+        if a.sinks:
+            out.append(Tensor(f"{p}.core_attention.softmax_offset", ("Q over tp",), key=_hf("self_attn.sinks")))
+    else:
+        if a.q_lora:
+            out += [Tensor(f"{p}.linear_q_down_proj.weight", ("Q_LORA over tp", "H"),
+                           key=_hf("self_attn.q_a_proj.weight")),
+                    Tensor(f"{p}.q_layernorm.weight", ("Q_LORA",), key=_hf("self_attn.q_a_layernorm.weight")),
+                    Tensor(f"{p}.linear_q_up_proj.weight", ("(NH, QK_NOPE + QK_ROPE) over tp", "Q_LORA"),
+                           key=_hf("self_attn.q_b_proj.weight"))]
+        else:
+            out.append(Tensor(f"{p}.linear_q_proj.weight", ("(NH, QK_NOPE + QK_ROPE) over tp", "H"),
+                              key=_hf("self_attn.q_proj.weight")))
+        out += [Tensor(f"{p}.linear_kv_down_proj.weight", ("KV_LORA + QK_ROPE over tp", "H"),
+                       key=_hf("self_attn.kv_a_proj_with_mqa.weight")),
+                Tensor(f"{p}.kv_layernorm.weight", ("KV_LORA",), key=_hf("self_attn.kv_a_layernorm.weight")),
+                Tensor(f"{p}.linear_kv_up_proj.weight", ("(NH, QK_NOPE + V_HEAD) over tp", "KV_LORA"),
+                       key=_hf("self_attn.kv_b_proj.weight")),
+                Tensor(f"{p}.linear_proj.weight", ("H", "NH*V_HEAD over tp"), key=_hf("self_attn.o_proj.weight"))]
+    out.append(Tensor(f"decoder.layers.{{{n}}}.pre_mlp_layernorm.weight", ("H",),
+                      key=_hf("post_attention_layernorm.weight")))
+    return out
+
+
+def _megatron_fc(prefix: str, inter: str, key_prefix: str, etp: str = "tp", mesh: str | None = None,
+                 names=("gate_proj", "up_proj", "down_proj"), bias: bool = False) -> list[Tensor]:
+    k = lambda i, s="weight": f"{key_prefix}.{names[i]}.{s}"  # noqa: E731
+    fc1 = lambda s: _parts(("gate", inter, k(0, s)), ("up", inter, k(1, s))) + f" over {etp}"  # noqa: E731
+    out = [Tensor(f"{prefix}.linear_fc1.weight", (fc1("weight"), "H"), mesh=mesh)]
+    if bias:
+        out.append(Tensor(f"{prefix}.linear_fc1.bias", (fc1("bias"),), mesh=mesh))
+    out.append(Tensor(f"{prefix}.linear_fc2.weight", ("H", f"{inter} over {etp}"), key=k(2), mesh=mesh))
+    if bias:
+        out.append(Tensor(f"{prefix}.linear_fc2.bias", ("H",), key=k(2, "bias"), mesh=mesh))
+    return out
+
+
+def _megatron_mlp(m: Model, n: str, routed: bool) -> list[Stmt]:
+    moe = m.moe
+    p = f"decoder.layers.{{{n}}}.mlp"
+    if not routed:
+        return list(_megatron_fc(p, "F", _hf("mlp")))
+    out: list[Stmt] = [Tensor(f"{p}.router.weight", ("E", "H"), key=_hf(f"{moe.block}.{moe.router}.weight"))]
+    if moe.router_bias:
+        out.append(Tensor(f"{p}.router.bias", ("E",), key=_hf(f"{moe.block}.{moe.router}.bias")))
+    if moe.score_bias:
+        out.append(Tensor(f"{p}.router.expert_bias", ("E",), key=_hf("mlp.gate.e_score_correction_bias"),
+                          dtype="fp32"))
+    experts = _megatron_fc(f"{p}.experts.local_experts.{{e.local}}", "I", _hf(f"{moe.block}.experts.{{e}}"),
+                           etp="etp", mesh="experts", names=moe.names, bias=moe.expert_bias)
+    out.append(Loop("e", "0", "E", tuple(experts), over="ep"))
+    if moe.shared:
+        out += _megatron_fc(f"{p}.shared_experts", "S", _hf(f"mlp.{moe.shared_name}"))
+    if moe.shared_gate:
+        out.append(Tensor(f"{p}.shared_experts.gate_weight", ("1", "H"), key=_hf("mlp.shared_expert_gate.weight")))
+    return out
+
+
+def _at(stmts: list[Stmt], at: str) -> tuple[Stmt, ...]:
+    """Every tensor of `stmts` (loops included) placed `at` one coordinate."""
+    return tuple(replace(s, at=at) if isinstance(s, Tensor) else replace(s, body=_at(list(s.body), at))
+                 for s in stmts)
+
+
+def _megatron_doc(m: Model, sizes: Mapping[str, int]) -> Document:
+    moe = m.moe
+    padded = "V pad 128*TP over tp"
+    body: list[Stmt] = [
+        Tensor("embedding.word_embeddings.weight", (padded, "H"), key="model.embed_tokens.weight", at="pp=0"),
+        Tensor("decoder.final_layernorm.weight", ("H",), key="model.norm.weight", at="pp=pp - 1")]
+    if not m.tied:
+        body.append(Tensor("output_layer.weight", (padded, "H"), key="lm_head.weight", at="pp=pp - 1"))
+    elif sizes["PP"] > 1:
+        body.append(Tensor("output_layer.weight", (padded, "H"), key="model.embed_tokens.weight", at="pp=pp - 1"))
+    consts = list(_consts(m, megatron=True))
+    if len(m.runs) == 1:
+        routed = m.runs[0][2]
+        body.append(Loop("l", "0", "L", tuple(_megatron_attention(m, "l.local") + _megatron_mlp(m, "l.local", routed)),
+                         over="pp"))
+    else:  # layers of two kinds: each MLP run placed on its layers' stages (even stages of LPS layers)
+        consts.append("LPS = L/PP")
+        body.append(Loop("l", "0", "L", tuple(_megatron_attention(m, "l.local")), over="pp",
+                         comment="attention, every layer"))
+        for start, stop, routed in m.runs:
+            body.append(Loop("l", str(start), "L" if stop == m.layers else str(stop),
+                             _at(_megatron_mlp(m, "l%LPS", routed), "pp=l//LPS"),
+                             comment="routed experts" if routed else "dense MLP"))
+    args = [("TP", sizes["TP"]), ("PP", sizes["PP"]), ("DP", sizes["DP"])]
+    meshes = ["train (pp=PP, dp=DP, tp=TP) at AT"]
+    notes = ["Megatron-Core GPTModel, local layer spec (get_gpt_layer_local_spec): stage-local",
+             "layer numbers under PP (keys are global), grouped QKV (per query group: its q",
+             "heads, one k head, one v head) and fc1 = gate | up, both split over tp with",
+             "part keys; the vocabulary padded to a multiple of 128*TP (make-vocab-size-",
+             "divisible-by 128). Rank order: pp outermost, tp fastest."]
+    if isinstance(m.attention, MLA):
+        notes += ["MLA (local spec): the down projections are column parallel (split over tp),",
+                  "the LoRA norms are q_layernorm / kv_layernorm (the Transformer Engine spec",
+                  "instead replicates the down projections and fuses the norms)."]
+    if moe is not None:
+        args += [("EP", sizes["EP"]), ("ETP", sizes["ETP"])]
+        meshes.append("experts (pp=PP, edp=DP*TP/(EP*ETP), ep=EP, etp=ETP) at AT")
+        notes += ["Routed experts: SequentialMLP (moe_grouped_gemm off), local expert numbers under",
+                  "EP, fc1 gate | up split over etp; rank order etp fastest, then ep, then edp."]
+    if len(m.runs) > 1:
+        notes += ["Dense and routed layers alternate: each MLP is placed on its layer's stage",
+                  "(L/PP layers per stage, so PP must divide L)."]
+    if m.tied:
+        notes.append("Tied embeddings: with PP > 1 the last stage holds a copy in output_layer.weight"
+                     if sizes["PP"] > 1 else "Tied embeddings: no output_layer.weight at PP=1")
+        notes.append("(regenerate this file when PP changes between 1 and more).")
+    args.append(("AT", sizes["AT"]))
+    return Document(f"{m.model_type}_megatron", _header(m, "megatron", notes), tuple(args), tuple(consts),
+                    tuple(meshes), m.dtype, tuple(body))
+
+
+# ---- entry points ------------------------------------------------------------------------------------
+
+SIZE_DEFAULTS = {"TP": 1, "PP": 1, "DP": 1, "EP": 1, "AT": 0}
+
+
+def arg_names(model: Model, convention: str) -> tuple[str, ...]:
+    """The args a convention's layout of `model` declares (what `--set` may change)."""
+    if convention in ("hf", "hf-memory"):
+        return ("DP", "AT")
+    moe = ("EP",) if model.moe is not None else ()
+    if convention == "megatron":
+        return ("TP", "PP", "DP", *(moe and ("EP", "ETP")), "AT")
+    return ("TP", "DP", *moe, "AT")
+
+
+def document(model: Model, convention: str, sizes: Mapping[str, int] | None = None) -> Document:
+    """The Document of `model` in `convention`; `sizes` give the args' values (TP, PP, ...)."""
+    if convention not in CONVENTIONS:
+        raise UsageError(f"unknown convention `{convention}`", help=f"use one of {', '.join(CONVENTIONS)}")
+    given = dict(sizes or {})
+    allowed = arg_names(model, convention)
+    for name, value in given.items():
+        if name not in allowed:
+            raise UsageError(f"--set {name}={value}: the {convention} layout of {model.model_type} has no arg {name}",
+                             help=f"its args: {', '.join(allowed)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "AT" else 1):
+            raise UsageError(f"--set {name}={value}: expected " + ("an integer >= 0" if name == "AT" else
+                                                                     "a positive integer"))
+    full = {**SIZE_DEFAULTS, "ETP": given.get("TP", 1), **given}  # Megatron's default expert TP is TP
+    if convention == "megatron":
+        return _megatron_doc(model, full)
+    if convention in ("hf", "hf-memory"):
+        return _hf_doc(model, full, memory=convention == "hf-memory")
+    return _engine_doc(model, full, convention)
+
+
+def render(model: Model, convention: str, sizes: Mapping[str, int] | None = None) -> str:
+    """The `.layout` text of `model` in `convention` (canonical: `layoutc fmt --check` passes)."""
+    return render_document(document(model, convention, sizes))[0]
+
+
+def layout_text(config: Mapping, convention: str, sizes: Mapping[str, int] | None = None) -> str:
+    """`render(model_from_config(config), ...)`: what `layoutc new` prints."""
+    return render(model_from_config(config), convention, sizes)
+
+
+__all__ = ["CONVENTIONS", "FAMILIES", "ConfigError", "BridgeError", "Model", "GQA", "MLA", "MoE", "Document",
+           "Tensor", "Loop", "model_from_config", "document", "render", "render_document", "layout_text",
+           "arg_names", "statement_at", "with_dtypes"]
