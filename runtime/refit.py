@@ -115,13 +115,14 @@ class Refitter:
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
-                 timeout: timedelta = timedelta(seconds=60), verify: bool = False,
+                 timeout: timedelta | float = timedelta(seconds=60), verify: bool = False,
                  hooks: RefitHooks | None = None):
         self.plan = plan
         self.group = group
         self.device = device
         self.budget_bytes = budget_bytes
-        self.timeout = timeout
+        # seconds or a timedelta (torch.distributed's own timeouts are timedeltas)
+        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.verify = verify
         self.hooks = hooks or RefitHooks()
         self.rank = dist.get_rank(group)

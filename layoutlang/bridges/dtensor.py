@@ -1,0 +1,218 @@
+"""The DTensor bridge: the `.layout` of any module whose parameters are DTensors.
+
+FSDP2 (`fully_shard`), `parallelize_module` and torchtitan keep every parameter
+as a DTensor: a global shape, a DeviceMesh and one placement per mesh dim. That
+is all a layout needs, so `describe` reads it and writes the text:
+
+- the mesh is the DeviceMesh's root mesh (submeshes name some of its dims); its
+  ranks must be consecutive, row-major (`mesh NAME (a=.., b=..) at OFFSET`);
+- `Shard(d)` on one mesh dim cuts tensor dim d like torch.chunk: `over AXIS
+  ragged` on a plain extent, `chunk AXIS ragged` on a fused one (DTensor cuts
+  the stored rows, not each part: LANGUAGE.md 8.5);
+- `Shard(d)` on two mesh dims (the second cuts what the first left), and
+  FSDP2-over-TP's `_StridedShard(d, sf=S)` + `Shard(d)` (the later mesh dim
+  cuts first, then the earlier one cuts each block): `over A ragged chunk B
+  ragged`;
+- `Replicate()` (and a mesh dim the parameter's submesh lacks): a replica axis.
+
+Anything else (`Partial`, three cuts of one dim, non-consecutive ranks, a
+plain tensor among DTensors) is a `BridgeError` naming the parameter and the
+placement. torch.distributed.tensor is imported inside the calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from ..diagnostics import LayoutError
+
+# Wrapper prefixes that torch inserts in parameter names; a key never has them.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+class BridgeError(LayoutError):
+    """A live model holds something a layout cannot express (or the bridge cannot read)."""
+
+    def __init__(self, message: str, *, help: str | None = None):
+        super().__init__(message, None, help=help)
+
+
+@dataclass(frozen=True)
+class Form:
+    """How a parameter's key(s) are written, when not one plain tensor per key.
+
+    `key`: the `as KEY` clause (None: no clause; the NAME is the key, or the
+    dims carry part keys). `dims`: the text of each dim's MODE (`e in 0..8`,
+    `(gate: 4 as K1 | up: 4 as K2)`), in tensor-dim order; the bridge appends
+    each dim's `over`/`chunk`. `transposed`: the `transposed` clause.
+    """
+
+    key: str | None
+    dims: tuple[str, ...]
+    transposed: bool = False
+
+
+def key_of(name: str) -> str:
+    """The key of a parameter named `name`: the name without torch's wrapper prefixes."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def describe(module, *, keys: Mapping[str, str] | Callable[[str], str] | None = None,
+             forms: Callable[[str, object], Form | None] | None = None, name: str = "dtensor_model",
+             mesh_name: str | None = None) -> str:
+    """The `.layout` text of `module`'s DTensor parameters (identical on every rank).
+
+    `keys` maps a parameter name to its key (default: the name without wrapper
+    prefixes); `forms(name, param)` may return a `Form` for parameters that hold
+    several keys (a bridge for a framework supplies it: fused or stacked experts).
+    """
+    params = list(module.named_parameters())
+    if not params:
+        raise BridgeError("the module has no parameters")
+    return layout_text(params, keys=keys, forms=forms, name=name, mesh_name=mesh_name)
+
+
+def tensors(module) -> dict[str, object]:
+    """This rank's local storage of every parameter, by name: views, not copies.
+
+    Writing into them (a refit's destination) writes the module's parameters.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            raise BridgeError(f"parameter `{name}` is a plain tensor, not a DTensor",
+                              help="shard it (fully_shard / parallelize_module) or describe the module "
+                                   "with the bridge of its framework")
+        out[name] = p._local_tensor if p._local_tensor is not None else p.to_local()
+    return out
+
+
+def layout_text(params: Iterable[tuple[str, object]], *, keys=None, forms=None, name: str,
+                mesh_name: str | None) -> str:
+    from torch.distributed.tensor import DTensor
+
+    root = None
+    lines: list[str] = []
+    for pname, p in params:
+        if not isinstance(p, DTensor):
+            raise BridgeError(f"parameter `{pname}` is a plain tensor among DTensors: which ranks hold it, "
+                              "and whether they agree, is not recorded",
+                              help="shard every parameter (FSDP2 shards all of a module's parameters), or "
+                                   "describe this one by hand")
+        mesh = p.device_mesh
+        this_root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        if root is None:
+            root = this_root
+        elif not _same_mesh(root, this_root):
+            raise BridgeError(f"parameter `{pname}` lives on another device mesh "
+                              f"({_mesh_text(this_root)}) than the first parameter ({_mesh_text(root)})",
+                              help="describe each mesh's parameters with their own `describe` call")
+        lines.append(_tensor_line(pname, p, root, keys, forms))
+    axes = _axis_names(root)
+    sizes = tuple(root.mesh.shape)
+    offset = _offset(root)
+    mesh_line = f"mesh {mesh_name or '_'.join(axes)} (" + ", ".join(f"{a}={s}" for a, s in zip(axes, sizes)) + ")"
+    if offset:
+        mesh_line += f" at {offset}"
+    header = [f"# Described by layoutlang.bridges.dtensor from the live module's DTensor placements.",
+              f"layout {name}", "", mesh_line, ""]
+    return "\n".join(header + lines) + "\n"
+
+
+def _tensor_line(pname: str, p, root, keys, forms) -> str:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    names = _axis_names(root)
+    sub = p.device_mesh
+    sub_names = _axis_names(sub) if sub is not root else names
+    cuts: dict[int, list[tuple[int, str]]] = {}  # tensor dim -> [(order, axis)] cuts, applied in order
+    for i, (axis, placement) in enumerate(zip(sub_names, p.placements)):
+        if axis not in names:
+            raise BridgeError(f"parameter `{pname}`: mesh dim `{axis}` is not a dim of the root mesh "
+                              f"({', '.join(names)})", help="flattened mesh dims are not supported yet")
+        if isinstance(placement, _StridedShard):
+            sf = placement.split_factor
+            later = [j for j in range(i + 1, len(p.placements))
+                     if isinstance(p.placements[j], Shard) and not isinstance(p.placements[j], _StridedShard)
+                     and p.placements[j].dim == placement.dim]
+            if len(later) != 1 or sub.mesh.shape[later[0]] != sf:
+                raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{axis}` is not the "
+                                  "FSDP-over-TP pattern (a later Shard of the same dim, of size sf)",
+                                  help="only `_StridedShard(d, sf=S)` followed by `Shard(d)` on a mesh dim of "
+                                       "size S can be expressed")
+            cuts.setdefault(placement.dim, []).append((1, axis))  # cuts after the later Shard
+        elif isinstance(placement, Shard):
+            strided_before = any(isinstance(q, _StridedShard) and q.dim == placement.dim
+                                 for q in p.placements[:i])
+            cuts.setdefault(placement.dim, []).append((0 if strided_before else i * 2, axis))
+        elif isinstance(placement, Replicate):
+            continue
+        elif isinstance(placement, Partial):
+            raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{axis}` holds partial "
+                              "sums, not a cut of the weight", help="reduce it (redistribute to Replicate) first")
+        else:
+            raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{axis}` is not known "
+                              "to the bridge")
+    form = forms(pname, p) if forms is not None else None
+    shape = tuple(p.shape)
+    if form is not None and len(form.dims) != len(shape):
+        raise BridgeError(f"parameter `{pname}`: its form has {len(form.dims)} dims, the parameter {len(shape)}")
+    dims = []
+    for d, extent in enumerate(shape):
+        mode = form.dims[d] if form is not None else str(extent)
+        plain = form is None or mode.strip().isdigit()
+        order = [axis for _, axis in sorted(cuts.get(d, []))]
+        if len(order) > 2:
+            raise BridgeError(f"parameter `{pname}`: dim {d} is cut over {len(order)} mesh dims "
+                              f"({', '.join(order)}); a layout expresses at most two")
+        if len(order) == 1:
+            mode += f" over {order[0]} ragged" if plain else f" chunk {order[0]} ragged"
+        elif len(order) == 2:
+            if not plain:
+                raise BridgeError(f"parameter `{pname}`: dim {d} holds several keys and is cut twice "
+                                  f"({', '.join(order)}); not expressible yet")
+            mode += f" over {order[0]} ragged chunk {order[1]} ragged"
+        dims.append(mode)
+    dtype = TORCH_DTYPES.get(str(p.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise BridgeError(f"parameter `{pname}`: dtype {p.dtype} has no layout dtype",
+                          help="layout dtypes: " + ", ".join(TORCH_DTYPES.values()))
+    if form is not None:
+        key = form.key
+    else:
+        key = keys(pname) if callable(keys) else (keys or {}).get(pname, key_of(pname))
+    clause = f" as {key}" if key is not None and key != pname else ""
+    tail = " transposed" if form is not None and form.transposed else ""
+    return f"tensor {pname}{clause} [{', '.join(dims)}] {dtype}{tail}"
+
+
+def _axis_names(mesh) -> tuple[str, ...]:
+    names = mesh.mesh_dim_names
+    if names is None:
+        return tuple(f"d{i}" for i in range(mesh.mesh.dim()))
+    return tuple(names)
+
+
+def _offset(mesh) -> int:
+    flat = mesh.mesh.flatten().tolist()
+    start = flat[0]
+    if flat != list(range(start, start + len(flat))):
+        raise BridgeError(f"device mesh {_mesh_text(mesh)} does not hold consecutive ranks in row-major "
+                          "order", help="a layout mesh covers ranks OFFSET .. OFFSET+size-1, last axis fastest")
+    return start
+
+
+def _same_mesh(a, b) -> bool:
+    return a is b or (a.mesh.tolist() == b.mesh.tolist() and a.mesh_dim_names == b.mesh_dim_names)
+
+
+def _mesh_text(mesh) -> str:
+    return f"{list(_axis_names(mesh))} ranks {mesh.mesh.tolist()}"
