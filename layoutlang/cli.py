@@ -1,4 +1,4 @@
-"""`layoutc`: the command line. Verbs: check, fmt, plan, explain, run.
+"""`layoutc`: the command line. Verbs: check, fmt, plan, explain, run, new.
 
 Exit codes: 0 ok, 1 diagnostics (or `fmt --check` found a file to change),
 2 usage errors.
@@ -362,6 +362,62 @@ def cmd_explain(ns, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def _read_config(path: str) -> dict:
+    """config.json as a dict: unreadable, not JSON or not an object is a UsageError (exit 2)."""
+    import json
+
+    from .diagnostics import Source, Span
+
+    try:
+        text = read_source(path).text  # a regular file under the size cap, UTF-8
+    except UsageError:
+        raise
+    except LayoutError as e:  # not UTF-8: positioned, but still a bad --config
+        raise UsageError(e.message, e.span, help=e.help) from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        line_end = text.find("\n", e.pos)
+        span = Span(Source(path, text), e.lineno, e.colno, e.lineno,
+                    e.colno + max(1, min(line_end if line_end >= 0 else len(text), e.pos + 1) - e.pos))
+        raise UsageError(f"--config {path}: not JSON: {e.msg}", span,
+                         help="pass the model's config.json (from its HF repository)") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--config {path}: expected a JSON object (a model's config.json), "
+                         f"got a JSON {type(config).__name__}")
+    return config
+
+
+def cmd_new(ns, out: Console, err: Console) -> int:
+    """Print (or write) the `.layout` of a known model family in a framework's convention."""
+    from .bridges.families import arg_names, model_from_config, render
+
+    sizes = _parse_sets(ns.set)
+    model = model_from_config(_read_config(ns.config), source=ns.config)
+    text = render(model, ns.framework, sizes)
+    where = ns.output or f"<layoutc new {ns.framework}>"
+    from .elaborate import loads
+
+    layout = loads(text, where)  # sizes that do not divide are diagnostics in the generated text (exit 1)
+    if ns.output is None:
+        try:
+            out.file.write(text)
+            out.file.flush()
+        except BrokenPipeError:
+            _silence_stdout()
+        return EXIT_OK
+    try:
+        with open(ns.output, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise UsageError(f"-o {ns.output}: cannot write: {exc.strerror or exc}") from None
+    args = ", ".join(f"{n}={v}" for n, v in layout.args)
+    out.print(f"wrote {ns.output}: {model.model_type} in the {ns.framework} convention, "
+              f"{len(layout.tensors)} tensor instances on {layout.ranks} rank{'s' if layout.ranks != 1 else ''} ({args}; "
+              f"change them with --set {arg_names(model, ns.framework)[0]}=...)", markup=False)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layoutc", description="Check, format and plan `.layout` sharding specs.")
@@ -429,6 +485,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how long any rank waits for its peers")
     run.add_argument("--ranks-per-node", type=int, default=None, metavar="N")
     run.set_defaults(run=cmd_run)
+    from .bridges.families import CONVENTIONS, FAMILIES
+
+    new = sub.add_parser("new", help="write the layout of a known model from its config.json",
+                         description="Write the `.layout` of a model (a HF config.json of a known family: "
+                                     f"{', '.join(FAMILIES)}) as FRAMEWORK stores it, with its parallel "
+                                     "sizes as args (TP, PP, DP, EP, ETP, AT). Keys are the HF checkpoint "
+                                     "names, so any two outputs for one config plan with each other.")
+    new.add_argument("framework", choices=CONVENTIONS, metavar="FRAMEWORK",
+                     help=f"one of {', '.join(CONVENTIONS)} (hf: the checkpoint; hf-memory: a "
+                          "transformers model in memory, experts stacked)")
+    new.add_argument("--config", required=True, metavar="CONFIG_JSON", help="the model's config.json")
+    new.add_argument("--set", action="append", metavar="NAME=VALUE",
+                     help="an arg's value in the output, e.g. --set TP=4 (repeatable)")
+    new.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    new.set_defaults(run=cmd_new)
     return parser
 
 

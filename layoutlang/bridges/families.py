@@ -13,8 +13,8 @@ Every key is the HF checkpoint name of the unfused, per-expert weight
 ...        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
 ...        "vocab_size": 500}
 >>> text = render(model_from_config(cfg), "vllm", {"TP": 2})
->>> [line for line in text.splitlines() if "qkv_proj" in line][0].split(" [")[0].strip()
-'tensor model.layers.{l}.self_attn.qkv_proj.weight'
+>>> print(next(line for line in text.splitlines() if "tensor" in line and "qkv_proj" in line).strip())
+tensor model.layers.{l}.self_attn.qkv_proj.weight [(q: (Q, D) as model.layers.{l}.self_attn.q_proj.weight | k: (KV, D) as model.layers.{l}.self_attn.k_proj.weight | v: (KV, D) as model.layers.{l}.self_attn.v_proj.weight) over tp, H]
 
 Conventions (`CONVENTIONS`):
 - `megatron`: Megatron-Core GPTModel state-dict names with the local layer spec
@@ -132,7 +132,8 @@ class Model:
         return tuple(out)
 
 
-def _field(config: Mapping, name: str, *, default=None, kind=int, alias: tuple[str, ...] = ()):
+def _read_field(config: Mapping, name: str, *, default=None, kind=int, alias: tuple[str, ...] = (),
+           source: str = "config.json"):
     """config[name] (or an alias), checked: a missing field without a default is a ConfigError."""
     for key in (name, *alias):
         if key in config and config[key] is not None:
@@ -142,36 +143,39 @@ def _field(config: Mapping, name: str, *, default=None, kind=int, alias: tuple[s
         if default is not None:
             return default
         mt = config.get("model_type")
-        raise ConfigError(f"config.json: missing field `{name}`" + (f" (model_type {mt} needs it)" if mt else ""),
-                          help=f"add \"{name}\": ... to config.json" + (f" (or {', '.join(alias)})" if alias else ""))
+        raise ConfigError(f"{source}: missing field `{name}`" + (f" (model_type {mt} needs it)" if mt else ""),
+                          help=f"add \"{name}\": ... to {source}" + (f" (or {', '.join(alias)})" if alias else ""))
     if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ConfigError(f"config.json: field `{key}` is {value!r}, expected a positive integer")
+        raise ConfigError(f"{source}: field `{key}` is {value!r}, expected a positive integer")
     if kind is bool and not isinstance(value, bool):
-        raise ConfigError(f"config.json: field `{key}` is {value!r}, expected true or false")
+        raise ConfigError(f"{source}: field `{key}` is {value!r}, expected true or false")
     return value
 
 
-def _count(config: Mapping, name: str) -> int:
+def _count(config: Mapping, name: str, source: str) -> int:
     """A non-negative integer field that defaults to 0 (first_k_dense_replace)."""
     value = config.get(name) or 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"config.json: field `{name}` is {value!r}, expected an integer >= 0")
+        raise ConfigError(f"{source}: field `{name}` is {value!r}, expected an integer >= 0")
     return value
 
 
-def model_from_config(config: Mapping) -> Model:
+def model_from_config(config: Mapping, *, source: str = "config.json") -> Model:
     """Read a HF config dict (config.json, or `model.config.to_dict()`) into a Model.
 
     Fields transformers itself defaults are defaulted the same way
     (num_key_value_heads = num_attention_heads, head_dim = hidden_size //
     num_attention_heads, tie_word_embeddings false, dtype bf16); any other
-    missing field is a ConfigError naming it.
+    missing field is a ConfigError naming it (and `source`, the file it came from).
     """
+    def _field(config, name, **kw):  # noqa: F811 - every field of this config is read from `source`
+        return _read_field(config, name, source=source, **kw)
+
     if "model_type" not in config:
-        raise ConfigError("config.json: missing field `model_type`", help=f"known families: {', '.join(FAMILIES)}")
+        raise ConfigError(f"{source}: missing field `model_type`", help=f"known families: {', '.join(FAMILIES)}")
     mt = config["model_type"]
     if mt not in FAMILIES:
-        raise ConfigError(f"config.json: model_type `{mt}` is not a family `layoutc new` knows",
+        raise ConfigError(f"{source}: model_type `{mt}` is not a family `layoutc new` knows",
                           help=f"known families: {', '.join(FAMILIES)}")
     hidden = _field(config, "hidden_size")
     layers = _field(config, "num_hidden_layers")
@@ -180,10 +184,10 @@ def model_from_config(config: Mapping) -> Model:
     tied = _field(config, "tie_word_embeddings", default=False, kind=bool)
     raw_dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     if raw_dtype not in DTYPES:
-        raise ConfigError(f"config.json: dtype `{raw_dtype}` has no layout dtype",
+        raise ConfigError(f"{source}: dtype `{raw_dtype}` has no layout dtype",
                           help=f"use one of {', '.join(DTYPES)}")
     if config.get("mlp_bias"):
-        raise ConfigError("config.json: `mlp_bias: true` is not described by `layoutc new`",
+        raise ConfigError(f"{source}: `mlp_bias: true` is not described by `layoutc new`",
                           help="biases on the MLP weights are not written for any family yet")
     flag = lambda name, default: _field(config, name, default=default, kind=bool)  # noqa: E731
     moe: MoE | None = None
@@ -221,7 +225,7 @@ def model_from_config(config: Mapping) -> Model:
         moe = MoE(experts, _field(config, "moe_intermediate_size"), shared=shared, shared_name="shared_expert",
                   shared_gate=mt == "qwen2_moe")
     else:  # deepseek_v3
-        first = _count(config, "first_k_dense_replace")
+        first = _count(config, "first_k_dense_replace", source)
         routed = [l >= first for l in range(layers)]
         dense = _field(config, "intermediate_size") if first else None
         inter = _field(config, "moe_intermediate_size")
