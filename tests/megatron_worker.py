@@ -1,0 +1,251 @@
+"""One rank of a Megatron-Core bridge test (tests/test_bridge_megatron.py).
+
+Usage: python tests/megatron_worker.py SCENARIO OUT_DIR, with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT in the environment (one gloo process per rank).
+
+Each scenario builds a tiny megatron-core model on CPU (the test-side patches
+of issue 11: `torch.cuda.current_device` returns "cpu", the inference RNG
+tracker, MoE through the allgather dispatcher without grouped GEMM and
+without TE's GEMM, every fusion off), describes it with
+`layoutlang.bridges.megatron.describe`, refits an HF transformers model held
+on one rank through `compile_plan` + `Refitter`, and compares the HF logits
+with Megatron's (gathered over TP) after every refit. Between refits the
+trainer takes an SGD step, so each refit must carry new weights.
+
+The worker writes OUT_DIR/rank{R}.json: the described text, this rank's
+parallel_state groups (global ranks, Megatron's own view), and per refit the
+largest |HF - Megatron| logit difference and how far the engine was from the
+trainer just before that refit. Errors are reported as data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+
+warnings.filterwarnings("ignore")
+
+import torch
+import torch.distributed as dist
+
+# Model sizes (fp32). GQA: 4 query heads in 2 groups of head size 8.
+L, H, F, Q, KV, D = 2, 32, 64, 4, 2, 8
+V, V_PADDED = 90, 128          # the true (HF) vocabulary and Megatron's padded one
+E, TOPK, I = 4, 2, 16          # MoE: experts, routed per token, expert FFN size
+EPS, ROPE_BASE = 1e-6, 10000.0
+SEQ, BATCH = 12, 2
+STEPS = 3                      # refits; an optimizer step before each but the first
+
+
+def scenario_sizes(name: str) -> dict:
+    return {"gpt_tp2": dict(tp=2, pp=1, ep=1, moe=False),
+            "moe_ep2": dict(tp=1, pp=1, ep=2, moe=True),
+            "gpt_tp2_pp2": dict(tp=2, pp=2, ep=1, moe=False),
+            "gpt_tp2_dp2": dict(tp=2, pp=1, ep=1, moe=False)}[name]
+
+
+def build_megatron(tp: int, pp: int, ep: int, moe: bool):
+    torch.cuda.current_device = lambda: "cpu"        # megatron asks for a device at build and forward
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    moe_utils.te_general_gemm = None                 # 0.16.1 calls TE's GEMM when it is not None
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True)
+    torch.manual_seed(1234)                          # every rank the same replicated weights
+    moe_args = dict(num_moe_experts=E, moe_router_topk=TOPK, moe_ffn_hidden_size=I,
+                    moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                    moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none") if moe else {}
+    config = TransformerConfig(
+        num_layers=L, hidden_size=H, ffn_hidden_size=F, num_attention_heads=Q, num_query_groups=KV,
+        kv_channels=D, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", layernorm_epsilon=EPS, add_bias_linear=False, qk_layernorm=moe,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, perform_initialization=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        init_method_std=0.05, **moe_args)
+    spec = get_gpt_layer_local_spec(num_experts=E if moe else None, qk_layernorm=moe, normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=V_PADDED, max_sequence_length=64,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     rotary_base=int(ROPE_BASE))
+    if moe:  # the same seed made every rank's local experts alike: give each global expert its own weights
+        offset = ps.get_expert_model_parallel_rank() * (E // ep)
+        for name, p in model.named_parameters():
+            if ".local_experts." in name:
+                local = int(name.split(".local_experts.")[1].split(".")[0])
+                g = torch.Generator().manual_seed(1000 + 37 * (offset + local) + len(name) + 101 * int(name.split(".")[2]))
+                p.data.normal_(0.0, 0.05, generator=g)
+    return model
+
+
+def build_hf(moe: bool):
+    """The engine: an HF model of the same architecture, random weights (the refit must overwrite them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(99)
+    rope = {"rope_type": "default", "rope_theta": ROPE_BASE}
+    if moe:
+        # Qwen3-MoE: q/k RMSNorm per head (Megatron qk_layernorm=True), softmax router, top-k renormalized
+        # (Megatron's default: softmax over the top-k logits), every layer sparse.
+        config = Qwen3MoeConfig(vocab_size=V, hidden_size=H, intermediate_size=F, moe_intermediate_size=I,
+                                num_hidden_layers=L, num_attention_heads=Q, num_key_value_heads=KV, head_dim=D,
+                                num_experts=E, num_experts_per_tok=TOPK, norm_topk_prob=True,
+                                decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=EPS,
+                                rope_parameters=rope, tie_word_embeddings=False, attention_bias=False)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L,
+                             num_attention_heads=Q, num_key_value_heads=KV, head_dim=D, rms_norm_eps=EPS,
+                             rope_parameters=rope, tie_word_embeddings=False, attention_bias=False,
+                             mlp_bias=False)
+        model = LlamaForCausalLM(config)
+    config._attn_implementation = "eager"
+    return model.eval()
+
+
+def hf_layout(moe: bool, at: int) -> str:
+    """The engine's layout: the HF model whole on rank `at` (hand-written; in-memory stacked experts)."""
+    try:
+        from layoutlang.bridges import hf  # noqa: F401  (the HF bridge, once it exists)
+    except ImportError:
+        hf = None
+    lines = ["layout hf_engine", f"const L = {L}, H = {H}, F = {F}, Q = {Q}, KV = {KV}, D = {D}, V = {V}, E = {E}, "
+             f"I = {I}", f"mesh hf (r=1) at {at}", "default dtype fp32",
+             "tensor model.embed_tokens.weight [V, H]", "tensor lm_head.weight [V, H]",
+             "tensor model.norm.weight [H]", "for l in 0..L {"]
+    p = "model.layers.{l}."
+    lines += [f"  tensor {p}input_layernorm.weight [H]", f"  tensor {p}post_attention_layernorm.weight [H]",
+              f"  tensor {p}self_attn.q_proj.weight [Q*D, H]", f"  tensor {p}self_attn.k_proj.weight [KV*D, H]",
+              f"  tensor {p}self_attn.v_proj.weight [KV*D, H]", f"  tensor {p}self_attn.o_proj.weight [H, Q*D]"]
+    if moe:
+        lines += [f"  tensor {p}self_attn.q_norm.weight [D]", f"  tensor {p}self_attn.k_norm.weight [D]",
+                  f"  tensor {p}mlp.gate.weight [E, H]",
+                  f"  tensor {p}mlp.experts.gate_up_proj [e in 0..E, (gate: I as {p}mlp.experts.{{e}}.gate_proj.weight"
+                  f" | up: I as {p}mlp.experts.{{e}}.up_proj.weight), H]",
+                  f"  tensor {p}mlp.experts.down_proj as {p}mlp.experts.{{e}}.down_proj.weight [e in 0..E, H, I]"]
+    else:
+        lines += [f"  tensor {p}mlp.gate_proj.weight [F, H]", f"  tensor {p}mlp.up_proj.weight [F, H]",
+                  f"  tensor {p}mlp.down_proj.weight [H, F]"]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def megatron_logits(model, tokens, sizes):
+    """Full-vocabulary logits [B, S, V] on the last pipeline stage's ranks (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]  # True: not attended
+    pp = sizes["pp"]
+    if pp > 1:  # a hand-made two-stage pipeline: stage 0 sends its hidden states to stage 1
+        if ps.is_pipeline_first_stage():
+            hidden = model(tokens, position_ids, mask)
+            dist.send(hidden.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            return None, hidden
+        hidden = torch.empty(SEQ, BATCH, H)
+        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+        hidden.requires_grad_(True)
+        model.set_input_tensor(hidden)
+    local = model(tokens, position_ids, mask)        # [B, S, V_PADDED / tp]
+    parts = [torch.empty_like(local) for _ in range(sizes["tp"])]
+    dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)[..., :V], local
+
+
+def sgd_step(model, out, lr=0.5):
+    """One step on a toy loss; gradients averaged over the data-parallel replicas, as DDP would."""
+    from megatron.core import parallel_state as ps
+
+    model.zero_grad(set_to_none=True)
+    out.float().pow(2).mean().backward() if out.requires_grad else None
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        expert = getattr(p, "allreduce", True) is False
+        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= dist.get_world_size(group)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+
+
+def groups() -> dict:
+    from megatron.core import parallel_state as ps
+
+    def ranks(g):
+        return dist.get_process_group_ranks(g)
+    return {"tp": ranks(ps.get_tensor_model_parallel_group()), "pp": ranks(ps.get_pipeline_model_parallel_group()),
+            "dp": ranks(ps.get_data_parallel_group()), "ep": ranks(ps.get_expert_model_parallel_group()),
+            "etp": ranks(ps.get_expert_tensor_parallel_group()), "edp": ranks(ps.get_expert_data_parallel_group())}
+
+
+def run(name: str) -> dict:
+    from layoutlang import compile_plan, loads
+    from layoutlang.bridges import megatron as bridge
+    from layoutlang.runtime import Refitter
+
+    sizes = scenario_sizes(name)
+    rank = dist.get_rank()
+    model = build_megatron(**sizes)
+    text = bridge.describe(model, vocab_size=V)
+    result = {"text": text, "groups": groups(), "refits": []}
+    # the engine sits on the rank that sees the full logits (the last pipeline stage's first rank)
+    at = dist.get_world_size() - sizes["tp"] if sizes["pp"] > 1 else 0
+    engine = build_hf(sizes["moe"]) if rank == at else None
+    plan = compile_plan(loads(text, path="<megatron>"), loads(hf_layout(sizes["moe"], at), path="<hf>"))
+    refitter = Refitter(plan, timeout=timedelta(seconds=60), verify=True)
+    torch.manual_seed(7)
+    tokens = torch.randint(0, V, (BATCH, SEQ))
+    engine_tensors = {n: p.data for n, p in engine.named_parameters()} if engine is not None else None
+    for step in range(STEPS):
+        if step:
+            sgd_step(model, out)
+        with torch.no_grad():
+            stale = engine(tokens).logits if engine is not None else None
+        full, out = megatron_logits(model, tokens, sizes)
+        refitter.refit(bridge.tensors(model), engine_tensors)
+        if engine is not None:
+            with torch.no_grad():
+                fresh = engine(tokens).logits
+            result["refits"].append({"max_diff": (fresh - full).abs().max().item(),
+                                     "stale_diff": (stale - full).abs().max().item(),
+                                     "logit_scale": full.abs().max().item()})
+    dist.barrier()
+    return result
+
+
+def main(name: str, out_dir: str) -> int:
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    result: dict = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=120))
+        result.update(run(name))
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - reported to the test as data
+        result["ok"] = False
+        result["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    sys.stdout.flush()
+    os._exit(0 if result["ok"] else 1)   # no waiting on process-group teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
