@@ -245,6 +245,7 @@ class TensorIR:
 
     @cached_property
     def local_bytes(self) -> int:
+        """Bytes one rank stores (ragged dims: the largest rank's; `local_shape_at` gives each)."""
         return storage_bytes(self.dtype, self.local_shape)
 
     @cached_property
@@ -365,11 +366,15 @@ class Layout:
     def bytes_per_rank(self) -> list[int]:
         """Stored bytes on every rank, computed per placement group, not per rank."""
         groups: dict[tuple, int] = {}
-        for t in self.tensors:
-            k = (t.mesh.name, t.fixed)
-            groups[k] = groups.get(k, 0) + t.local_bytes
         meshes = {m.name: m for m in self.meshes}
         out = [0] * self.ranks
+        for t in self.tensors:
+            if any(d.ragged for d in t.dims):  # ranks hold different extents: count each
+                for r in t.ranks():
+                    out[r] += storage_bytes(t.dtype, t.local_shape_at(r))
+                continue
+            k = (t.mesh.name, t.fixed)
+            groups[k] = groups.get(k, 0) + t.local_bytes
         for (mesh_name, fixed), size in groups.items():
             for r in placement_ranks(meshes[mesh_name], fixed):
                 out[r] += size

@@ -144,3 +144,30 @@ def test_ragged_pairs_plan_every_element_exactly_once(tmp_path, src, dst):
     assert report.dst_data_elements == want[dst]
     if src == dst:
         assert report.network_bytes == 0
+
+
+SMALL_V2 = __import__("pathlib").Path(__file__).parents[1] / "examples" / "small" / "v2"
+
+
+@pytest.mark.parametrize("other", ["llama_hf", "llama_vllm", "llama_megatron"])
+@pytest.mark.parametrize("direction", ["from_fsdp2", "to_fsdp2"])
+def test_the_fsdp2_example_pairs_with_every_llama_layout(other, direction):
+    fsdp2, peer = str(SMALL_V2 / "llama_fsdp2.layout"), str(SMALL_V2 / f"{other}.layout")
+    src, dst = (fsdp2, peer) if direction == "from_fsdp2" else (peer, fsdp2)
+    plan = compile_plan(src, dst)
+    report = simulate(RunsView(plan.src), RunsView(plan.dst), plan)
+    check_plan_views(plan, range(plan.world))
+    if direction == "to_fsdp2":
+        # Every element of the model once over the 3 FSDP2 ranks (no replicas): 501,376 elements
+        # (V*H*2 + L*(2*Q*D*H + 2*KV*D*H + 3*F*H) + (2*L + 1)*H, by hand from the layout).
+        assert report.dst_data_elements == 900 * 128 * 2 + 2 * (2 * 128 * 128 + 2 * 16 * 128 + 3 * 256 * 128) + 5 * 128
+
+
+def test_fsdp2_example_local_shapes_are_torch_chunk():
+    from layoutlang import load
+
+    layout = load(str(SMALL_V2 / "llama_fsdp2.layout"))
+    k = next(t for t in layout.tensors if t.name == "model.layers.0.self_attn.k_proj.weight")
+    assert [k.local_shape_at(r)[0] for r in range(3)] == [len(c) for c in torch.arange(16).chunk(3)]  # 6, 6, 4
+    o = next(t for t in layout.tensors if t.name == "model.layers.0.self_attn.o_proj.weight")
+    assert [o.local_shape_at(r) for r in range(3)] == [(43, 128), (43, 128), (42, 128)]
