@@ -43,7 +43,7 @@ MASK32 = 0xFFFFFFFF
 def _coords(t: TensorIR, rank: int) -> list[torch.Tensor]:
     """Per dim, the logical coordinate of each local index (-1 where it is padding)."""
     out = []
-    for n, dim_runs in zip(t.local_shape, t.runs(rank)):
+    for n, dim_runs in zip(t.local_shape_at(rank), t.runs(rank)):
         idx = torch.full((n,), -1, dtype=torch.int64)
         for r in dim_runs:
             if isinstance(r, Run):
@@ -116,8 +116,8 @@ def key_values(t: TensorIR, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     coords = _coords(t, rank)
     dims = len(coords)
-    out = torch.zeros(t.local_shape, dtype=torch.float32)
-    mask = torch.zeros(t.local_shape, dtype=torch.bool)
+    out = torch.zeros(t.local_shape_at(rank), dtype=torch.float32)
+    mask = torch.zeros(t.local_shape_at(rank), dtype=torch.bool)
     for r in regions(t):
         flat = torch.zeros([1] * dims, dtype=torch.int64)
         stride = 1
@@ -230,7 +230,7 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
             else:
                 sent = exact  # a plain shard sends the exact values
             shards.append((held, sent))
-    want = torch.full(t.local_shape, float("nan"))
+    want = torch.full(t.local_shape_at(rank), float("nan"))
     for held, sent in shards:
         want = torch.where(held & torch.isnan(want), sent, want)
     missing = mask & torch.isnan(want)
@@ -239,17 +239,18 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
                          f"{missing.nonzero()[0].tolist()}")
     want = torch.where(mask, want, 0.0)
     ambiguous = any(bool((held & (sent != want)).any()) for held, sent in shards)
-    choices = tuple(torch.where(held, sent, float("nan")).to(wire).expand(t.local_shape)
+    choices = tuple(torch.where(held, sent, float("nan")).to(wire).expand(t.local_shape_at(rank))
                     for held, sent in shards) if ambiguous else ()
     return Expected(want.to(wire), mask, choices)
 
 
-def empty_destination(t: TensorIR, device="cpu"):
+def empty_destination(t: TensorIR, device="cpu", rank: int | None = None):
     """Garbage-filled destination storage of the right shape and dtype (NaN where it can;
-    quantized: 3.0, never a fill value)."""
+    quantized: 3.0, never a fill value). `rank`: whose shape, where a dim is ragged."""
+    shape = t.local_shape if rank is None else t.local_shape_at(rank)
     if t.dtype in QUANTIZED:
-        return quantize(torch.full(t.local_shape, 3.0, dtype=torch.bfloat16, device=device), t.dtype)
-    return torch.full(t.local_shape, float("nan"), dtype=PLAIN_DTYPES[t.dtype], device=device)
+        return quantize(torch.full(shape, 3.0, dtype=torch.bfloat16, device=device), t.dtype)
+    return torch.full(shape, float("nan"), dtype=PLAIN_DTYPES[t.dtype], device=device)
 
 
 def _nearest(choices: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
@@ -273,8 +274,8 @@ def check_destination(t: TensorIR, rank: int, value, plan=None) -> str | None:
     """
     want = expected_destination(t, rank, plan)
     shape = tuple((value.data if t.dtype in QUANTIZED else value).shape)
-    if shape != tuple(t.local_shape):
-        return f"`{t.name}` on rank {rank}: local shape {shape}, expected {tuple(t.local_shape)}"
+    if shape != tuple(t.local_shape_at(rank)):
+        return f"`{t.name}` on rank {rank}: local shape {shape}, expected {tuple(t.local_shape_at(rank))}"
     if t.dtype in QUANTIZED:
         # quantize once (DESIGN.md invariant 4): the bytes equal quantizing the expected bf16
         # tensor once; quantize() itself is checked against tests/reference_quant.py

@@ -171,3 +171,14 @@ def test_fsdp2_example_local_shapes_are_torch_chunk():
     assert [k.local_shape_at(r)[0] for r in range(3)] == [len(c) for c in torch.arange(16).chunk(3)]  # 6, 6, 4
     o = next(t for t in layout.tensors if t.name == "model.layers.0.self_attn.o_proj.weight")
     assert [o.local_shape_at(r) for r in range(3)] == [(43, 128), (43, 128), (42, 128)]
+
+
+@pytest.mark.parametrize("src,dst", [("llama_fsdp2", "llama_vllm"), ("llama_vllm", "llama_fsdp2")])
+def test_fsdp2_example_refits_on_gloo_with_every_element_checked(src, dst):
+    from layoutlang.runtime.launch import launch
+
+    job = {"src": str(SMALL_V2 / f"{src}.layout"), "dst": str(SMALL_V2 / f"{dst}.layout"), "args": {},
+           "verify": True, "budget": None}
+    results = launch(job, 4, timeout=150)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error}"
