@@ -203,7 +203,10 @@ def run(name: str) -> dict:
     rank = dist.get_rank()
     model = build_megatron(**sizes)
     text = bridge.describe(model, vocab_size=V)
-    result = {"text": text, "groups": groups(), "refits": []}
+    result = {"text": text, "groups": groups(), "refits": [],
+              "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
+              "tensors_are_views": all(t.data_ptr() == p.data_ptr() for t, p in
+                                       zip(bridge.tensors(model).values(), model.parameters()))}
     # the engine sits on the rank that sees the full logits (the last pipeline stage's first rank)
     at = dist.get_world_size() - sizes["tp"] if sizes["pp"] > 1 else 0
     engine = build_hf(sizes["moe"]) if rank == at else None
@@ -226,10 +229,71 @@ def run(name: str) -> dict:
                                      "stale_diff": (stale - full).abs().max().item(),
                                      "logit_scale": full.abs().max().item()})
     dist.barrier()
+    if name == "gpt_tp2":
+        result["errors"] = probe_errors(model)
     return result
 
 
+def probe_errors(model) -> dict:
+    """What describe says about models it cannot express (each probe undone before the next)."""
+    from layoutlang.bridges import megatron as bridge
+
+    def message(**kwargs) -> str:
+        try:
+            bridge.describe(model, **kwargs)
+        except bridge.BridgeError as exc:
+            return f"BridgeError: {exc.message} | help: {exc.help}"
+        except Exception as exc:  # noqa: BLE001 - the test says which kind it expected
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    out = {}
+    mlp = model.decoder.layers[1].mlp
+    mlp.extra_scale = torch.nn.Parameter(torch.ones(H))        # a parameter no HF key is known for
+    out["unknown_parameter"] = message(vocab_size=V)
+    del mlp.extra_scale
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+    qkv.partition_dim = 1                                       # attributes that contradict the role
+    out["wrong_partition_dim"] = message(vocab_size=V)
+    qkv.partition_dim = 0
+    fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
+    fc1.partition_stride = 3
+    out["impossible_stride"] = message(vocab_size=V)
+    fc1.partition_stride = 2
+    out["vocab_too_large"] = message(vocab_size=V_PADDED + 1)
+    out["unknown_family"] = message(vocab_size=V, family="mixtrl")
+    out["after_probes"] = message(vocab_size=V)                 # every probe undone: describes again
+    return out
+
+
+def _exit_with_launcher() -> None:
+    """Die with the test that launched us (parent-death signal, and a watch on the parent)."""
+    import threading
+    import time
+
+    parent = int(os.environ.get("MEGATRON_TEST_PARENT", "0"))
+    if not parent:
+        return
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(name: str, out_dir: str) -> int:
+    _exit_with_launcher()
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     result: dict = {"rank": rank}
