@@ -21,36 +21,41 @@ stored.
 source) or writes in place (as a destination): parameters detached (same
 storage), persistent buffers as they are.
 
+A model whose parameters are DTensors (FSDP2 `fully_shard`, a TP plan applied
+with `parallelize_module`) is sharded: `describe` and `tensors` hand it to the
+DTensor bridge (layoutlang.bridges.dtensor), which writes each parameter's
+placements; this bridge supplies the keys and, for stacked experts, the part
+keys and stacked dims of each parameter (`dtensor.Form`).
+
 transformers and torch are imported inside the calls: importing this module
 needs neither.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import replace
 
-from .families import BridgeError, ConfigError, document, model_from_config, render_document, with_dtypes
+from .families import (BridgeError, ConfigError, document, model_from_config, render_document, statement_at,
+                       with_dtypes)
 
 TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch.<name> -> layout dtype
 
 
 def describe(model, *, at: int = 0) -> str:
-    """The `.layout` text of `model`, held whole by rank `at` (one rank: `mesh hf (dp=DP) at AT`)."""
-    sharded = _dtensor_bridge(model, "describe")
-    if sharded is not None:
-        return sharded
+    """The `.layout` text of `model`, held whole by rank `at` (one rank: `mesh hf (dp=DP) at AT`).
+
+    A model whose parameters are DTensors (FSDP2, a TP plan applied) is sharded:
+    the DTensor bridge writes its placements, with this bridge's keys (`at` is
+    then the DeviceMesh's).
+    """
+    if _sharded(model):
+        return _describe_dtensors(model)
     stored = _stored(model)
     kind = type(model).__name__
-    config = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "torch_dtype")}
-    try:
-        spec = model_from_config(config, source=f"{kind}.config")
-    except ConfigError as e:
-        raise BridgeError(e.message, help=e.help) from None
-    # what is actually stored: tied embeddings are one parameter (named_parameters drops the alias)
-    spec = replace(spec, tied="lm_head.weight" not in stored)
-    doc = document(spec, "hf-memory", {"AT": at})
-    doc = replace(doc, comments=(f"{spec.model_type} ({kind}) held whole on rank {at}, described by",
+    doc = _document(model, tied="lm_head.weight" not in stored, at=at)
+    doc = replace(doc, comments=(f"{doc.name.removesuffix('_hf_memory')} ({kind}) held whole on rank {at}, described by",
                                  "layoutlang.bridges.hf.describe: NAMEs are its in-memory names, keys the HF",
                                  "checkpoint names of the unfused, per-expert weights (LANGUAGE.md 8).") + doc.comments[4:])
     text, where = render_document(doc)
@@ -61,10 +66,20 @@ def describe(model, *, at: int = 0) -> str:
 
 def tensors(model) -> dict:
     """Name -> tensor for every tensor `describe(model)` lists (same storage as the model's)."""
-    sharded = _dtensor_bridge(model, "tensors")
-    if sharded is not None:
-        return sharded
+    if _sharded(model):
+        return _dtensor_module().tensors(model)
     return _stored(model)
+
+
+def _document(model, *, tied: bool, at: int = 0):
+    """The hf-memory Document of `model` from its config; tiedness as stored (named_parameters
+    lists a tied lm_head once, under the embedding's name)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "torch_dtype")}
+    try:
+        spec = model_from_config(config, source=f"{type(model).__name__}.config")
+    except ConfigError as e:
+        raise BridgeError(e.message, help=e.help) from None
+    return document(replace(spec, tied=tied), "hf-memory", {"AT": at})
 
 
 def _stored(model) -> dict:
@@ -108,14 +123,14 @@ def _check(text: str, where: dict, stored: dict, kind: str) -> dict[tuple[int, .
         path = where[t.span.line]
         found.setdefault(path, {})[t.name] = _layout_dtype(t.name, stored[t.name])
     out = {}
-    for path, by_name in found.items():
-        kinds = sorted(set(by_name.values()))
-        if len(kinds) > 1:
-            first = {d: n for n, d in by_name.items()}
-            raise BridgeError(f"{kind} stores `{first[kinds[0]]}` as {kinds[0]} but `{first[kinds[1]]}` as "
-                              f"{kinds[1]}: one statement of the layout cannot say both",
+    for path, by_name in found.items():  # instances in file order
+        (first, dtype), *rest = by_name.items()
+        other = next(((n, d) for n, d in rest if d != dtype), None)
+        if other is not None:
+            raise BridgeError(f"{kind} stores `{first}` as {dtype} but `{other[0]}` as {other[1]}: one "
+                              "statement of the layout cannot say both",
                               help="cast the model to one dtype per kind of weight")
-        out[path] = kinds[0]
+        out[path] = dtype
     return out
 
 
@@ -123,24 +138,97 @@ def _layout_dtype(name: str, tensor) -> str | None:
     return TORCH_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
 
 
-def _dtensor_bridge(model, what: str):
-    """A model whose parameters are DTensors is sharded: the DTensor bridge describes it."""
+def _sharded(model) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without DTensor has none to find
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _dtensor_module():
+    """layoutlang.bridges.dtensor, which describes sharded models (a BridgeError where it is missing)."""
+    try:
+        from . import dtensor
+    except ImportError:
+        raise BridgeError("the model's parameters are DTensors: it is sharded, and the HF bridge describes a "
+                          "model held whole on one rank",
+                          help="the DTensor bridge (layoutlang.bridges.dtensor) describes sharded models; gather "
+                               "the model onto one rank (full_tensor()) to use this one") from None
+    return dtensor
+
+
+def _describe_dtensors(model) -> str:
+    """A sharded HF model through the DTensor bridge: its placements, this bridge's keys and forms.
+
+    The hf-memory Document says, per parameter, its key, or (stacked experts,
+    part keys, transposed storage) the form of its dims; the DTensor bridge adds
+    each dim's cut from the placements. Persistent buffers are not DTensors and
+    are not described.
+    """
+    dtensor = _dtensor_module()
+    kind = type(model).__name__
+    params = dict(model.named_parameters())
+    plain = {dtensor.key_of(n): n for n in params}
+    doc = _document(model, tied="lm_head.weight" not in plain)
+    text, where = render_document(doc)
+    from layoutlang import loads
+
+    layout = loads(text, f"<describe {kind}>")
+    described = {t.name: t for t in layout.tensors}
+    consts = _const_values(doc.consts)
+    keys: dict[str, str] = {}
+    forms: dict[str, object] = {}
+    for name, pname in plain.items():
+        t = described.get(name)
+        p = params[pname]
+        if t is None:
+            raise BridgeError(f"{kind} stores `{pname}` {list(p.shape)}, which the {layout.name} layout does not "
+                              "describe", help="describe() knows the *ForCausalLM models of the families in "
+                                               "layoutlang.bridges.families.FAMILIES as transformers 5 builds them")
+        if tuple(p.shape) != t.logical_shape:
+            raise BridgeError(f"{kind} stores `{pname}` with global shape {list(p.shape)}, the layout says "
+                              f"{list(t.logical_shape)}", help="the model's config does not match its parameters")
+        if t.regions is None:
+            keys[pname] = t.key
+            continue
+        stmt = statement_at(doc, where[t.span.line])
+        layer = _layer_of(stmt.name, name)
+        dims = tuple(_concrete(d, consts, layer) if ("(" in d or " in " in d) else str(p.shape[i])
+                     for i, d in enumerate(stmt.dims))
+        key = _concrete(stmt.key, consts, layer) if stmt.key is not None and stmt.key != stmt.name else None
+        forms[pname] = dtensor.Form(key, dims, stmt.transposed)
+    missing = [n for n in described if n not in plain]
+    if missing:
+        raise BridgeError(f"the layout describes `{missing[0]}` but {kind} has no such parameter",
+                          help="the model's config does not match its parameters")
+    return dtensor.describe(model, keys=keys, forms=lambda pname, p: forms.get(pname), name=layout.name)
+
+
+def _const_values(consts: tuple[str, ...]) -> dict[str, str]:
+    """`("L = 2, H = 64", ...)` -> {"L": "2", "H": "64"} (the Document's consts are integers)."""
+    out = {}
+    for line in consts:
+        for binding in line.split(", "):
+            name, _, value = binding.partition(" = ")
+            out[name] = value.replace("_", "")
+    return out
+
+
+def _concrete(text: str, consts: dict[str, str], layer: int | None) -> str:
+    """A dim or key of a statement for one layer: `{l}` and the consts replaced by their values."""
+    if layer is not None:
+        text = text.replace("{l}", str(layer))
+    return re.sub(r"\b[A-Z][A-Z0-9_]*\b", lambda m: consts.get(m.group(), m.group()), text)
+
+
+def _layer_of(template: str, name: str) -> int | None:
+    """The layer number `{l}` takes in `template` to give `name`."""
+    if "{l}" not in template:
         return None
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            try:
-                from . import dtensor
-            except ImportError:
-                raise BridgeError(
-                    f"`{name}` is a DTensor ({', '.join(map(str, p.placements))} on {p.device_mesh}): the model is "
-                    "sharded, and the HF bridge describes a model held whole on one rank",
-                    help="the DTensor bridge (layoutlang.bridges.dtensor) describes sharded models; gather "
-                         "the model onto one rank (full_tensor()) to use this one") from None
-            return getattr(dtensor, what)(model)
-    return None
+    match = re.fullmatch(re.escape(template).replace(re.escape("{l}"), r"(\d+)"), name)
+    assert match is not None, (template, name)
+    return int(match.group(1))
 
 
 __all__ = ["describe", "tensors", "BridgeError"]
