@@ -25,6 +25,7 @@ import os
 import sys
 import traceback
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 
 warnings.filterwarnings("ignore")
@@ -33,123 +34,167 @@ import torch
 import torch.distributed as dist
 
 # Model sizes (fp32). GQA: 4 query heads in 2 groups of head size 8.
-L, H, F, Q, KV, D = 2, 32, 64, 4, 2, 8
+H, F, Q, KV, D = 32, 64, 4, 2, 8
 V, V_PADDED = 90, 128          # the true (HF) vocabulary and Megatron's padded one
-E, TOPK, I = 4, 2, 16          # MoE: experts, routed per token, expert FFN size
+E, TOPK, I, FS = 4, 2, 16, 24  # MoE: experts, routed per token, expert FFN size, shared expert FFN size
 EPS, ROPE_BASE = 1e-6, 10000.0
 SEQ, BATCH = 12, 2
 STEPS = 3                      # refits; an optimizer step before each but the first
 
 
-def scenario_sizes(name: str) -> dict:
-    return {"gpt_tp2": dict(tp=2, pp=1, ep=1, moe=False),
-            "moe_ep2": dict(tp=1, pp=1, ep=2, moe=True),
-            "gpt_tp2_pp2": dict(tp=2, pp=2, ep=1, moe=False),
-            "gpt_tp2_dp2": dict(tp=2, pp=1, ep=1, moe=False)}[name]
+@dataclass(frozen=True)
+class Scenario:
+    """A trainer (parallel sizes, model family, layers) and the HF engine it refits."""
+
+    tp: int
+    pp: int
+    ep: int
+    family: str                 # llama | qwen3_moe | qwen2_moe
+    layers: int = 2
+
+    @property
+    def moe_layers(self) -> list[bool]:
+        """Which layers route to experts: all for qwen3_moe, every second one (1, 3, ...) for qwen2_moe."""
+        if self.family == "llama":
+            return [False] * self.layers
+        return [self.family == "qwen3_moe" or l % 2 == 1 for l in range(self.layers)]
 
 
-def build_megatron(tp: int, pp: int, ep: int, moe: bool):
+SCENARIOS = {
+    "gpt_tp2": Scenario(tp=2, pp=1, ep=1, family="llama"),
+    "moe_ep2": Scenario(tp=1, pp=1, ep=2, family="qwen3_moe"),
+    # Qwen2-MoE: dense and MoE layers alternate on each of 2 stages, q/k/v biases, a gated shared
+    # expert, experts split over etp=2 (Megatron's default ETP = TP)
+    "qwen2_moe_tp2_pp2": Scenario(tp=2, pp=2, ep=1, family="qwen2_moe", layers=4),
+}
+
+
+def build_megatron(s: Scenario):
     torch.cuda.current_device = lambda: "cpu"        # megatron asks for a device at build and forward
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.transformer_config import TransformerConfig
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     moe_utils.te_general_gemm = None                 # 0.16.1 calls TE's GEMM when it is not None
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
+                                 expert_model_parallel_size=s.ep)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True)
     torch.manual_seed(1234)                          # every rank the same replicated weights
-    moe_args = dict(num_moe_experts=E, moe_router_topk=TOPK, moe_ffn_hidden_size=I,
-                    moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-                    moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none") if moe else {}
+    moe = {}
+    if s.family != "llama":
+        moe = dict(num_moe_experts=E, moe_router_topk=TOPK, moe_ffn_hidden_size=I,
+                   moe_layer_freq=[int(m) for m in s.moe_layers],
+                   moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                   moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    if s.family == "qwen2_moe":  # softmax over all experts, then top-k, not renormalized
+        moe.update(moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=FS, moe_shared_expert_gate=True)
     config = TransformerConfig(
-        num_layers=L, hidden_size=H, ffn_hidden_size=F, num_attention_heads=Q, num_query_groups=KV,
+        num_layers=s.layers, hidden_size=H, ffn_hidden_size=F, num_attention_heads=Q, num_query_groups=KV,
         kv_channels=D, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", layernorm_epsilon=EPS, add_bias_linear=False, qk_layernorm=moe,
+        normalization="RMSNorm", layernorm_epsilon=EPS, add_bias_linear=False,
+        add_qkv_bias=s.family == "qwen2_moe", qk_layernorm=s.family == "qwen3_moe",
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         use_cpu_initialization=True, perform_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        init_method_std=0.05, **moe_args)
-    spec = get_gpt_layer_local_spec(num_experts=E if moe else None, qk_layernorm=moe, normalization="RMSNorm")
+        tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, expert_model_parallel_size=s.ep,
+        init_method_std=0.05, **moe)
+    if s.family == "qwen2_moe":  # layers of two kinds: the decoder block spec, sliced to this stage
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), qk_layernorm=config.qk_layernorm,
+                                        normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=V_PADDED, max_sequence_length=64,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=int(ROPE_BASE))
-    if moe:  # the same seed made every rank's local experts alike: give each global expert its own weights
-        offset = ps.get_expert_model_parallel_rank() * (E // ep)
+    if s.ep > 1:  # the same seed made every EP rank's local experts alike: give each global expert its own
+        assert ps.get_expert_tensor_parallel_world_size() == 1
+        offset = ps.get_expert_model_parallel_rank() * (E // s.ep)
         for name, p in model.named_parameters():
             if ".local_experts." in name:
-                local = int(name.split(".local_experts.")[1].split(".")[0])
-                g = torch.Generator().manual_seed(1000 + 37 * (offset + local) + len(name) + 101 * int(name.split(".")[2]))
+                layer, local = int(name.split(".")[2]), int(name.split(".local_experts.")[1].split(".")[0])
+                g = torch.Generator().manual_seed(1000 + 37 * (offset + local) + 101 * layer + len(name))
                 p.data.normal_(0.0, 0.05, generator=g)
-    return model
-
-
-def build_hf(moe: bool):
-    """The engine: an HF model of the same architecture, random weights (the refit must overwrite them)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(99)
-    rope = {"rope_type": "default", "rope_theta": ROPE_BASE}
-    if moe:
-        # Qwen3-MoE: q/k RMSNorm per head (Megatron qk_layernorm=True), softmax router, top-k renormalized
-        # (Megatron's default: softmax over the top-k logits), every layer sparse.
-        config = Qwen3MoeConfig(vocab_size=V, hidden_size=H, intermediate_size=F, moe_intermediate_size=I,
-                                num_hidden_layers=L, num_attention_heads=Q, num_key_value_heads=KV, head_dim=D,
-                                num_experts=E, num_experts_per_tok=TOPK, norm_topk_prob=True,
-                                decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=EPS,
-                                rope_parameters=rope, tie_word_embeddings=False, attention_bias=False)
-        model = Qwen3MoeForCausalLM(config)
-    else:
-        config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L,
-                             num_attention_heads=Q, num_key_value_heads=KV, head_dim=D, rms_norm_eps=EPS,
-                             rope_parameters=rope, tie_word_embeddings=False, attention_bias=False,
-                             mlp_bias=False)
-        model = LlamaForCausalLM(config)
-    config._attn_implementation = "eager"
+    # eval mode (dropout is 0 anyway): MoE refuses to train with TP > 1 without sequence parallelism,
+    # which the torch norms of the local spec do not support; gradients and steps work the same
     return model.eval()
 
 
-def hf_layout(moe: bool, at: int) -> str:
-    """The engine's layout: the HF model whole on rank `at` (hand-written; in-memory stacked experts)."""
-    try:
-        from layoutlang.bridges import hf  # noqa: F401  (the HF bridge, once it exists)
-    except ImportError:
-        hf = None
-    lines = ["layout hf_engine", f"const L = {L}, H = {H}, F = {F}, Q = {Q}, KV = {KV}, D = {D}, V = {V}, E = {E}, "
-             f"I = {I}", f"mesh hf (r=1) at {at}", "default dtype fp32",
-             "tensor model.embed_tokens.weight [V, H]", "tensor lm_head.weight [V, H]",
-             "tensor model.norm.weight [H]", "for l in 0..L {"]
-    p = "model.layers.{l}."
-    lines += [f"  tensor {p}input_layernorm.weight [H]", f"  tensor {p}post_attention_layernorm.weight [H]",
-              f"  tensor {p}self_attn.q_proj.weight [Q*D, H]", f"  tensor {p}self_attn.k_proj.weight [KV*D, H]",
-              f"  tensor {p}self_attn.v_proj.weight [KV*D, H]", f"  tensor {p}self_attn.o_proj.weight [H, Q*D]"]
-    if moe:
-        lines += [f"  tensor {p}self_attn.q_norm.weight [D]", f"  tensor {p}self_attn.k_norm.weight [D]",
-                  f"  tensor {p}mlp.gate.weight [E, H]",
-                  f"  tensor {p}mlp.experts.gate_up_proj [e in 0..E, (gate: I as {p}mlp.experts.{{e}}.gate_proj.weight"
-                  f" | up: I as {p}mlp.experts.{{e}}.up_proj.weight), H]",
-                  f"  tensor {p}mlp.experts.down_proj as {p}mlp.experts.{{e}}.down_proj.weight [e in 0..E, H, I]"]
+def build_hf(s: Scenario):
+    """The engine: an HF model of the same architecture, random weights (the refit must overwrite them)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+    torch.manual_seed(99)
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=s.layers,
+                  num_attention_heads=Q, num_key_value_heads=KV, rms_norm_eps=EPS,
+                  rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE}, tie_word_embeddings=False)
+    if s.family == "qwen3_moe":
+        # Qwen3-MoE: q/k RMSNorm per head (Megatron qk_layernorm=True), softmax router, top-k renormalized
+        # (Megatron's default: softmax over the top-k logits), every layer sparse.
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=D, moe_intermediate_size=I, num_experts=E,
+                                                   num_experts_per_tok=TOPK, norm_topk_prob=True,
+                                                   decoder_sparse_step=1, mlp_only_layers=[],
+                                                   attention_bias=False))
+    elif s.family == "qwen2_moe":
+        # Qwen2-MoE: q/k/v biases, top-k of the softmax not renormalized (Megatron moe_router_pre_softmax),
+        # shared expert scaled by sigmoid(shared_expert_gate) (Megatron moe_shared_expert_gate), dense
+        # layers where Megatron's moe_layer_freq has 0.
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, moe_intermediate_size=I, shared_expert_intermediate_size=FS, num_experts=E,
+            num_experts_per_tok=TOPK, norm_topk_prob=False, decoder_sparse_step=1, qkv_bias=True,
+            mlp_only_layers=[l for l, m in enumerate(s.moe_layers) if not m]))
     else:
-        lines += [f"  tensor {p}mlp.gate_proj.weight [F, H]", f"  tensor {p}mlp.up_proj.weight [F, H]",
-                  f"  tensor {p}mlp.down_proj.weight [H, F]"]
-    lines.append("}")
+        model = LlamaForCausalLM(LlamaConfig(**common, head_dim=D, attention_bias=False, mlp_bias=False))
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def hf_layout(s: Scenario, at: int) -> str:
+    """The engine's layout: the HF model whole on rank `at` (hand-written; in-memory stacked experts)."""
+    lines = ["layout hf_engine", f"const H = {H}, F = {F}, Q = {Q}, KV = {KV}, D = {D}, V = {V}, E = {E}, "
+             f"I = {I}, FS = {FS}", f"mesh hf (r=1) at {at}", "default dtype fp32",
+             "tensor model.embed_tokens.weight [V, H]", "tensor lm_head.weight [V, H]",
+             "tensor model.norm.weight [H]"]
+    p = "model.layers.{l}."
+    for l, routed in enumerate(s.moe_layers):
+        lines.append(f"for l in {l}..{l + 1} {{")
+        lines += [f"  tensor {p}input_layernorm.weight [H]", f"  tensor {p}post_attention_layernorm.weight [H]",
+                  f"  tensor {p}self_attn.q_proj.weight [Q*D, H]", f"  tensor {p}self_attn.k_proj.weight [KV*D, H]",
+                  f"  tensor {p}self_attn.v_proj.weight [KV*D, H]", f"  tensor {p}self_attn.o_proj.weight [H, Q*D]"]
+        if s.family == "qwen3_moe":
+            lines += [f"  tensor {p}self_attn.q_norm.weight [D]", f"  tensor {p}self_attn.k_norm.weight [D]"]
+        if s.family == "qwen2_moe":
+            lines += [f"  tensor {p}self_attn.q_proj.bias [Q*D]", f"  tensor {p}self_attn.k_proj.bias [KV*D]",
+                      f"  tensor {p}self_attn.v_proj.bias [KV*D]"]
+        if routed:
+            lines += [f"  tensor {p}mlp.gate.weight [E, H]",
+                      f"  tensor {p}mlp.experts.gate_up_proj [e in 0..E, (gate: I as "
+                      f"{p}mlp.experts.{{e}}.gate_proj.weight | up: I as {p}mlp.experts.{{e}}.up_proj.weight), H]",
+                      f"  tensor {p}mlp.experts.down_proj as {p}mlp.experts.{{e}}.down_proj.weight [e in 0..E, H, I]"]
+        if s.family == "qwen2_moe" and routed:
+            lines += [f"  tensor {p}mlp.shared_expert.gate_proj.weight [FS, H]",
+                      f"  tensor {p}mlp.shared_expert.up_proj.weight [FS, H]",
+                      f"  tensor {p}mlp.shared_expert.down_proj.weight [H, FS]",
+                      f"  tensor {p}mlp.shared_expert_gate.weight [1, H]"]
+        if not routed:
+            lines += [f"  tensor {p}mlp.gate_proj.weight [F, H]", f"  tensor {p}mlp.up_proj.weight [F, H]",
+                      f"  tensor {p}mlp.down_proj.weight [H, F]"]
+        lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def megatron_logits(model, tokens, sizes):
+def megatron_logits(model, tokens, s: Scenario):
     """Full-vocabulary logits [B, S, V] on the last pipeline stage's ranks (None elsewhere)."""
     from megatron.core import parallel_state as ps
 
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]  # True: not attended
-    pp = sizes["pp"]
-    if pp > 1:  # a hand-made two-stage pipeline: stage 0 sends its hidden states to stage 1
+    if s.pp > 1:  # a hand-made two-stage pipeline: stage 0 sends its hidden states to stage 1
         if ps.is_pipeline_first_stage():
             hidden = model(tokens, position_ids, mask)
             dist.send(hidden.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
@@ -159,7 +204,7 @@ def megatron_logits(model, tokens, sizes):
         hidden.requires_grad_(True)
         model.set_input_tensor(hidden)
     local = model(tokens, position_ids, mask)        # [B, S, V_PADDED / tp]
-    parts = [torch.empty_like(local) for _ in range(sizes["tp"])]
+    parts = [torch.empty_like(local) for _ in range(s.tp)]
     dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1)[..., :V], local
 
@@ -199,18 +244,18 @@ def run(name: str) -> dict:
     from layoutlang.bridges import megatron as bridge
     from layoutlang.runtime import Refitter
 
-    sizes = scenario_sizes(name)
+    s = SCENARIOS[name]
     rank = dist.get_rank()
-    model = build_megatron(**sizes)
+    model = build_megatron(s)
     text = bridge.describe(model, vocab_size=V)
     result = {"text": text, "groups": groups(), "refits": [],
               "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
               "tensors_are_views": all(t.data_ptr() == p.data_ptr() for t, p in
                                        zip(bridge.tensors(model).values(), model.parameters()))}
     # the engine sits on the rank that sees the full logits (the last pipeline stage's first rank)
-    at = dist.get_world_size() - sizes["tp"] if sizes["pp"] > 1 else 0
-    engine = build_hf(sizes["moe"]) if rank == at else None
-    plan = compile_plan(loads(text, path="<megatron>"), loads(hf_layout(sizes["moe"], at), path="<hf>"))
+    at = dist.get_world_size() - s.tp if s.pp > 1 else 0
+    engine = build_hf(s) if rank == at else None
+    plan = compile_plan(loads(text, path="<megatron>"), loads(hf_layout(s, at), path="<hf>"))
     refitter = Refitter(plan, timeout=timedelta(seconds=60), verify=True)
     torch.manual_seed(7)
     tokens = torch.randint(0, V, (BATCH, SEQ))
@@ -220,7 +265,7 @@ def run(name: str) -> dict:
             sgd_step(model, out)
         with torch.no_grad():
             stale = engine(tokens).logits if engine is not None else None
-        full, out = megatron_logits(model, tokens, sizes)
+        full, out = megatron_logits(model, tokens, s)
         refitter.refit(bridge.tensors(model), engine_tensors)
         if engine is not None:
             with torch.no_grad():

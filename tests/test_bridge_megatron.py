@@ -1,7 +1,8 @@
 """The Megatron-Core bridge against real megatron-core models (issue 11).
 
 Multi-process runs (tests/megatron_worker.py, gloo on 127.0.0.1): a tiny GPT
-(GQA, SwiGLU, RMSNorm, RoPE) at TP2, a tiny MoE at EP2 and a GPT at TP2 x PP2
+(GQA, SwiGLU, RMSNorm, RoPE) at TP2, a tiny Qwen3-style MoE at EP2 and a
+Qwen2-MoE (dense and MoE layers, shared expert) at TP2 x PP2
 are described by `layoutlang.bridges.megatron.describe`, refit into an HF
 transformers model on one rank through `compile_plan` + `Refitter`, and the
 HF logits are compared with Megatron's (gathered over TP): the independent
@@ -158,14 +159,23 @@ def test_moe_ep2_refits_into_hf_qwen3_moe_with_stacked_experts_and_the_logits_ma
 
 
 @pytest.mark.timeout(300)
-def test_gpt_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
-    results = _launch("gpt_tp2_pp2", 4, timeout=220)
+def test_qwen2_moe_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
+    # Qwen2-MoE at TP2 x PP2 (experts over etp=2): dense layers 0 and 2, MoE layers 1 and 3 (one of each
+    # per stage), q/k/v biases, a shared expert scaled by sigmoid(gate); HF Qwen2MoeForCausalLM on rank 2
+    # (the last stage's first rank, where the full logits are gathered).
+    results = _launch("qwen2_moe_tp2_pp2", 4, timeout=220)
     text = _check_run(results, engine_rank=2)
     assert "mesh train (pp=2, dp=1, tp=2)" in text
-    assert "for l in 0..L over pp {" in text
+    assert "mesh experts (pp=2, edp=1, ep=1, etp=2) at 0" in text
     assert "tensor embedding.word_embeddings.weight as model.embed_tokens.weight [V pad 128 over tp, H] at pp=0" \
         in text
     assert "tensor output_layer.weight as lm_head.weight [V pad 128 over tp, H] at pp=pp-1" in text
+    # layer 3 is the second layer of stage 1: local name 1, global key 3
+    layout = loads(text)
+    names = {t.name: t.key for t in layout.tensors if t.holds(2) and t.name.startswith("decoder.layers.1.mlp.")}
+    assert names["decoder.layers.1.mlp.shared_experts.gate_weight"] == "model.layers.3.mlp.shared_expert_gate.weight"
+    assert names["decoder.layers.1.mlp.router.weight"] == "model.layers.3.mlp.gate.weight"
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in {t.name for t in layout.tensors if t.holds(2)}
 
 
 # ---- single process: the mesh numbers ranks as Megatron does ------------------------------------

@@ -83,7 +83,7 @@ def _family(config, family: str | None) -> dict[str, str]:
         if not config.num_moe_experts:
             family = "llama"
         elif getattr(config, "moe_shared_expert_intermediate_size", None):
-            family = "qwen2_moe"
+            family = "qwen2_moe" if getattr(config, "moe_shared_expert_gate", False) else "deepseek_v3"
         elif config.qk_layernorm:
             family = "qwen3_moe"
         else:
@@ -235,6 +235,8 @@ def _layer_role(rel: str, keys: dict[str, str], gated: bool) -> Role | None:
         return Role(("E", "H"), pre + keys["router"] + ".weight", None)
     if rel == "mlp.router.bias":
         return Role(("E",), pre + keys["router"] + ".bias", None)
+    if rel == "mlp.router.expert_bias":   # a buffer (aux-loss-free balancing), the engine routes with it
+        return Role(("E",), pre + keys["router"] + ".e_score_correction_bias", None)
     if rel == "mlp.shared_experts.gate_weight":
         return Role(("1", "H"), pre + keys["shared_expert_gate"] + ".weight", None)
     for prefix, ext, kind, expert in (("mlp.", "F", "", False), ("mlp.shared_experts.", "FS", "shared_", False),
@@ -294,6 +296,17 @@ def _unwrap(model):
     return model
 
 
+# Buffers that are weights: an engine needs them to compute what the trainer computes.
+_WEIGHT_BUFFERS = re.compile(r"decoder\.layers\.\d+\.mlp\.router\.expert_bias")
+
+
+def _weights(model) -> dict:
+    """Every parameter, and the buffers that are weights (`_WEIGHT_BUFFERS`), by local name."""
+    out = dict(model.named_parameters())
+    out.update((n, b) for n, b in model.named_buffers() if _WEIGHT_BUFFERS.fullmatch(n))
+    return out
+
+
 def _dtype(name: str, p) -> str:
     d = _DTYPES.get(str(p.dtype))
     if d is None:
@@ -326,13 +339,14 @@ class _Param:
     split: int | None  # the dim split over tp/etp, from the parameter's attributes
 
 
-def _check_attributes(name: str, p, role: Role, tp: int, etp: int) -> int | None:
+def _check_attributes(name: str, p, role: Role, tp: int, etp: int, ep: int) -> int | None:
     """The dim the parameter's attributes split; errors where they contradict its role."""
     is_tp = bool(getattr(p, "tensor_model_parallel", False))
     allreduce = getattr(p, "allreduce", True)
-    if role.expert and allreduce is not False:
+    # Megatron: allreduce = not (is_expert and expert_model_parallel_size > 1)
+    if role.expert and ep > 1 and allreduce is not False:
         raise BridgeError(f"parameter `{name}` is an expert weight but its `allreduce` attribute is {allreduce!r} "
-                          "(Megatron marks expert-parallel weights allreduce=False)")
+                          f"(Megatron marks expert weights allreduce=False when ep={ep} > 1)")
     if not role.expert and allreduce is False:
         raise BridgeError(f"parameter `{name}` is marked expert-parallel (allreduce=False) but is not an expert "
                           "weight; the bridge cannot place it on the expert mesh")
@@ -407,7 +421,7 @@ def describe(model, *, vocab_size: int | None = None, name: str = "megatron", fa
     gated = bool(config.gated_linear_unit)
 
     # ---- what this rank holds, by layer and outside layers
-    params = dict(model.named_parameters())
+    params = _weights(model)
     offset, count = stages[pp_rank]
     layers: dict[int, dict[str, tuple[str, object, int | None]]] = {}
     top: dict[str, object] = {}
@@ -444,7 +458,7 @@ def describe(model, *, vocab_size: int | None = None, name: str = "megatron", fa
                     raise BridgeError(f"parameter `{pname}`: layer {offset + local} holds local experts {ids}; "
                                       f"{E} experts over ep={ep} give each rank 0..{E // ep - 1}")
             dtypes = {_dtype(n, q) for n, q, _ in held}
-            splits = {_check_attributes(n, q, role, tp, etp) for n, q, _ in held}
+            splits = {_check_attributes(n, q, role, tp, etp, ep) for n, q, _ in held}
             if len(dtypes) > 1 or len(splits) > 1:
                 raise BridgeError(f"parameter `{pname}`: the local experts of layer {offset + local} differ in "
                                   f"dtype or split ({sorted(dtypes)}, {sorted(map(str, splits))})")
@@ -504,7 +518,7 @@ def describe(model, *, vocab_size: int | None = None, name: str = "megatron", fa
         dtype, split = default, role.split if tp > 1 else None
         if pname in top:
             dtype = _dtype(pname, top[pname])
-            split = _check_attributes(pname, top[pname], role, tp, etp)
+            split = _check_attributes(pname, top[pname], role, tp, etp, ep)
             if dtype != default:
                 raise BridgeError(f"parameter `{pname}` is {dtype} but config.params_dtype is {default}; other "
                                   "stages cannot see its dtype", help="keep it in config.params_dtype")
@@ -676,5 +690,6 @@ def _check_against_model(text: str, params: dict, rank: int) -> None:
 
 
 def tensors(model) -> dict:
-    """This rank's parameters by layout NAME: the `.data` of each (views, no copies)."""
-    return {n: p.data for n, p in _unwrap(model).named_parameters()}
+    """This rank's weights by layout NAME: the `.data` of each parameter (views, no copies), and
+    the buffers the layout describes (the router's `expert_bias`)."""
+    return {n: p.data for n, p in _weights(_unwrap(model)).items()}
