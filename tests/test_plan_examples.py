@@ -16,26 +16,39 @@ the refit DESIGN.md is about. Here:
 - the simulator itself rejects broken plans (a dropped, duplicated or shifted
   op, wrong bytes, a slice into padding, a rank that lacks the tensor).
 
+Keys follow the HF-key convention (LANGUAGE.md 8): the trainer's fused
+linear_qkv and linear_fc1 and the engine's qkv_proj and gate_up_proj carry part
+keys (q_proj | k_proj | v_proj, gate_proj | up_proj), and one op never mixes
+two keys, so the counts below are per HF key.
+
 Op counts for the real pair (per layer, 4 destination ranks = dp 2 x tp 2):
-    norms [H], replicated everywhere -> [H]          1 op per rank      4
-    linear_fc2 [H chunk gtp, F over tp] -> [H, F over tp]:
+    norms [H], replicated everywhere -> [H]          1 op per rank      4 each
+    down_proj = linear_fc2 [H chunk gtp, F over tp] -> [H, F over tp]:
         a TP2 rank's F/2 columns are 4 source TP slices, its H rows 2 GTP
         chunks: 4 x 2 source shards, none mergeable   8 per rank       32
-    linear_proj [H chunk gtp, Q*D over tp]: the same                    32
+    o_proj = linear_proj [H chunk gtp, Q*D over tp]: the same           32
     linear_fc1 [(gate: F | up: F) over tp chunk gtp, H]: a source TP
         slice is (F/8 gate | F/8 up), chunk 0 = gate, chunk 1 = up; a
-        TP2 rank needs 4 gate + 4 up pieces           8 per rank       32
+        TP2 rank needs 4 gate + 4 up pieces:
+        gate_proj                                     4 per rank       16
+        up_proj                                       4 per rank       16
     linear_qkv [(KV, (q: 512 | k: 128 | v: 128)) over tp chunk gtp
         align 16, H], KV = TP = 8: a source TP slice is one group (768
         rows, no align padding), chunk 0 = q[0:384], chunk 1 = q[384:512]
-        | k | v; a TP2 rank needs 4 groups x 4 pieces  16 per rank      64
+        | k | v; a TP2 rank needs 4 groups, each 2 q pieces (one per
+        chunk, on two ranks), 1 k piece and 1 v piece:
+        q_proj                                        8 per rank       32
+        k_proj, v_proj                                4 per rank       16 each
                                                        per layer       168
-    embedding / output [V pad 128*TP over tp, H] -> [V pad 64 over tp, H]:
+    embed_tokens / lm_head [V pad 128*TP over tp, H] -> [V pad 64 over tp, H]:
         source TP slices of 16128 rows (the last 15360 data); TP2 halves
         of 64128 rows: rank 0 <- slices 0-3, rank 1 <- slices 3-7,
         9 pieces per dp replica, x 2                                   18 each
     final norm                                                          4
     total 32 x 168 + 2 x 18 + 4 = 5416
+(With Megatron names as keys, as before the convention, linear_qkv was one key
+of 64 ops and linear_fc1 one of 32: the same pieces, the same 5416 ops; the
+per-key split changes no op, since no piece ever straddled a part boundary.)
 """
 
 from __future__ import annotations
@@ -93,9 +106,17 @@ def test_examples_use_the_sizes_assumed_here():
     """The hand-derived counts below assume the shipped constants and args."""
     for path in (TRAIN, INFER, OFFSET):
         layout = layoutlang.load(path)
-        emb = next(t for t in layout.tensors if t.key == "embedding.word_embeddings.weight")
+        emb = next(t for t in layout.tensors if t.key == "model.embed_tokens.weight")
         assert emb.logical_shape == (REAL["V"], REAL["H"]), path.name
-        assert sum(1 for t in layout.tensors if t.key.endswith("mlp.linear_fc2.weight")) == REAL["L"]
+        # the HF checkpoint's keys: embed, lm_head, final norm + per layer 2 norms, q, k, v, o,
+        # gate, up, down
+        keys = set(layout.key_index)
+        assert len(keys) == 3 + 9 * REAL["L"], path.name
+        assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= keys
+        assert {k for k in keys if k.startswith("model.layers.7.")} == {
+            f"model.layers.7.{s}.weight" for s in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                                                   "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert dict(layoutlang.load(TRAIN).args) == {"TP": 8, "GTP": 2, "DP": 4}
     assert layoutlang.load(TRAIN).ranks == 64
     assert [(a.name, a.size) for a in layoutlang.load(INFER).meshes[0].axes] == [("dp", 2), ("tp", 2)]
@@ -157,20 +178,24 @@ def _ops(plan, key: str):
 @pytest.mark.parametrize("name", DESTINATIONS)
 def test_real_op_counts(real_plans, name):
     plan, _ = real_plans[name]
-    per_layer = {"input_layernorm.weight": 4, "pre_mlp_layernorm.weight": 4,
-                 "self_attention.linear_qkv.weight": 64, "self_attention.linear_proj.weight": 32,
-                 "mlp.linear_fc1.weight": 32, "mlp.linear_fc2.weight": 32}
+    per_layer = {"input_layernorm.weight": 4, "post_attention_layernorm.weight": 4,
+                 "self_attn.q_proj.weight": 32, "self_attn.k_proj.weight": 16, "self_attn.v_proj.weight": 16,
+                 "self_attn.o_proj.weight": 32,
+                 "mlp.gate_proj.weight": 16, "mlp.up_proj.weight": 16, "mlp.down_proj.weight": 32}
     assert sum(per_layer.values()) == 168
     for l in (0, 17, 31):
         for suffix, n in per_layer.items():
-            assert len(_ops(plan, f"decoder.layers.{l}.{suffix}")) == n, (l, suffix)
-    assert len(_ops(plan, "embedding.word_embeddings.weight")) == 18
-    assert len(_ops(plan, "output_layer.weight")) == 18
+            assert len(_ops(plan, f"model.layers.{l}.{suffix}")) == n, (l, suffix)
+    # a fused tensor's ops name it whole on both sides, each carrying one of its part keys
+    qkv = [op for op in plan.ops if op.dst_name == "model.layers.3.self_attn.qkv_proj.weight"]
+    assert len(qkv) == 64 and {op.src_name for op in qkv} == {"decoder.layers.3.self_attention.linear_qkv.weight"}
+    assert len(_ops(plan, "model.embed_tokens.weight")) == 18
+    assert len(_ops(plan, "lm_head.weight")) == 18
     assert len(plan.ops) == 32 * 168 + 2 * 18 + 4 == 5416
 
 
 @pytest.mark.parametrize("name", DESTINATIONS)
-@pytest.mark.parametrize("key", ["decoder.final_layernorm.weight", "decoder.layers.5.input_layernorm.weight"])
+@pytest.mark.parametrize("key", ["model.norm.weight", "model.layers.5.input_layernorm.weight"])
 def test_replicated_norm_is_one_op_per_destination_rank(real_plans, name, key):
     plan, _ = real_plans[name]
     ops = _ops(plan, key)
@@ -185,13 +210,13 @@ def test_replicated_norm_is_one_op_per_destination_rank(real_plans, name, key):
 
 
 @pytest.mark.parametrize("name", DESTINATIONS)
-@pytest.mark.parametrize("weight, cols", [("mlp.linear_fc2.weight", REAL["F"]),
-                                          ("self_attention.linear_proj.weight", REAL["Q"] * REAL["D"])])
+@pytest.mark.parametrize("weight, cols", [("mlp.down_proj.weight", REAL["F"]),
+                                          ("self_attn.o_proj.weight", REAL["Q"] * REAL["D"])])
 def test_gtp_tp8_to_tp2_plain_weight(real_plans, name, weight, cols):
     """[H chunk gtp, C over tp] (TP8 x GTP2) -> [H, C over tp] (TP2): 8 whole source shards per rank."""
     plan, _ = real_plans[name]
     H, offset = REAL["H"], 0 if name == "collocated" else 64
-    ops = _ops(plan, f"decoder.layers.3.{weight}")
+    ops = _ops(plan, f"model.layers.3.{weight}")
     assert len(ops) == 32
     rows, width = H // 2, cols // 8
     for dst_rank in range(offset, offset + 4):
@@ -241,8 +266,8 @@ def test_small_copy_executes_exactly_once(small_train, name, selector):
     check_stats(plan, report)
     check_plan_views(plan, range(plan.world))
     # the small copy keeps the hand-derived structure of the plain GTP weight
-    assert report.ops_per_key["decoder.layers.1.mlp.linear_fc2.weight"] == 32
-    assert report.ops_per_key["decoder.final_layernorm.weight"] == 4
+    assert report.ops_per_key["model.layers.1.mlp.down_proj.weight"] == 32
+    assert report.ops_per_key["model.norm.weight"] == 4
 
 
 def test_small_copy_with_other_args():
@@ -358,7 +383,7 @@ def test_simulator_rejects_broken_plans(small_pair):
     shifted = dataclasses.replace(op, src_slice=((a - 1, b - 1), *rest))
     _fails(src, dst, ops[:i] + [shifted] + ops[i + 1:], "wrong value")
     # a slice reaching into padding on both sides: the vocabulary tail
-    key = "embedding.word_embeddings.weight"
+    key = "model.embed_tokens.weight"
     i, op = next((i, o) for i, o in enumerate(ops) if o.key == key and o.dst_slice[0][1] == 488)
     (sa, sb), scols = op.src_slice
     (da, db), dcols = op.dst_slice
