@@ -8,7 +8,8 @@ of issue 11: `torch.cuda.current_device` returns "cpu", the inference RNG
 tracker, MoE through the allgather dispatcher without grouped GEMM and
 without TE's GEMM, every fusion off), describes it with
 `layoutlang.bridges.megatron.describe`, refits an HF transformers model held
-on one rank through `compile_plan` + `Refitter`, and compares the HF logits
+on one rank (described by `layoutlang.bridges.hf.describe`) through
+`compile_plan` + `Refitter`, and compares the HF logits
 with Megatron's (gathered over TP) after every refit. Between refits the
 trainer takes an SGD step, so each refit must carry new weights.
 
@@ -154,40 +155,6 @@ def build_hf(s: Scenario):
     return model.eval()
 
 
-def hf_layout(s: Scenario, at: int) -> str:
-    """The engine's layout: the HF model whole on rank `at` (hand-written; in-memory stacked experts)."""
-    lines = ["layout hf_engine", f"const H = {H}, F = {F}, Q = {Q}, KV = {KV}, D = {D}, V = {V}, E = {E}, "
-             f"I = {I}, FS = {FS}", f"mesh hf (r=1) at {at}", "default dtype fp32",
-             "tensor model.embed_tokens.weight [V, H]", "tensor lm_head.weight [V, H]",
-             "tensor model.norm.weight [H]"]
-    p = "model.layers.{l}."
-    for l, routed in enumerate(s.moe_layers):
-        lines.append(f"for l in {l}..{l + 1} {{")
-        lines += [f"  tensor {p}input_layernorm.weight [H]", f"  tensor {p}post_attention_layernorm.weight [H]",
-                  f"  tensor {p}self_attn.q_proj.weight [Q*D, H]", f"  tensor {p}self_attn.k_proj.weight [KV*D, H]",
-                  f"  tensor {p}self_attn.v_proj.weight [KV*D, H]", f"  tensor {p}self_attn.o_proj.weight [H, Q*D]"]
-        if s.family == "qwen3_moe":
-            lines += [f"  tensor {p}self_attn.q_norm.weight [D]", f"  tensor {p}self_attn.k_norm.weight [D]"]
-        if s.family == "qwen2_moe":
-            lines += [f"  tensor {p}self_attn.q_proj.bias [Q*D]", f"  tensor {p}self_attn.k_proj.bias [KV*D]",
-                      f"  tensor {p}self_attn.v_proj.bias [KV*D]"]
-        if routed:
-            lines += [f"  tensor {p}mlp.gate.weight [E, H]",
-                      f"  tensor {p}mlp.experts.gate_up_proj [e in 0..E, (gate: I as "
-                      f"{p}mlp.experts.{{e}}.gate_proj.weight | up: I as {p}mlp.experts.{{e}}.up_proj.weight), H]",
-                      f"  tensor {p}mlp.experts.down_proj as {p}mlp.experts.{{e}}.down_proj.weight [e in 0..E, H, I]"]
-        if s.family == "qwen2_moe" and routed:
-            lines += [f"  tensor {p}mlp.shared_expert.gate_proj.weight [FS, H]",
-                      f"  tensor {p}mlp.shared_expert.up_proj.weight [FS, H]",
-                      f"  tensor {p}mlp.shared_expert.down_proj.weight [H, FS]",
-                      f"  tensor {p}mlp.shared_expert_gate.weight [1, H]"]
-        if not routed:
-            lines += [f"  tensor {p}mlp.gate_proj.weight [F, H]", f"  tensor {p}mlp.up_proj.weight [F, H]",
-                      f"  tensor {p}mlp.down_proj.weight [H, F]"]
-        lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
 def megatron_logits(model, tokens, s: Scenario):
     """Full-vocabulary logits [B, S, V] on the last pipeline stage's ranks (None elsewhere)."""
     from megatron.core import parallel_state as ps
@@ -241,7 +208,7 @@ def groups() -> dict:
 
 def run(name: str) -> dict:
     from layoutlang import compile_plan, loads
-    from layoutlang.bridges import megatron as bridge
+    from layoutlang.bridges import hf, megatron as bridge
     from layoutlang.runtime import Refitter
 
     s = SCENARIOS[name]
@@ -254,12 +221,13 @@ def run(name: str) -> dict:
                                        zip(bridge.tensors(model).values(), model.parameters()))}
     # the engine sits on the rank that sees the full logits (the last pipeline stage's first rank)
     at = dist.get_world_size() - s.tp if s.pp > 1 else 0
-    engine = build_hf(s) if rank == at else None
-    plan = compile_plan(loads(text, path="<megatron>"), loads(hf_layout(s, at), path="<hf>"))
+    hf_model = build_hf(s)           # every rank describes it (same text); only rank `at` holds the engine
+    engine = hf_model if rank == at else None
+    plan = compile_plan(loads(text, path="<megatron>"), loads(hf.describe(hf_model, at=at), path="<hf>"))
     refitter = Refitter(plan, timeout=timedelta(seconds=60), verify=True)
     torch.manual_seed(7)
     tokens = torch.randint(0, V, (BATCH, SEQ))
-    engine_tensors = {n: p.data for n, p in engine.named_parameters()} if engine is not None else None
+    engine_tensors = hf.tensors(engine) if engine is not None else None
     for step in range(STEPS):
         if step:
             sgd_step(model, out)

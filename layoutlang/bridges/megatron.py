@@ -41,13 +41,11 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from layoutlang.diagnostics import LayoutError, did_you_mean
+from layoutlang.diagnostics import did_you_mean
+
+from .families import BridgeError  # the bridges' one error type
 
 __all__ = ["describe", "tensors", "BridgeError", "FAMILIES"]
-
-
-class BridgeError(LayoutError):
-    """A live model holds something the bridge cannot express as a `.layout`."""
 
 
 # ---------------------------------------------------------------------------
