@@ -29,7 +29,19 @@ Which local element is which logical index comes from a *view* of a layout:
   instance with its reference instance (checked by key and name).
 - `RunsView(layout)`: for hand-written layouts (the examples). Holders come from
   `t.ranks()` and the maps from expanding `t.runs(rank)`, which
-  tests/test_runs_property.py checks against the reference.
+  tests/test_runs_property.py checks against the reference; the keys inside a
+  v2 stored tensor from the front end's `t.regions`.
+- `ModelView(layout, model)`: for random v2 layouts whose test writes down its
+  own model of every instance (`ModelInstance`: reference `Dim`s, holders, key
+  boxes as `ModelRegion`s): nothing but the pairing by name comes from the
+  front end, so stacked dims, part keys and transposed storage are checked
+  against the test's rule, not against what the compiler was given.
+
+A view says which keys a stored tensor holds (`regions(t)`: None for a v1
+tensor, one key, the whole of it). An element of a v2 tensor takes the value of
+its key at its row-major index in the key: the key's coordinates are the stored
+ones minus the box's corner, stacked dims dropped, a transposed key's two dims
+read in reverse; an element in no box is padding.
 
 `simulate` returns a `SimReport` (bytes per rank, local vs network bytes, ops
 per key) or raises AssertionError naming key, rank, tensor, local index and
@@ -49,7 +61,7 @@ with warnings.catch_warnings():  # torch warns when numpy is absent; we never us
     warnings.simplefilter("ignore")
     import torch
 
-from reference_enumerator import LayoutSpec, dim_local, instances, logical_extent
+from reference_enumerator import Dim, LayoutSpec, MeshSpec, dim_local, instances, logical_extent
 
 SENTINEL = -1e30
 WIRE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -81,6 +93,10 @@ class RunsView:
 
     def logical_shape(self, t) -> tuple[int, ...]:
         return tuple(t.logical_shape)
+
+    def regions(self, t):
+        """The keys inside a v2 stored tensor, from the front end (None: v1, the whole tensor)."""
+        return getattr(t, "regions", None)
 
     def local(self, t, rank: int) -> LocalMap:
         out: LocalMap = []
@@ -115,11 +131,74 @@ class ReferenceView:
     def logical_shape(self, t) -> tuple[int, ...]:
         return tuple(logical_extent(d.mode) for d in self._inst[id(t)].spec.dims)
 
+    def regions(self, t):
+        return None  # LayoutSpec layouts are version 1: one key per tensor
+
     def local(self, t, rank: int) -> LocalMap:
         mesh = self.spec.mesh
         coords = mesh.coords(rank)
         assert coords is not None, f"rank {rank} is outside mesh {mesh}"
         return [dim_local(d, mesh.sizes, coords) for d in self._inst[id(t)].spec.dims]
+
+
+@dataclass(frozen=True)
+class ModelRegion:
+    """One key inside a modelled v2 stored tensor (LANGUAGE.md 8), written down by a test from
+    its own rule: `box` per stored dim [lo, hi) of the stored tensor's logical coordinates,
+    `stacked` the stored dims that are stack indices, `transposed` the key's two dims stored in
+    the opposite order."""
+
+    key: str
+    box: tuple[tuple[int, int], ...]
+    stacked: tuple[int, ...] = ()
+    transposed: bool = False
+
+    @property
+    def key_shape(self) -> tuple[int, ...]:
+        shape = tuple(hi - lo for d, (lo, hi) in enumerate(self.box) if d not in self.stacked)
+        return shape[::-1] if self.transposed else shape
+
+
+@dataclass(frozen=True)
+class ModelInstance:
+    """A stored tensor instance as a test models it: its dims as reference_enumerator `Dim`s on
+    `mesh`, the ranks that hold it, and its keys (None: a v1 tensor, key `key`, the whole of it)."""
+
+    name: str
+    key: str
+    mesh: MeshSpec
+    dims: tuple[Dim, ...]
+    holders: tuple[int, ...]
+    regions: tuple[ModelRegion, ...] | None
+
+
+class ModelView:
+    """Everything from a test's own model (v2 layouts, tests/test_v2_plan_property.py): holders,
+    per-element logical indices (reference_enumerator, from the spec alone) and key boxes. The
+    front end is used only to pair each IR instance with its model, by name."""
+
+    source = "model"
+
+    def __init__(self, layout, model: Iterable[ModelInstance]):
+        self.layout = layout
+        self._inst = {m.name: m for m in model}
+        got = sorted(t.name for t in layout.tensors)
+        assert got == sorted(self._inst), f"front end and model disagree on instances: {got} vs {sorted(self._inst)}"
+
+    def holders(self, t) -> list[int]:
+        return sorted(self._inst[t.name].holders)
+
+    def logical_shape(self, t) -> tuple[int, ...]:
+        return tuple(logical_extent(d.mode) for d in self._inst[t.name].dims)
+
+    def regions(self, t):
+        return self._inst[t.name].regions
+
+    def local(self, t, rank: int) -> LocalMap:
+        m = self._inst[t.name]
+        coords = m.mesh.coords(rank)
+        assert coords is not None, f"rank {rank} is outside mesh {m.mesh}"
+        return [dim_local(d, m.mesh.sizes, coords) for d in m.dims]
 
 
 # ---------------------------------------------------------------------------
@@ -136,6 +215,7 @@ class Local:
     values: torch.Tensor
     pad: torch.Tensor
     expected: torch.Tensor
+    regions: tuple | None                 # the keys inside a v2 stored tensor (the view's), None: v1
     writes: torch.Tensor | None = None
 
     @property
@@ -198,9 +278,10 @@ def _key_strides(r) -> list[int]:
     return [strides.get(d, 0) for d in range(len(r.box))]
 
 
-def _holds_key(t, key: str) -> bool:
-    regions = getattr(t, "regions", None)
-    return t.key == key if regions is None else any(r.key == key for r in regions)
+def _holds_key(local: Local, key: str) -> bool:
+    if local.regions is None:
+        return local.tensor.key == key
+    return any(r.key == key for r in local.regions)
 
 
 def _first(mask: torch.Tensor) -> tuple[int, ...] | None:
@@ -288,9 +369,10 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
     # Logical shapes and value bases: keys in sorted order, bases cumulative. A v2 stored
     # tensor (LANGUAGE.md 8.1: `regions`) holds several keys, each a box of its logical tensor.
     def keys_of(view, t) -> list[tuple[str, tuple[int, ...]]]:
-        if getattr(t, "regions", None) is None:
+        regions = view.regions(t)
+        if regions is None:
             return [(t.key, view.logical_shape(t))]
-        return [(r.key, r.key_shape) for r in t.regions]
+        return [(r.key, r.key_shape) for r in regions]
 
     shapes: dict[str, tuple[int, ...]] = {}
     for view in (dst_view, src_view):
@@ -325,17 +407,18 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             data = [x for x in xs if x is not None]
             if any(not 0 <= x < lshape[d] for x in data) or len(set(data)) != len(data):
                 problem(f"key {t.key}: {t.name} on rank {rank}, dim {d}: bad logical map {xs}")
-        if getattr(t, "regions", None) is None:
+        regions = view.regions(t)
+        if regions is None:
             expected, pad = _materialize(maps, shapes[t.key], base[t.key])
         else:
-            expected, pad = _materialize_regions(maps, t.regions, shapes, base)
+            expected, pad = _materialize_regions(maps, regions, shapes, base)
         if is_dst:
             values = torch.full(expected.shape, SENTINEL, dtype=torch.float64)
             writes = torch.zeros(expected.shape, dtype=torch.int64)
-            return Local(t, rank, maps, values, pad, expected, writes)
+            return Local(t, rank, maps, values, pad, expected, regions, writes)
         values = expected.clone()
         values[pad] = math.nan
-        return Local(t, rank, maps, values, pad, expected)
+        return Local(t, rank, maps, values, pad, expected, regions)
 
     def store(view, is_dst: bool) -> dict[tuple[int, str], Local]:
         out: dict[tuple[int, str], Local] = {}
@@ -365,7 +448,7 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
         if d is None:
             problem(f"{where}: destination rank {op.dst_rank} holds no tensor named {op.dst_name}")
             continue
-        if not _holds_key(s.tensor, op.key) or not _holds_key(d.tensor, op.key):
+        if not _holds_key(s, op.key) or not _holds_key(d, op.key):
             problem(f"{where}: op key {op.key}, source tensor key {s.tensor.key}, "
                     f"destination tensor key {d.tensor.key}")
             continue
