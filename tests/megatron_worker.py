@@ -52,6 +52,8 @@ class Scenario:
     ep: int
     family: str                 # llama | qwen3_moe | qwen2_moe
     layers: int = 2
+    tied: bool = False          # embedding and output layer share one weight (PP=1 only: with PP > 1
+    #                             Megatron copies it to the last stage with `.cuda()`, which CPU torch lacks)
 
     @property
     def moe_layers(self) -> list[bool]:
@@ -62,7 +64,7 @@ class Scenario:
 
 
 SCENARIOS = {
-    "gpt_tp2": Scenario(tp=2, pp=1, ep=1, family="llama"),
+    "gpt_tp2": Scenario(tp=2, pp=1, ep=1, family="llama", tied=True),
     "moe_ep2": Scenario(tp=1, pp=1, ep=2, family="qwen3_moe"),
     # Qwen2-MoE: dense and MoE layers alternate on each of 2 stages, q/k/v biases, a gated shared
     # expert, experts split over etp=2 (Megatron's default ETP = TP)
@@ -110,7 +112,7 @@ def build_megatron(s: Scenario):
                                         normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=V_PADDED, max_sequence_length=64,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=s.tied, position_embedding_type="rope",
                      rotary_base=int(ROPE_BASE))
     if s.ep > 1:  # the same seed made every EP rank's local experts alike: give each global expert its own
         assert ps.get_expert_tensor_parallel_world_size() == 1
@@ -133,7 +135,7 @@ def build_hf(s: Scenario):
     torch.manual_seed(99)
     common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=s.layers,
                   num_attention_heads=Q, num_key_value_heads=KV, rms_norm_eps=EPS,
-                  rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE}, tie_word_embeddings=False)
+                  rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE}, tie_word_embeddings=s.tied)
     if s.family == "qwen3_moe":
         # Qwen3-MoE: q/k RMSNorm per head (Megatron qk_layernorm=True), softmax router, top-k renormalized
         # (Megatron's default: softmax over the top-k logits), every layer sparse.

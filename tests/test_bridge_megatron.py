@@ -114,7 +114,9 @@ def test_gpt_tp2_refits_into_hf_llama_and_the_logits_match():
     text = _check_run(results, engine_rank=0)
     # written-out expectations from the model's config (tests/megatron_worker.py)
     assert "mesh train (pp=1, dp=1, tp=2)" in text
-    assert "[V pad 128 over tp, H]" in text            # 90 rows padded to 128, split over tp
+    # 90 rows padded to 128, split over tp; tied: one weight, no output layer at PP=1
+    assert "tensor embedding.word_embeddings.weight as model.embed_tokens.weight [V pad 128 over tp, H]" in text
+    assert "output_layer" not in text and "lm_head" not in text
     assert ("[(KV, (q: QG*D as model.layers.{l}.self_attn.q_proj.weight | k: D as "
             "model.layers.{l}.self_attn.k_proj.weight | v: D as model.layers.{l}.self_attn.v_proj.weight)) "
             "over tp, H]") in text
