@@ -412,8 +412,10 @@ def cmd_new(ns, out: Console, err: Console) -> int:
     except OSError as exc:
         raise UsageError(f"-o {ns.output}: cannot write: {exc.strerror or exc}") from None
     args = ", ".join(f"{n}={v}" for n, v in layout.args)
+    first = min(m.offset for m in layout.meshes)
+    ranks = f"rank {first}" if layout.ranks - first == 1 else f"ranks {first}..{layout.ranks - 1}"
     out.print(f"wrote {ns.output}: {model.model_type} in the {ns.framework} convention, "
-              f"{len(layout.tensors)} tensor instances on {layout.ranks} rank{'s' if layout.ranks != 1 else ''} ({args}; "
+              f"{len(layout.tensors)} tensor instances on {ranks} ({args}; "
               f"change them with --set {arg_names(model, ns.framework)[0]}=...)", markup=False)
     return EXIT_OK
 

@@ -283,8 +283,19 @@ def _vllm_expected(name: str, hf_state: dict, tp: int, family: str, experts: int
     return hf_state[name]  # norms, q_norm / k_norm: whole on every rank
 
 
+def _train_step(model, vocab: int) -> None:
+    """One AdamW step on fixed data: deterministic on CPU, so every rank that runs it on the same
+    weights gets the same new weights (the engines' reference after the trainer's step)."""
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def _worker(job_path: str, out_path: str) -> int:
-    """One rank: for each model, refit HF (rank 0) -> vLLM at AT (TP2) -> a fresh HF model on rank 0."""
+    """One rank: for each model and engine position, refit HF (rank 0) -> vLLM TP2 twice, with a
+    training step on the trainer in between, then the engine -> a fresh HF model on rank 0."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -297,42 +308,49 @@ def _worker(job_path: str, out_path: str) -> int:
     rank = int(os.environ["RANK"])
     result = {"rank": rank, "ok": False, "errors": [], "checked_elements": 0, "refits": 0}
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+
+    def check_engine(engine, original, tag):
+        hf_state = {n: t.detach() for n, t in hf.tensors(original).items()}
+        for name, got in engine.items():
+            want = _vllm_expected(name, hf_state, rank - at, family, experts)
+            if not torch.equal(got, want):
+                result["errors"].append(f"{tag}: engine `{name}` on rank {rank} differs")
+            result["checked_elements"] += got.numel()
+
     try:
         for family in job["families"]:
             cfg = MODELS[family]
-            original = build(cfg, seed=1)  # every rank builds the same weights: the engines' reference
-            hf_state = {n: t.detach().clone() for n, t in hf.tensors(original).items()}
-            ids = torch.randint(0, cfg["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
-            with torch.no_grad():
-                logits = original(ids).logits
-            src_layout = loads(hf.describe(original, at=0), f"{family}_hf")
             experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+            ids = torch.randint(0, cfg["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
             for at in job["engine_at"]:
+                tag = f"{family} AT={at}"
+                # every rank builds the same weights: rank 0 trains them, the engines check against them
+                original = build(cfg, seed=1)
+                src_layout = loads(hf.describe(original, at=0), f"{family}_hf")
                 sizes = {"TP": TP, "AT": at, **({"EP": TP} if experts else {})}
                 dst_layout = loads(layout_text(cfg, "vllm", sizes), f"{family}_vllm")
-                forward = compile_plan(src_layout, dst_layout)
+                forward = Refitter(compile_plan(src_layout, dst_layout), timeout=60, verify=True)
                 engine = {t.name: torch.full(t.local_shape, float("nan")) for t in dst_layout.tensors
-                          if rank < dst_layout.ranks and t.holds(rank)}
-                Refitter(forward, timeout=60, verify=True).refit(hf.tensors(original) if rank == 0 else None,
-                                                                 engine or None)
-                for name, got in engine.items():
-                    want = _vllm_expected(name, hf_state, rank - at, family, experts)
-                    if not torch.equal(got, want):
-                        result["errors"].append(f"{family} AT={at}: engine `{name}` on rank {rank} differs")
-                    result["checked_elements"] += got.numel()
+                          if t.holds(rank)}
+                for step in range(2):
+                    if step:
+                        _train_step(original, cfg["vocab_size"])  # the trainer's step (every rank's copy)
+                    forward.refit(hf.tensors(original) if rank == 0 else None, engine or None)
+                    result["refits"] += 1
+                    check_engine(engine, original, f"{tag} step {step}")
                 fresh = build(cfg, seed=2) if rank == 0 else None
-                backward = compile_plan(dst_layout, src_layout)
-                Refitter(backward, timeout=60, verify=True).refit(engine or None,
-                                                                  hf.tensors(fresh) if rank == 0 else None)
-                result["refits"] += 2
+                backward = Refitter(compile_plan(dst_layout, src_layout), timeout=60, verify=True)
+                backward.refit(engine or None, hf.tensors(fresh) if rank == 0 else None)
+                result["refits"] += 1
                 if rank == 0:
+                    trained = hf.tensors(original)
                     for name, t in hf.tensors(fresh).items():
-                        if not torch.equal(t, hf_state[name]):
-                            result["errors"].append(f"{family} AT={at}: `{name}` differs after the round trip")
+                        if not torch.equal(t, trained[name]):
+                            result["errors"].append(f"{tag}: `{name}` differs after the round trip")
                         result["checked_elements"] += t.numel()
                     with torch.no_grad():
-                        if not torch.equal(fresh(ids).logits, logits):
-                            result["errors"].append(f"{family} AT={at}: logits differ after the round trip")
+                        if not torch.equal(fresh.eval()(ids).logits, original.eval()(ids).logits):
+                            result["errors"].append(f"{tag}: logits differ after the round trip")
         dist.barrier()
     except Exception as exc:  # noqa: BLE001 - reported to the test as data
         result["errors"].append(f"{type(exc).__name__}: {exc}")
@@ -345,11 +363,12 @@ def _worker(job_path: str, out_path: str) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_refit_hf_to_vllm_tp2_and_back_keeps_every_element_and_the_logits(tmp_path):
-    """Llama and Qwen3-MoE (stacked experts in memory -> FusedMoE w13/w2 at EP2): the engine on ranks
-    0-1 (collocated with the HF rank) and on ranks 1-2 (apart from it); every engine element equals
-    vLLM's rule applied to the HF weights, and the HF model refitted back from the engine equals the
-    original element by element and in its logits."""
+def test_refit_hf_to_vllm_tp2_follows_a_training_step_and_comes_back_exactly():
+    """Llama and Qwen3-MoE (stacked experts in memory -> FusedMoE w13/w2 at EP2), the engine on ranks
+    0-1 (collocated with the HF rank) and on ranks 1-2 (apart from it): two refits with an AdamW step
+    on the trainer in between, every engine element equal to vLLM's rule applied to the trainer's
+    weights of that step; then the engine refitted into a fresh HF model equals the trained one element
+    by element and in its logits."""
     from layoutlang.runtime.launch import launch
 
     results = launch({"families": ["llama", "qwen3_moe"], "engine_at": [0, 1]}, WORLD, timeout=240,
@@ -357,16 +376,34 @@ def test_refit_hf_to_vllm_tp2_and_back_keeps_every_element_and_the_logits(tmp_pa
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result['errors']}\n{r.stderr[-3000:]}"
     results = [r.result for r in results]
-    assert all(r["refits"] == 8 for r in results)
-    # every element of every engine tensor was compared, on the ranks that hold them, plus the HF side twice
+    assert all(r["refits"] == 2 * 2 * 3 for r in results)  # 2 models x 2 engine positions x 3 refits
+    # every element of every engine tensor was compared after both steps, and the HF model once per run
     engine = 0
     for cfg in (LLAMA, QWEN3_MOE):
         for at in (0, 1):
             sizes = {"TP": TP, "AT": at, **({"EP": TP} if cfg.get("num_experts") else {})}
             layout = loads(layout_text(cfg, "vllm", sizes))
-            engine += sum(math.prod(t.local_shape) * len(list(t.ranks())) for t in layout.tensors)
-    hf_elements = sum(p.numel() for cfg in (LLAMA, QWEN3_MOE) for p in build(cfg).parameters()) * 2
+            engine += 2 * sum(math.prod(t.local_shape) * len(list(t.ranks())) for t in layout.tensors)
+    hf_elements = 2 * sum(p.numel() for cfg in (LLAMA, QWEN3_MOE) for p in build(cfg).parameters())
     assert sum(r["checked_elements"] for r in results) == engine + hf_elements
+
+
+def test_the_trainer_loop_of_docs_bridges_runs_collocated_and_not(tmp_path):
+    """docs/bridges.md's torchrun program, as written, on 3 gloo processes: engine on ranks 1-2, then
+    on ranks 0-1 (launch sets what torchrun would: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    from layoutlang.runtime.launch import launch
+
+    doc = (Path(__file__).parent.parent / "docs" / "bridges.md").read_text()
+    program = doc.split("```python\n# refit_loop.py")[1].split("```")[0]
+    path = tmp_path / "refit_loop.py"
+    path.write_text("# refit_loop.py" + program + "\nimport json, sys\n"
+                    "json.dump({'ok': True, 'engine': sorted(engine_tensors)}, open(sys.argv[2], 'w'))\n")
+    for at in (1, 0):
+        results = launch({}, WORLD, timeout=120, env={"ENGINE_AT": str(at)}, program=str(path))
+        for r in results:
+            assert r.ok, f"ENGINE_AT={at} rank {r.rank}: {r.error}\n{r.stderr[-3000:]}"
+        holders = [r.rank for r in results if r.result["engine"]]
+        assert holders == [at, at + 1]
 
 
 if __name__ == "__main__":  # launch(job, WORLD, program=__file__): python test_bridge_hf.py JOB OUT

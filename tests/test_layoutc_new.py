@@ -349,3 +349,34 @@ def test_new_is_listed_in_the_help(capsys):
     assert main(["new", "--help"]) == 0
     out = capsys.readouterr().out
     assert "megatron, hf, hf-memory, vllm, sglang" in out and "--config" in out
+
+
+QWEN3_30B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+             "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+             "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # Qwen3-30B-A3B
+
+
+def test_the_session_of_docs_bridges_is_what_layoutc_prints(tmp_path, capsys, monkeypatch):
+    """docs/bridges.md's `layoutc new` session on Qwen3-30B-A3B's config: every line it shows (its
+    elided lines aside) is in the real output, in order, and the two files plan as it says."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "bridges.md").read_text()
+    session = doc.split("```\n$ layoutc new vllm")[1].split("```")[0]
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B))
+    monkeypatch.chdir(tmp_path)
+    commands = [line[2:] for line in ("$ layoutc new vllm" + session).splitlines() if line.startswith("$ ")]
+    assert len(commands) == 4
+    shown = [line for line in ("$ layoutc new vllm" + session).splitlines()
+             if not line.startswith("$ ") and "..." not in line.replace("--set TP=...", "")]
+    printed = []
+    for command in commands:
+        argv = command.split("#")[0].split()[1:]
+        assert main(argv) == 0
+        printed += capsys.readouterr().out.splitlines()
+    at = 0
+    for line in shown:  # in order
+        at = printed.index(line, at) + 1
+    plan = compile_plan(str(tmp_path / "train.layout"), str(tmp_path / "infer.layout"))
+    assert "59.88 GiB" in session and round(plan.stats["bytes"] / 2**30, 2) == 59.88
