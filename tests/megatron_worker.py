@@ -76,10 +76,13 @@ def build_megatron(s: Scenario):
     torch.cuda.current_device = lambda: "cpu"        # megatron asks for a device at build and forward
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     moe_utils.te_general_gemm = None                 # 0.16.1 calls TE's GEMM when it is not None
     ps.initialize_model_parallel(tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
@@ -129,8 +132,14 @@ def build_megatron(s: Scenario):
 
 def build_hf(s: Scenario):
     """The engine: an HF model of the same architecture, random weights (the refit must overwrite them)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(99)
     common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=s.layers,
@@ -209,9 +218,11 @@ def groups() -> dict:
 
 
 def run(name: str) -> dict:
-    from layoutlang import compile_plan, loads
-    from layoutlang.bridges import hf, megatron as bridge
     from layoutlang.runtime import Refitter
+
+    from layoutlang import compile_plan, loads
+    from layoutlang.bridges import hf
+    from layoutlang.bridges import megatron as bridge
 
     s = SCENARIOS[name]
     rank = dist.get_rank()
@@ -230,6 +241,7 @@ def run(name: str) -> dict:
     torch.manual_seed(7)
     tokens = torch.randint(0, V, (BATCH, SEQ))
     engine_tensors = hf.tensors(engine) if engine is not None else None
+    out = None                       # Megatron's local output, what the next SGD step differentiates
     for step in range(STEPS):
         if step:
             sgd_step(model, out)

@@ -31,9 +31,10 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from layoutlang import loads  # noqa: E402
-from layoutlang.bridges import megatron as bridge  # noqa: E402
-from layoutlang.runtime.launch import free_port  # noqa: E402
+from layoutlang.runtime.launch import free_port
+
+from layoutlang import loads
+from layoutlang.bridges import megatron as bridge
 
 WORKER = Path(__file__).parent / "megatron_worker.py"
 ROOT = Path(__file__).parent.parent
@@ -230,7 +231,7 @@ def test_mesh_numbers_ranks_as_megatron_rank_generator(tp, cp, dp, pp, ep, etp, 
 def test_mesh_of_the_default_order_lists_pp_dp_tp_with_tp_fastest():
     world, (dense, expert) = _generator_groups(2, 1, 2, 2, 2, 1, "tp-cp-ep-dp-pp")
     rank = 5
-    pick = lambda view: [bridge.Group(n, s, tuple(next(g for g in gs if rank in g)))  # noqa: E731
+    pick = lambda view: [bridge.Group(n, s, tuple(next(g for g in gs if rank in g)))
                          for n, (s, gs) in view.items()]
     assert bridge.mesh_axes(pick(dense), rank, world).text("train") == "mesh train (pp=2, dp=2, cp=1, tp=2)"
     assert bridge.mesh_axes(pick(expert), rank, world).text("experts", at=True) == \

@@ -16,8 +16,11 @@ same on every rank, computed from three things the trainer already holds:
   count, as Megatron computes them): the logical extents and part structure.
 - the live parameters: their names and the attributes Megatron sets on them
   (`tensor_model_parallel`, `partition_dim`, `partition_stride`, `allreduce`
-  False for experts) say which dim is split over which axis; their shapes and
-  dtypes are checked against the elaborated layout before it is returned.
+  False for experts under EP) say which dim is split over which axis; their
+  shapes and dtypes are checked against the elaborated layout before it is
+  returned. Each kind of layer (dense, MoE) is read from this rank's own
+  layers; other stages' layers of that kind are written the same way. The
+  router's `expert_bias` buffer is a weight too (the engine routes with it).
 
 Keys follow the HF-name convention (LANGUAGE.md 8): the HF checkpoint name of
 each unfused, per-expert weight. Fused QKV carries part keys grouped per query
@@ -32,20 +35,23 @@ holds its slice of gate, then of up), and an expert's local index restarts at
 >>> plan = layoutlang.compile_plan(layoutlang.loads(text), engine_layout)  # doctest: +SKIP
 >>> Refitter(plan).refit(megatron.tensors(gpt_model), engine_tensors)  # doctest: +SKIP
 
-megatron-core is imported lazily, inside the calls that need it.
+Not described (a BridgeError naming the parameter): MLA, legacy GroupedMLP,
+multi-token prediction, virtual pipeline stages, a custom
+pipeline_model_parallel_layout, parameters of modules the bridge does not
+know. megatron-core is imported lazily, inside the calls that need it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from layoutlang.diagnostics import did_you_mean
 
 from .families import BridgeError  # the bridges' one error type
 
-__all__ = ["describe", "tensors", "BridgeError", "FAMILIES"]
+__all__ = ["FAMILIES", "BridgeError", "describe", "tensors"]
 
 
 # ---------------------------------------------------------------------------
@@ -263,12 +269,15 @@ def _mlp_role(fc: str, w: str, ext: str, kind: str, expert: bool, pre: str, keys
 
 
 _UNSUPPORTED = (
-    (r"mlp\.experts\.weight[12]", "legacy GroupedMLP stores every local expert inside one dim of `weight1`/"
-     "`weight2` (experts concatenated along the FFN dim, transposed), which a `.layout` dim cannot key per expert",
-     "build the experts with moe_grouped_gemm=False (SequentialMLP) or Transformer Engine's grouped GEMM "
-     "(TEGroupedMLP, one `linear_fc1.weight{i}` per expert)"),
+    (r"mlp\.experts\.weight[12]",
+     ("legacy GroupedMLP stores every local expert inside one dim of `weight1`/`weight2` (experts "
+      "concatenated along the FFN dim, transposed), which a `.layout` dim cannot key per expert"),
+     ("build the experts with moe_grouped_gemm=False (SequentialMLP) or Transformer Engine's grouped GEMM "
+      "(TEGroupedMLP, one `linear_fc1.weight{i}` per expert)")),
     (r"self_attention\.linear_(q|kv)_(down|up)_proj.*|self_attention\.linear_q_proj.*|self_attention\.kv_layernorm.*",
-     "multi-latent attention (MLA) is not described by this bridge yet", None),
+     "multi-latent attention (MLA) is not described by this bridge yet",
+     ("megatron-core 0.16.1 builds MLA only with Transformer Engine (its local spec fails on CPU), so the "
+      "bridge has no live model to check MLA's names and splits against")),
 )
 
 
@@ -386,8 +395,9 @@ def describe(model, *, vocab_size: int | None = None, name: str = "megatron", fa
 
     `vocab_size` is the true vocabulary (the HF side's); the model holds it padded
     (`V pad K over tp`). `family` picks the HF checkpoint names (`FAMILIES`;
-    by default llama for dense models, qwen2_moe / qwen3_moe / mixtral for MoE as
-    the config suggests). Raises BridgeError naming any parameter it cannot express.
+    by default llama for dense models; qwen2_moe, deepseek_v3, qwen3_moe or
+    mixtral for MoE, as the config suggests). Raises BridgeError naming any
+    parameter it cannot express. No collective: each rank computes the text alone.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -395,7 +405,46 @@ def describe(model, *, vocab_size: int | None = None, name: str = "megatron", fa
     model = _unwrap(model)
     config = model.config
     keys = _family(config, family)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = _trainer(config, ps, dist.get_rank(), dist.get_world_size())
+    weights = _weights(model)
+    default = _DTYPES.get(str(config.params_dtype))
+    if default is None:
+        raise BridgeError(f"config.params_dtype {config.params_dtype} is not one of bf16, fp16, fp32")
+    templates = _layer_templates(model, trainer, weights, keys)
+    padded = model.vocab_size
+    V = vocab_size if vocab_size is not None else padded
+    if not 0 < V <= padded:
+        raise BridgeError(f"vocab_size={V}: the model holds {padded} vocabulary rows (padded), so the true "
+                          f"vocabulary must be 1..{padded}")
+    vocab = "V" if V == padded else f"V pad {_pad_multiple(V, padded, trainer.tp)}"
+    outside = _outside_layers(model, trainer, weights, vocab, default)
+    text = _render(name, model, trainer, templates, outside, V, default)
+    _check_against_model(text, weights, trainer.rank)
+    return text
+
+
+@dataclass(frozen=True)
+class _Trainer:
+    """The parallel layout describe reads before writing: meshes, sizes, stages, this rank's place."""
+
+    rank: int
+    dense: MeshAxes
+    experts: MeshAxes
+    stages: tuple[tuple[int, int], ...]   # (first layer, layer count) per pipeline stage
+    kinds: tuple[str, ...]                # `dense` or `moe` per layer
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.dense.axes) | dict(self.experts.axes)
+
+    tp = property(lambda self: self.sizes["tp"])
+    pp = property(lambda self: self.sizes["pp"])
+    ep = property(lambda self: self.sizes["ep"])
+    etp = property(lambda self: self.sizes["etp"])
+    pp_rank = property(lambda self: dict(zip((n for n, _ in self.dense.axes), self.dense.coords))["pp"])
+
+
+def _trainer(config, ps, rank: int, world: int) -> _Trainer:
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         raise BridgeError("virtual pipeline parallelism (interleaved stages) is not supported",
                           help="describe a model built without virtual_pipeline_model_parallel_size")
@@ -404,59 +453,45 @@ def describe(model, *, vocab_size: int | None = None, name: str = "megatron", fa
                           help="split layers with num_layers_in_first/last_pipeline_stage or evenly")
     if getattr(config, "mtp_num_layers", None):
         raise BridgeError("multi-token prediction layers (mtp_num_layers) are not described by this bridge")
-
     dense_groups, expert_groups = _groups(ps)
     dense = mesh_axes(dense_groups, rank, world)
-    experts = mesh_axes(expert_groups, rank, world)
-    sizes = dict(dense.axes) | dict(experts.axes)
-    tp, pp, etp, ep = sizes["tp"], sizes["pp"], sizes["etp"], sizes["ep"]
-    pp_rank = dict(zip((n for n, _ in dense.axes), dense.coords))["pp"]
+    return _Trainer(rank, dense, mesh_axes(expert_groups, rank, world),
+                    tuple(_stages(config, dict(dense.axes)["pp"])), tuple(_layer_kinds(config)))
 
-    stages = _stages(config, pp)
-    L = config.num_layers
+
+def _layer_templates(model, t: _Trainer, weights: dict, keys: dict[str, str]) -> dict[str, list[_Param]]:
+    """One template per kind of layer (its parameters, roles, dtypes, splits), read from this rank's layers."""
+    config = model.config
     E = config.num_moe_experts or 0
-    kinds = _layer_kinds(config)
-    gated = bool(config.gated_linear_unit)
-
-    # ---- what this rank holds, by layer and outside layers
-    params = _weights(model)
-    offset, count = stages[pp_rank]
-    layers: dict[int, dict[str, tuple[str, object, int | None]]] = {}
-    top: dict[str, object] = {}
-    for pname, p in params.items():
+    offset, count = t.stages[t.pp_rank]
+    layers: dict[int, dict[str, list]] = {}
+    for pname, p in weights.items():
         m = _LAYER.fullmatch(pname)
-        if not m:
-            top[pname] = p
-            continue
-        local = int(m.group(1))
-        rel, e_local = _abstract(m.group(2))
-        layers.setdefault(local, {})
-        layers[local].setdefault(rel, [])
-        layers[local][rel].append((pname, p, e_local))
+        if m:
+            rel, e_local = _abstract(m.group(2))
+            layers.setdefault(int(m.group(1)), {}).setdefault(rel, []).append((pname, p, e_local))
     if sorted(layers) != list(range(count)):
-        raise BridgeError(f"pipeline stage {pp_rank} holds layers {sorted(layers)}; Megatron's split of "
-                          f"{L} layers gives it {count} (layers {offset}..{offset + count - 1})")
+        raise BridgeError(f"pipeline stage {t.pp_rank} holds layers {sorted(layers)}; Megatron's split of "
+                          f"{config.num_layers} layers gives it {count} (layers {offset}..{offset + count - 1})")
     for local, layer in enumerate(model.decoder.layers):
         number = getattr(layer, "layer_number", offset + local + 1)
         if number != offset + local + 1:
-            raise BridgeError(f"decoder.layers.{local} is layer {number} (1-based) but stage {pp_rank}'s offset "
-                              f"is {offset}")
-
-    # ---- one template per layer kind, learned from this rank's layers
+            raise BridgeError(f"decoder.layers.{local} is layer {number} (1-based) but stage {t.pp_rank}'s "
+                              f"offset is {offset}")
     templates: dict[str, list[_Param]] = {}
     for local in range(count):
-        kind = kinds[offset + local]
+        kind = t.kinds[offset + local]
         entries = []
         for rel, held in layers[local].items():
-            pname, p, _ = held[0]
-            role = _role_or_error(pname, rel, keys, gated)
+            pname = held[0][0]
+            role = _role_or_error(pname, rel, keys, bool(config.gated_linear_unit))
             if role.expert:
                 ids = sorted(e for _, _, e in held)
-                if E % ep or ids != list(range(E // ep)):
+                if E % t.ep or ids != list(range(E // t.ep)):
                     raise BridgeError(f"parameter `{pname}`: layer {offset + local} holds local experts {ids}; "
-                                      f"{E} experts over ep={ep} give each rank 0..{E // ep - 1}")
+                                      f"{E} experts over ep={t.ep} give each rank 0..{E // t.ep - 1}")
             dtypes = {_dtype(n, q) for n, q, _ in held}
-            splits = {_check_attributes(n, q, role, tp, etp, ep) for n, q, _ in held}
+            splits = {_check_attributes(n, q, role, t.tp, t.etp, t.ep) for n, q, _ in held}
             if len(dtypes) > 1 or len(splits) > 1:
                 raise BridgeError(f"parameter `{pname}`: the local experts of layer {offset + local} differ in "
                                   f"dtype or split ({sorted(dtypes)}, {sorted(map(str, splits))})")
@@ -467,103 +502,96 @@ def describe(model, *, vocab_size: int | None = None, name: str = "megatron", fa
                               f"{'has a router' if has_router else 'has no router'} but the config makes it a "
                               f"{kind} layer (num_moe_experts={config.num_moe_experts}, "
                               f"moe_layer_freq={getattr(config, 'moe_layer_freq', None)})")
-        if kind in templates:
-            if [(e.rel, e.dtype, e.split) for e in templates[kind]] != [(e.rel, e.dtype, e.split) for e in entries]:
-                raise BridgeError(f"decoder.layers.{local}: its parameters differ from the other {kind} layers "
-                                  "(heterogeneous layers of one kind are not supported)")
-        else:
-            templates[kind] = entries
-    for layer_index, kind in enumerate(kinds):
         if kind not in templates:
-            stage = next(r for r, (o, c) in enumerate(stages) if o <= layer_index < o + c)
+            templates[kind] = entries
+        elif [(e.rel, e.dtype, e.split) for e in templates[kind]] != [(e.rel, e.dtype, e.split) for e in entries]:
+            raise BridgeError(f"decoder.layers.{local}: its parameters differ from the other {kind} layers "
+                              "(heterogeneous layers of one kind are not supported)")
+    for layer_index, kind in enumerate(t.kinds):
+        if kind not in templates:
+            stage = next(r for r, (o, c) in enumerate(t.stages) if o <= layer_index < o + c)
             raise BridgeError(f"layer {layer_index} is a {kind} layer on pipeline stage {stage}, and stage "
-                              f"{pp_rank} holds no {kind} layer to read its parameters from",
+                              f"{t.pp_rank} holds no {kind} layer to read its parameters from",
                               help="describe() reads each kind of layer from the stage's own layers; give "
                                    "every pipeline stage at least one layer of each kind")
+    return templates
 
-    # ---- outside the layers: embedding (first stage), final norm and output layer (last stage)
-    default = _DTYPES.get(str(config.params_dtype))
-    if default is None:
-        raise BridgeError(f"config.params_dtype {config.params_dtype} is not one of bf16, fp16, fp32")
-    padded = model.vocab_size
-    V = vocab_size if vocab_size is not None else padded
-    if not 0 < V <= padded:
-        raise BridgeError(f"vocab_size={V}: the model holds {padded} vocabulary rows (padded), so the true "
-                          f"vocabulary must be 1..{padded}")
-    vocab = "V" if V == padded else f"V pad {_pad_multiple(V, padded, tp)}"
-    tied = bool(model.share_embeddings_and_output_weights)
+
+def _outside_layers(model, t: _Trainer, weights: dict, vocab: str, default: str) -> list[tuple[str, _Param, str]]:
+    """(NAME, param, placement) of the embedding (first stage), final norm and output layer (last stage)."""
+    pp = t.pp
     first, last = "at pp=0" if pp > 1 else "", "at pp=pp-1" if pp > 1 else ""
-    tops = [("embedding.word_embeddings.weight", Role((vocab, "H"), "model.embed_tokens.weight", 0), first, 0)]
+    tied = bool(model.share_embeddings_and_output_weights)
+    expected = [("embedding.word_embeddings.weight", Role((vocab, "H"), "model.embed_tokens.weight", 0), first, 0)]
     if getattr(model, "position_embedding_type", None) == "learned_absolute":
-        tops.append(("embedding.position_embeddings.weight",
-                     Role(("S", "H"), "model.embed_positions.weight", None), first, 0))
+        expected.append(("embedding.position_embeddings.weight",
+                         Role(("S", "H"), "model.embed_positions.weight", None), first, 0))
     if getattr(model.decoder, "post_layer_norm", True):
-        tops.append(("decoder.final_layernorm.weight", Role(("H",), "model.norm.weight", None), last, pp - 1))
-        if config.normalization == "LayerNorm":
-            tops.append(("decoder.final_layernorm.bias", Role(("H",), "model.norm.bias", None), last, pp - 1))
-    if not tied or pp > 1:
-        head_key = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        tops.append(("output_layer.weight", Role((vocab, "H"), head_key, 0), last, pp - 1))
-    declared = {t[0] for t in tops}
-    for pname in top:
-        if pname not in declared:
+        expected.append(("decoder.final_layernorm.weight", Role(("H",), "model.norm.weight", None), last, pp - 1))
+        if model.config.normalization == "LayerNorm":
+            expected.append(("decoder.final_layernorm.bias", Role(("H",), "model.norm.bias", None), last, pp - 1))
+    if not tied or pp > 1:  # tied at PP > 1: the last stage's copy is a replica of the embedding's key
+        expected.append(("output_layer.weight", Role((vocab, "H"), "model.embed_tokens.weight" if tied
+                                                     else "lm_head.weight", 0), last, pp - 1))
+    known = {e[0] for e in expected}
+    for pname in weights:
+        if not _LAYER.fullmatch(pname) and pname not in known:
             raise BridgeError(f"parameter `{pname}` is outside the decoder layers and not one the bridge knows "
                               "(embedding, final layernorm, output layer)",
                               help="multi-token prediction, vision towers and other extra modules are not "
                                    "described by this bridge")
-    top_params = []
-    for pname, role, where, stage in tops:
-        dtype, split = default, role.split if tp > 1 else None
-        if pname in top:
-            dtype = _dtype(pname, top[pname])
-            split = _check_attributes(pname, top[pname], role, tp, etp, ep)
+    out = []
+    for pname, role, where, stage in expected:
+        dtype, split = default, role.split if t.tp > 1 else None
+        if pname in weights:
+            dtype = _dtype(pname, weights[pname])
+            split = _check_attributes(pname, weights[pname], role, t.tp, t.etp, t.ep)
             if dtype != default:
                 raise BridgeError(f"parameter `{pname}` is {dtype} but config.params_dtype is {default}; other "
                                   "stages cannot see its dtype", help="keep it in config.params_dtype")
-        elif stage == pp_rank:
+        elif stage == t.pp_rank:
             raise BridgeError(f"the model has no parameter `{pname}`, which Megatron keeps on pipeline stage "
                               f"{stage}")
-        top_params.append((pname, _Param(pname, role, dtype, split), where))
+        out.append((pname, _Param(pname, role, dtype, split), where))
+    return out
 
-    consts = [("L", L), ("H", config.hidden_size), ("Q", config.num_attention_heads),
-              ("KV", config.num_query_groups or config.num_attention_heads)]
-    consts += [("QG", "Q/KV"), ("D", config.kv_channels), ("V", V)]
-    used = " ".join(" ".join(e.role.dims) for t in templates.values() for e in t)
-    used += " " + " ".join(" ".join(p.role.dims) for _, p, _ in top_params)
-    if re.search(r"\bF\b", used):
-        consts.append(("F", config.ffn_hidden_size))
+
+def _render(name: str, model, t: _Trainer, templates, outside, V: int, default: str) -> str:
+    config = model.config
+    E = config.num_moe_experts or 0
+    consts = [("L", config.num_layers), ("H", config.hidden_size), ("Q", config.num_attention_heads),
+              ("KV", config.num_query_groups or config.num_attention_heads), ("QG", "Q/KV"),
+              ("D", config.kv_channels), ("V", V)]
+    used = " ".join(" ".join(e.role.dims) for kind in templates.values() for e in kind)
+    used += " " + " ".join(" ".join(p.role.dims) for _, p, _ in outside)
     if E:
-        consts += [("E", E)]
-    if re.search(r"\bI\b", used):
-        consts.append(("I", config.moe_ffn_hidden_size or config.ffn_hidden_size))
-    if re.search(r"\bFS\b", used):
-        consts.append(("FS", config.moe_shared_expert_intermediate_size))
-    if re.search(r"\bS\b", used):
-        consts.append(("S", model.max_sequence_length))
-
-    lines = [f"# Megatron-Core {type(model).__name__}: TP={tp} PP={pp} DP={sizes['dp']}"
-             + (f" CP={sizes['cp']}" if "cp" in sizes else "") + (f" EP={ep} ETP={etp} EDP={sizes['edp']}" if E else "")
-             + "; written by layoutlang.bridges.megatron.describe",
-             f"layout {name}", "",
-             "const " + ", ".join(f"{n} = {v}" for n, v in consts),
-             dense.text("train")]
+        consts.append(("E", E))
+    for const, value in (("F", config.ffn_hidden_size),
+                         ("I", config.moe_ffn_hidden_size or config.ffn_hidden_size),
+                         ("FS", getattr(config, "moe_shared_expert_intermediate_size", None)),
+                         ("S", getattr(model, "max_sequence_length", None))):
+        if re.search(rf"\b{const}\b", used):
+            consts.append((const, value))
+    sizes = t.sizes
+    head = (f"# Megatron-Core {type(model).__name__}: TP={t.tp} PP={t.pp} DP={sizes['dp']}"
+            + (f" CP={sizes['cp']}" if "cp" in sizes else "")
+            + (f" EP={t.ep} ETP={t.etp} EDP={sizes['edp']}" if E else "")
+            + "; written by layoutlang.bridges.megatron.describe")
+    lines = [head, f"layout {name}", "", "const " + ", ".join(f"{n} = {v}" for n, v in consts),
+             t.dense.text("train")]
     if E:
-        lines.append(experts.text("experts", at=True))
-    lines.append(f"default dtype {default}")
-    lines.append("")
-    for pname, p, where in top_params:
-        if not pname.startswith("output_layer") and not pname.startswith("decoder.final_layernorm"):
-            lines.append(_statement(pname, p, "", where, "tp", ""))
-    lines += _layer_statements(templates, kinds, stages, pp, default)
-    for pname, p, where in top_params:
-        if pname.startswith("output_layer") or pname.startswith("decoder.final_layernorm"):
-            lines.append(_statement(pname, p, "", where, "tp", ""))
-    text = "\n".join(lines) + "\n"
-    _check_against_model(text, params, rank)
-    return text
+        lines.append(t.experts.text("experts", at=True))
+    lines += [f"default dtype {default}", ""]
+    before = [o for o in outside if o[0].startswith("embedding.")]
+    lines += [_statement(pname, p, "", where, "tp", "") for pname, p, where in before]
+    lines += _layer_statements(templates, list(t.kinds), list(t.stages), t.pp, default)
+    lines += [_statement(pname, p, "", where, "tp", "") for pname, p, where in outside
+              if not pname.startswith("embedding.")]
+    return "\n".join(lines) + "\n"
 
 
-def _statement(pname: str, p: _Param, indent: str, where: str, axis: str, mesh: str, default: str | None = None) -> str:
+def _statement(pname: str, p: _Param, indent: str, where: str, axis: str, mesh: str,
+               default: str | None = None) -> str:
     dims = [d + (f" over {axis}" if i == p.split else "") for i, d in enumerate(p.role.dims)]
     parts = [f"{indent}tensor {pname}"]
     if p.role.key is not None:
@@ -580,14 +608,13 @@ def _statement(pname: str, p: _Param, indent: str, where: str, axis: str, mesh: 
 
 def _layer_statements(templates, kinds, stages, pp: int, default: str) -> list[str]:
     """Statements for every layer: one loop over pp when all layers are alike, else runs per stage."""
-    L = len(kinds)
     out = [""]
     if len(set(kinds)) == 1:
         counts = [c for _, c in stages]
         if pp == 1:
-            head, var = f"for l in 0..L {{", "{l}"
+            head, var = "for l in 0..L {", "{l}"
         elif len(set(counts)) == 1:
-            head, var = f"for l in 0..L over pp {{", "{l.local}"
+            head, var = "for l in 0..L over pp {", "{l.local}"
         else:
             head, var = f"for l in 0..L over pp sizes [{', '.join(map(str, counts))}] {{", "{l.local}"
         out.append(head)
