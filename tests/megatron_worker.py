@@ -29,14 +29,12 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
-warnings.filterwarnings("ignore")
-
 import torch
 import torch.distributed as dist
 
 # Model sizes (fp32). GQA: 4 query heads in 2 groups of head size 8.
 H, F, Q, KV, D = 32, 64, 4, 2, 8
-V, V_PADDED = 90, 128          # the true (HF) vocabulary and Megatron's padded one
+V = 90                         # the true (HF) vocabulary; Megatron holds it padded (Scenario.padded_vocab)
 E, TOPK, I, FS = 4, 2, 16, 24  # MoE: experts, routed per token, expert FFN size, shared expert FFN size
 EPS, ROPE_BASE = 1e-6, 10000.0
 SEQ, BATCH = 12, 2
@@ -47,6 +45,7 @@ STEPS = 3                      # refits; an optimizer step before each but the f
 class Scenario:
     """A trainer (parallel sizes, model family, layers) and the HF engine it refits."""
 
+    world: int                  # processes
     tp: int
     pp: int
     ep: int
@@ -54,6 +53,40 @@ class Scenario:
     layers: int = 2
     tied: bool = False          # embedding and output layer share one weight (PP=1 only: with PP > 1
     #                             Megatron copies it to the last stage with `.cuda()`, which CPU torch lacks)
+
+    def config_json(self) -> dict:
+        """The HF config.json of the engine (what `layoutc new` reads too): the Megatron model's architecture."""
+        common = {"vocab_size": V, "hidden_size": H, "intermediate_size": F, "num_hidden_layers": self.layers,
+                  "num_attention_heads": Q, "num_key_value_heads": KV, "head_dim": D, "rms_norm_eps": EPS,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_BASE},
+                  "tie_word_embeddings": self.tied, "dtype": "float32"}
+        if self.family == "qwen3_moe":
+            # q/k RMSNorm per head (Megatron qk_layernorm=True), softmax router, top-k renormalized
+            # (Megatron's default: softmax over the top-k logits), every layer sparse
+            return {"model_type": "qwen3_moe", **common, "moe_intermediate_size": I, "num_experts": E,
+                    "num_experts_per_tok": TOPK, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                    "mlp_only_layers": [], "attention_bias": False}
+        if self.family == "qwen2_moe":
+            # q/k/v biases, top-k of the softmax not renormalized (Megatron moe_router_pre_softmax), shared
+            # expert scaled by sigmoid(shared_expert_gate) (Megatron moe_shared_expert_gate), dense layers
+            # where Megatron's moe_layer_freq has 0
+            return {"model_type": "qwen2_moe", **common, "moe_intermediate_size": I,
+                    "shared_expert_intermediate_size": FS, "num_experts": E, "num_experts_per_tok": TOPK,
+                    "norm_topk_prob": False, "decoder_sparse_step": 1, "qkv_bias": True,
+                    "mlp_only_layers": [l for l, m in enumerate(self.moe_layers) if not m]}
+        return {"model_type": "llama", **common, "attention_bias": False, "mlp_bias": False}
+
+    def sizes(self) -> dict:
+        """The parallel sizes as `layoutc new megatron --set` takes them (ETP: Megatron's default, TP)."""
+        out = {"TP": self.tp, "PP": self.pp, "DP": self.world // (self.tp * self.pp)}
+        if self.family != "llama":
+            out |= {"EP": self.ep, "ETP": self.tp}
+        return out
+
+    @property
+    def padded_vocab(self) -> int:
+        """Megatron's vocabulary: V padded to a multiple of make_vocab_size_divisible_by (128) x TP."""
+        return -(-V // (128 * self.tp)) * 128 * self.tp
 
     @property
     def moe_layers(self) -> list[bool]:
@@ -64,11 +97,11 @@ class Scenario:
 
 
 SCENARIOS = {
-    "gpt_tp2": Scenario(tp=2, pp=1, ep=1, family="llama", tied=True),
-    "moe_ep2": Scenario(tp=1, pp=1, ep=2, family="qwen3_moe"),
+    "gpt_tp2": Scenario(world=2, tp=2, pp=1, ep=1, family="llama", tied=True),
+    "moe_ep2": Scenario(world=2, tp=1, pp=1, ep=2, family="qwen3_moe"),
     # Qwen2-MoE: dense and MoE layers alternate on each of 2 stages, q/k/v biases, a gated shared
     # expert, experts split over etp=2 (Megatron's default ETP = TP)
-    "qwen2_moe_tp2_pp2": Scenario(tp=2, pp=2, ep=1, family="qwen2_moe", layers=4),
+    "qwen2_moe_tp2_pp2": Scenario(world=4, tp=2, pp=2, ep=1, family="qwen2_moe", layers=4),
 }
 
 
@@ -113,7 +146,7 @@ def build_megatron(s: Scenario):
     else:
         spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), qk_layernorm=config.qk_layernorm,
                                         normalization="RMSNorm")
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=V_PADDED, max_sequence_length=64,
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=s.padded_vocab, max_sequence_length=64,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=s.tied, position_embedding_type="rope",
                      rotary_base=int(ROPE_BASE))
@@ -132,38 +165,13 @@ def build_megatron(s: Scenario):
 
 def build_hf(s: Scenario):
     """The engine: an HF model of the same architecture, random weights (the refit must overwrite them)."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2MoeConfig,
-        Qwen2MoeForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(99)
-    common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=s.layers,
-                  num_attention_heads=Q, num_key_value_heads=KV, rms_norm_eps=EPS,
-                  rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE}, tie_word_embeddings=s.tied)
-    if s.family == "qwen3_moe":
-        # Qwen3-MoE: q/k RMSNorm per head (Megatron qk_layernorm=True), softmax router, top-k renormalized
-        # (Megatron's default: softmax over the top-k logits), every layer sparse.
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=D, moe_intermediate_size=I, num_experts=E,
-                                                   num_experts_per_tok=TOPK, norm_topk_prob=True,
-                                                   decoder_sparse_step=1, mlp_only_layers=[],
-                                                   attention_bias=False))
-    elif s.family == "qwen2_moe":
-        # Qwen2-MoE: q/k/v biases, top-k of the softmax not renormalized (Megatron moe_router_pre_softmax),
-        # shared expert scaled by sigmoid(shared_expert_gate) (Megatron moe_shared_expert_gate), dense
-        # layers where Megatron's moe_layer_freq has 0.
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
-            **common, moe_intermediate_size=I, shared_expert_intermediate_size=FS, num_experts=E,
-            num_experts_per_tok=TOPK, norm_topk_prob=False, decoder_sparse_step=1, qkv_bias=True,
-            mlp_only_layers=[l for l, m in enumerate(s.moe_layers) if not m]))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common, head_dim=D, attention_bias=False, mlp_bias=False))
-    model.config._attn_implementation = "eager"
-    return model.eval()
+    fields = s.config_json()
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def megatron_logits(model, tokens, s: Scenario):
@@ -181,7 +189,7 @@ def megatron_logits(model, tokens, s: Scenario):
         dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
         hidden.requires_grad_(True)
         model.set_input_tensor(hidden)
-    local = model(tokens, position_ids, mask)        # [B, S, V_PADDED / tp]
+    local = model(tokens, position_ids, mask)        # [B, S, padded vocabulary / tp]
     parts = [torch.empty_like(local) for _ in range(s.tp)]
     dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1)[..., :V], local
@@ -287,7 +295,7 @@ def probe_errors(model) -> dict:
     fc1.partition_stride = 3
     out["impossible_stride"] = message(vocab_size=V)
     fc1.partition_stride = 2
-    out["vocab_too_large"] = message(vocab_size=V_PADDED + 1)
+    out["vocab_too_large"] = message(vocab_size=model.vocab_size + 1)
     out["unknown_family"] = message(vocab_size=V, family="mixtrl")
     out["after_probes"] = message(vocab_size=V)                 # every probe undone: describes again
     return out
@@ -321,6 +329,7 @@ def _exit_with_launcher() -> None:
 
 def main(name: str, out_dir: str) -> int:
     _exit_with_launcher()
+    warnings.filterwarnings("ignore")    # megatron-core warns about Apex, TE, ... at import
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     result: dict = {"rank": rank}

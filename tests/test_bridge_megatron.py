@@ -33,8 +33,11 @@ pytest.importorskip("transformers")
 
 from layoutlang.runtime.launch import free_port
 
+from megatron_worker import SCENARIOS  # tests/: the scenarios the workers run
+
 from layoutlang import loads
 from layoutlang.bridges import megatron as bridge
+from layoutlang.bridges.families import layout_text
 
 WORKER = Path(__file__).parent / "megatron_worker.py"
 ROOT = Path(__file__).parent.parent
@@ -42,8 +45,9 @@ TOLERANCE = 1e-5       # fp32 logits, HF vs Megatron
 STEPS = 3              # refits per run (tests/megatron_worker.py)
 
 
-def _launch(scenario: str, nproc: int, timeout: float = 150.0) -> list[dict]:
-    """Run the scenario on `nproc` gloo workers; every worker is gone when this returns."""
+def _launch(scenario: str, timeout: float = 150.0) -> list[dict]:
+    """Run the scenario on its gloo workers; every worker is gone when this returns."""
+    nproc = SCENARIOS[scenario].world
     with tempfile.TemporaryDirectory(prefix="megatron-bridge-") as tmp:
         port = free_port()
         procs = []
@@ -77,8 +81,9 @@ def _launch(scenario: str, nproc: int, timeout: float = 150.0) -> list[dict]:
     return results
 
 
-def _check_run(results: list[dict], engine_rank: int) -> str:
-    """Same text on every rank; it elaborates to every rank's real parameter shapes; the engine follows."""
+def _check_run(scenario: str, results: list[dict], engine_rank: int) -> str:
+    """Same text on every rank; it elaborates to every rank's real parameter shapes and to what
+    `layoutc new megatron` writes for the same config and sizes; the engine follows the trainer."""
     text = results[0]["text"]
     assert all(r["text"] == text for r in results), "describe() differs between ranks"
     layout = loads(text)
@@ -87,6 +92,9 @@ def _check_run(results: list[dict], engine_rank: int) -> str:
         assert described == r["shapes"], f"rank {r['rank']}: layout shapes differ from the model's"
         assert r["tensors_are_views"]
     _check_mesh_against_groups(layout, results)
+    s = SCENARIOS[scenario]
+    written = loads(layout_text(s.config_json(), "megatron", s.sizes()))
+    assert _instances(layout) == _instances(written), "describe() and `layoutc new megatron` differ"
     refits = results[engine_rank]["refits"]
     assert len(refits) == STEPS
     for step, refit in enumerate(refits):
@@ -95,6 +103,17 @@ def _check_run(results: list[dict], engine_rank: int) -> str:
         # before the refit the engine held other weights (random, then the previous step's)
         assert refit["stale_diff"] > 100 * TOLERANCE, f"refit {step}: the engine was not behind"
     return text
+
+
+def _instances(layout) -> dict:
+    """Per (rank, NAME): dtype, local shape, the keys it holds with their boxes, and where each local
+    element lies in the logical tensor (the runs): everything a plan reads, none of the spelling."""
+    out = {}
+    for t in layout.tensors:
+        regions = tuple((r.key, r.box) for r in t.regions) if t.regions else t.key
+        for rank in t.ranks():
+            out[(rank, t.name)] = (t.dtype, t.local_shape_at(rank), regions, repr(t.runs(rank)))
+    return out
 
 
 def _check_mesh_against_groups(layout, results) -> None:
@@ -111,12 +130,12 @@ def _check_mesh_against_groups(layout, results) -> None:
 
 @pytest.mark.timeout(240)
 def test_gpt_tp2_refits_into_hf_llama_and_the_logits_match():
-    results = _launch("gpt_tp2", 2)
-    text = _check_run(results, engine_rank=0)
+    results = _launch("gpt_tp2")
+    text = _check_run("gpt_tp2", results, engine_rank=0)
     # written-out expectations from the model's config (tests/megatron_worker.py)
     assert "mesh train (pp=1, dp=1, tp=2)" in text
-    # 90 rows padded to 128, split over tp; tied: one weight, no output layer at PP=1
-    assert "tensor embedding.word_embeddings.weight as model.embed_tokens.weight [V pad 128 over tp, H]" in text
+    # 90 rows padded to 256 (128 x TP), split over tp; tied: one weight, no output layer at PP=1
+    assert "tensor embedding.word_embeddings.weight as model.embed_tokens.weight [V pad 256 over tp, H]" in text
     assert "output_layer" not in text and "lm_head" not in text
     assert ("[(KV, (q: QG*D as model.layers.{l}.self_attn.q_proj.weight | k: D as "
             "model.layers.{l}.self_attn.k_proj.weight | v: D as model.layers.{l}.self_attn.v_proj.weight)) "
@@ -129,7 +148,7 @@ def test_gpt_tp2_refits_into_hf_llama_and_the_logits_match():
     assert "`decoder.layers.0.self_attention.linear_qkv.weight` is tensor-parallel on dim 1" \
         in errors["wrong_partition_dim"]
     assert "`decoder.layers.0.mlp.linear_fc1.weight` has partition_stride 3" in errors["impossible_stride"]
-    assert "vocab_size=129" in errors["vocab_too_large"] and "128" in errors["vocab_too_large"]
+    assert "vocab_size=257" in errors["vocab_too_large"] and "1..256" in errors["vocab_too_large"]
     assert "unknown model family `mixtrl`" in errors["unknown_family"]
     assert "did you mean `mixtral`?" in errors["unknown_family"]
     assert errors["after_probes"] == "no error"
@@ -139,8 +158,8 @@ def test_gpt_tp2_refits_into_hf_llama_and_the_logits_match():
 def test_moe_ep2_refits_into_hf_qwen3_moe_with_stacked_experts_and_the_logits_match():
     # Megatron: qk_layernorm (RMSNorm per head), softmax over the top-2 router logits, SwiGLU experts;
     # HF Qwen3MoeForCausalLM: q_norm/k_norm, softmax then top-2 renormalized: the same architecture.
-    results = _launch("moe_ep2", 2)
-    text = _check_run(results, engine_rank=0)
+    results = _launch("moe_ep2")
+    text = _check_run("moe_ep2", results, engine_rank=0)
     assert "mesh train (pp=1, dp=2, tp=1)" in text
     assert "mesh experts (pp=1, edp=1, ep=2, etp=1) at 0" in text
     assert "for e in 0..E over ep {" in text
@@ -166,13 +185,13 @@ def test_qwen2_moe_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
     # Qwen2-MoE at TP2 x PP2 (experts over etp=2): dense layers 0 and 2, MoE layers 1 and 3 (one of each
     # per stage), q/k/v biases, a shared expert scaled by sigmoid(gate); HF Qwen2MoeForCausalLM on rank 2
     # (the last stage's first rank, where the full logits are gathered).
-    results = _launch("qwen2_moe_tp2_pp2", 4, timeout=220)
-    text = _check_run(results, engine_rank=2)
+    results = _launch("qwen2_moe_tp2_pp2", timeout=220)
+    text = _check_run("qwen2_moe_tp2_pp2", results, engine_rank=2)
     assert "mesh train (pp=2, dp=1, tp=2)" in text
     assert "mesh experts (pp=2, edp=1, ep=1, etp=2) at 0" in text
-    assert "tensor embedding.word_embeddings.weight as model.embed_tokens.weight [V pad 128 over tp, H] at pp=0" \
+    assert "tensor embedding.word_embeddings.weight as model.embed_tokens.weight [V pad 256 over tp, H] at pp=0" \
         in text
-    assert "tensor output_layer.weight as lm_head.weight [V pad 128 over tp, H] at pp=pp-1" in text
+    assert "tensor output_layer.weight as lm_head.weight [V pad 256 over tp, H] at pp=pp-1" in text
     # layer 3 is the second layer of stage 1: local name 1, global key 3
     layout = loads(text)
     names = {t.name: t.key for t in layout.tensors if t.holds(2) and t.name.startswith("decoder.layers.1.mlp.")}
