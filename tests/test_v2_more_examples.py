@@ -5,8 +5,9 @@ gpt-oss's interleaved, transposed, stacked experts.
   q_a_proj [q_lora_rank, H], `linear_kv_down_proj` = HF kv_a_proj_with_mqa
   [kv_lora_rank + qk_rope_head_dim, H], both replicated over tp); vLLM stores their rows
   concatenated in one replicated `fused_qkv_a_proj`, written with part keys
-  (LANGUAGE.md 8.1). examples/small/v2/mla_*.layout at CPU size,
-  examples/v2/deepseek_v3_mla_*.layout at full size (the whole model, HF keys).
+  (LANGUAGE.md 8.1). examples/small/v2/mla_*.layout at CPU size; at full size
+  examples/v2/deepseek_v3_mla_vllm.layout (the whole model, HF keys, stacked experts) against
+  the Megatron trainer examples/deepseek_v3_moe.layout.
 - gpt-oss: the HF checkpoint stores `gate_up_proj [E, H, 2I]` transposed (storage [in, out])
   with gate and up interleaved along the last dim (column 2j = gate row j, 2j+1 = up row j),
   `down_proj [E, I, H]` transposed, biases stacked (LANGUAGE.md 8.2, 8.3); Megatron keeps
@@ -215,11 +216,11 @@ DS = {"L": 61, "H": 7168, "NH": 128, "Q_LORA": 1536, "KV_LORA": 512, "QK_NOPE": 
 
 
 def test_full_size_deepseek_v3_mla_pair():
-    """The HF-key DeepSeek-V3 pair plans with the v1 pair's totals (deepseek_v3_moe ->
-    deepseek_v3_infer: same tensors, same cuts), and its attention bytes are the hand count:
-    every one of the 256 engine ranks receives per layer the fused down projection whole, 1/8 of
-    q_b, kv_b and o_proj, both LoRA norms and the input norm, bf16 on the wire."""
-    v2 = compile_plan(str(EX / "v2" / "deepseek_v3_mla_megatron.layout"), str(EX / "v2" / "deepseek_v3_mla_vllm.layout"))
+    """The trainer -> fused/stacked vLLM pair plans with the totals of the trainer -> unfused,
+    per-expert engine (deepseek_v3_infer: same keys, same cuts), and its attention bytes are the
+    hand count: every engine rank (three checked) receives per layer the fused down projection
+    whole, 1/8 of q_b, kv_b and o_proj, both LoRA norms and the input norm, bf16 on the wire."""
+    v2 = compile_plan(str(EX / "deepseek_v3_moe.layout"), str(EX / "v2" / "deepseek_v3_mla_vllm.layout"))
     v1 = compile_plan(str(EX / "deepseek_v3_moe.layout"), str(EX / "deepseek_v3_infer.layout"))
     for stat in ("ops", "bytes", "max_send_bytes", "max_recv_bytes", "network_bytes", "tensors"):
         assert v2.stats[stat] == v1.stats[stat], stat
@@ -231,8 +232,9 @@ def test_full_size_deepseek_v3_mla_pair():
                  + d["H"] * d["NH"] * d["V_HEAD"] // d["TP"]
                  + d["Q_LORA"] + d["KV_LORA"] + d["H"])
     attn = ("input_layernorm", "self_attn.")
-    got = sum(op.bytes for op in v2.ops if any(a in op.key for a in attn))
-    assert got == 2 * per_layer * d["L"] * d["RANKS"]
+    for rank in (0, 137, d["RANKS"] - 1):
+        got = sum(op.bytes for op in v2.ops_for_rank(rank) if op.dst_rank == rank and any(a in op.key for a in attn))
+        assert got == 2 * per_layer * d["L"], rank
     # rank 0's fused_qkv_a_proj of layer 60 (Megatron stage 7, ranks 224..255, local layer 3)
     ops = [op for op in v2.ops_for_rank(0) if op.dst_name == "model.layers.60.self_attn.fused_qkv_a_proj.weight"]
     q = [op for op in ops if op.key == "model.layers.60.self_attn.q_a_proj.weight"]
@@ -243,21 +245,21 @@ def test_full_size_deepseek_v3_mla_pair():
     assert all(224 <= op.src_rank < 256 for op in ops)
 
 
-@pytest.mark.parametrize("names", [("gpt_oss_hf", "gpt_oss_vllm"), ("deepseek_v3_mla_megatron", "deepseek_v3_mla_vllm")])
+@pytest.mark.parametrize("names", [("v2/gpt_oss_hf", "v2/gpt_oss_vllm"), ("deepseek_v3_moe", "v2/deepseek_v3_mla_vllm")])
 def test_full_size_pairs_declare_the_same_keys_with_the_same_shapes(names):
     """The full-size files pair without edits: same keys, same key shapes (the gpt-oss pair is not
     planned here: each of its 18_432 interleaved expert keys is 2880 one-element runs of its
     stored tensor, and planning cost grows with the square of a key's runs)."""
     shapes = []
     for name in names:
-        layout = load(EX / "v2" / f"{name}.layout")
+        layout = load(EX / f"{name}.layout")
         found = {}
         for key, holders in layout.key_index.items():
             t, region = holders[0]
             found[key] = region.key_shape if region is not None else t.logical_shape
         shapes.append(found)
     assert shapes[0] == shapes[1]
-    if names[0] == "gpt_oss_hf":
+    if names[0] == "v2/gpt_oss_hf":
         assert len(shapes[0]) == 36 * (2 + 128 * 6)
         assert shapes[0]["model.layers.35.mlp.experts.127.gate_proj.weight"] == (2880, 2880)
         assert shapes[0]["model.layers.0.mlp.experts.0.up_proj.bias"] == (2880,)
