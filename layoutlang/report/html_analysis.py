@@ -147,40 +147,65 @@ def block_traffic(plan: Plan, pairs: dict[tuple[int, int], list[int]]) -> BlockT
 
 @dataclass(frozen=True)
 class KeyBlock:
-    """One logical rectangle of a key: who holds it, who receives it and from whom (the plan's ops)."""
+    """One logical rectangle of a key: who holds it, who receives it and from whom (the plan's ops).
+
+    `logical` is the rectangle in the destination STORED tensor's logical
+    coordinates, `src_logical` the same elements in the (first) source stored
+    tensor's: they differ when a key sits inside a fused, stacked or transposed
+    tensor on either side (v2), and are equal for a v1 key.
+    """
 
     logical: tuple[tuple[int, int], ...]
     holders: tuple[int, ...]   # every rank that holds it (any can send)
     dst: tuple[int, ...]       # receivers
     src: tuple[int, ...]       # the sender of each receiver, same order
     elements: int
+    src_logical: tuple[tuple[int, int], ...]
 
 
 def _in_stored(logical, region) -> tuple[tuple[int, int], ...]:
-    """A rectangle of a key, in its stored tensor's logical coordinates (stacked dims put back)."""
-    it = iter(logical)
-    return tuple(box if d in region.stacked else (lambda ab: (ab[0] + box[0], ab[1] + box[0]))(next(it))
-                 for d, box in enumerate(region.box))
+    """A rectangle of a key, in its stored tensor's logical coordinates: the key's dims back in
+    storage order (reversed when `transposed`, LANGUAGE.md 8.3), shifted to the key's corner, and
+    the stacked dims put back at the key's index.
+
+    >>> from layoutlang.ir import KeyRegion
+    >>> gate = KeyRegion("e1.gate", ((1, 2), (0, 64), (0, 32)), (0,), True)  # [E, H, 2I] transposed
+    >>> _in_stored(((8, 9), (0, 64)), gate)  # key row 8 = stored column 8
+    ((1, 2), (0, 64), (8, 9))
+    """
+    if region is None:
+        return tuple(logical)
+    it = iter(logical[::-1] if region.transposed else logical)
+    out = []
+    for d, box in enumerate(region.box):
+        if d in region.stacked:
+            out.append(box)
+        else:
+            a, b = next(it)
+            out.append((a + box[0], b + box[0]))
+    return tuple(out)
 
 
 def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
     """The plan's ops for one key, merged per logical rectangle (replicas receive the same one).
 
-    Rectangles are in the STORED tensor's logical coordinates: a key inside a fused
-    tensor (v2 part keys) is drawn where it lies in that tensor.
+    Rectangles are in the STORED tensors' logical coordinates: a key inside a
+    fused, stacked or transposed tensor (v2) is drawn where it lies in that
+    tensor, on each side.
     """
     found: dict[tuple, tuple] = {}
     for i in instances:
-        region = plan.matches[i].region
+        m = plan.matches[i]
         for t in plan.transfers(instance=i):
-            logical = t.piece.logical if region is None else _in_stored(t.piece.logical, region)
+            logical = _in_stored(t.piece.logical, m.region)
             hit = found.get(logical)
             if hit is None:
-                hit = found[logical] = (tuple(t.senders), [], [], t.piece.elements)
+                hit = found[logical] = (tuple(t.senders), [], [], t.piece.elements,
+                                        _in_stored(t.piece.logical, m.src_region(0)))
             hit[1].append(t.dst_rank)
             hit[2].append(t.sender)
-    return tuple(KeyBlock(logical, holders, tuple(dst), tuple(src), elements)
-                 for logical, (holders, dst, src, elements) in found.items())
+    return tuple(KeyBlock(logical, holders, tuple(dst), tuple(src), elements, src_logical)
+                 for logical, (holders, dst, src, elements, src_logical) in found.items())
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,23 @@ Turns what html_analysis.py found into frozen records of SVG geometry
 (rectangles, ticks, part lines and labels, padding strips) that
 templates/report_svg.j2 writes out; it computes no traffic of its own.
 
-A tensor picture puts the logical tensor in a PIC_W-wide frame: dim 0 down,
-the other dims flattened across (a 1-D tensor is a strip). Each block is one
-logical rectangle of the plan's ops; padding, which has no logical
-coordinate, is drawn as hatched strips beside the frame.
+A tensor picture puts a stored tensor's logical tensor in a PIC_W-wide
+frame: dim 0 down and dim 1 across; with more dims every dim but the last is
+flattened down (stacked experts `[E, 2I, H]`: each expert's rows under the
+previous one's), unless a block would then not be one rectangle (Geometry);
+a 1-D tensor is a strip. Each block is one logical rectangle of the plan's
+ops, drawn where it lies in the tensor of its side (source or destination:
+for a v2 key inside a fused, stacked or transposed tensor they differ).
+Lines and labels mark parts and the indices of outer dims; padding, which has
+no logical coordinate, is drawn as hatched strips beside the frame.
 
 >>> geometry((8, 4)).rect(((0, 4), (0, 4)))
 (58.0, 18.0, 400.0, 150.0)
+>>> g = geometry((4, 64, 32))                 # 4 experts of [64, 32]: 256 rows of 32
+>>> g.split, g.rows, g.cols
+(2, 256, 32)
+>>> g.rect(((1, 2), (0, 64), (16, 32)))[1:]   # expert 1, right half: rows 64..128
+(93.0, 200.0, 75.0)
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from .html_analysis import MAX_BARS, BlockTraffic, KeyBlock, TensorGroup, rank_b
 from .units import counted, human_bytes, rank_ranges, ranks_word
 
 MAX_LABELS = 32       # part labels per axis of a picture
+MAX_LINES = 64        # part and index lines per axis of a picture
 MAX_PAD_STRIPS = 8    # padding strips per side and axis
 PIC_W = 400           # picture width in px (the logical columns)
 PIC_H_MAX = 300       # picture height bounds in px (rows keep their aspect between them)
@@ -242,79 +253,134 @@ def bar_chart(title: str, verb: str, ranks, network: dict[int, int], local: dict
 
 # ---- tensor pictures ------------------------------------------------------------------
 
+def _flat(box, shape) -> tuple[int, int]:
+    """The flattened (row-major) range a box spans in `shape`: exact when `_contiguous`, else its bounds."""
+    if not box:
+        return 0, 1
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return (sum(a * s for (a, _), s in zip(box, strides)),
+            sum((b - 1) * s for (_, b), s in zip(box, strides)) + 1)
+
+
+def _contiguous(box, shape) -> bool:
+    """Whether a box, flattened row-major, is one range: every dim after its first longer than 1 is whole."""
+    wide = False
+    for (a, b), n in zip(box, shape):
+        if wide and (a, b) != (0, n):
+            return False
+        wide = wide or b - a > 1
+    return True
+
+
 @dataclass(frozen=True)
 class Geometry:
-    """Logical tensor -> picture: dim 0 down, the other dims flattened across (1-D: a strip)."""
+    """Logical tensor -> picture: the first `split` dims flattened down, the others across.
+
+    2-D: dim 0 down, dim 1 across; 1-D (`split` 0): a strip. With more dims,
+    every dim but the last goes down, so a stacked weight's rows stack per
+    index, unless a block of the picture would then not be one rectangle
+    (geometry() then moves the split left; a box that no split keeps whole is
+    drawn as its bounding rectangle).
+    """
 
     shape: tuple[int, ...]
     height: float
+    split: int = 1
 
     @property
     def rows(self) -> int:
-        return max(1, self.shape[0]) if len(self.shape) >= 2 else 1
+        return max(1, math.prod(self.shape[:self.split]))
 
     @property
     def cols(self) -> int:
-        if not self.shape:
-            return 1
-        return max(1, math.prod(self.shape[1:]) if len(self.shape) >= 2 else self.shape[0])
+        return max(1, math.prod(self.shape[self.split:]))
 
     def rect(self, logical: tuple[tuple[int, int], ...]) -> tuple[float, float, float, float]:
         """(x, y, width, height) of a logical rectangle (its bounding range when flattened)."""
-        if not logical:
-            r0, r1, c0, c1 = 0, 1, 0, 1
-        elif len(logical) == 1:
-            (c0, c1), r0, r1 = logical[0], 0, 1
+        if logical:
+            r0, r1 = _flat(logical[:self.split], self.shape[:self.split])
+            c0, c1 = _flat(logical[self.split:], self.shape[self.split:])
         else:
-            (r0, r1), rest = logical[0], logical[1:]
-            strides = [math.prod(self.shape[d + 1:]) for d in range(1, len(self.shape))]
-            c0 = sum(a * s for (a, _), s in zip(rest, strides))
-            c1 = sum((b - 1) * s for (_, b), s in zip(rest, strides)) + 1  # bounding range when flattened
+            r0, r1, c0, c1 = 0, 1, 0, 1
         sx, sy = PIC_W / self.cols, self.height / self.rows
         return (MARGIN_L + c0 * sx, MARGIN_T + r0 * sy, (c1 - c0) * sx, (r1 - r0) * sy)
 
 
-def geometry(shape: tuple[int, ...]) -> Geometry:
-    """The picture of a logical shape: PIC_W wide, rows keeping their aspect within the height bounds."""
+def geometry(shape: tuple[int, ...], boxes=()) -> Geometry:
+    """The picture of a logical shape: PIC_W wide, rows keeping their aspect within the height bounds.
+
+    For 3 dims or more, the split is the rightmost one that draws every box in
+    `boxes` as one rectangle (the last dim across when it can).
+    """
     if len(shape) < 2:
-        return Geometry(shape, 28.0)
-    rows, cols = max(1, shape[0]), max(1, math.prod(shape[1:]))
-    return Geometry(shape, float(min(PIC_H_MAX, max(PIC_H_MIN, round(PIC_W * rows / cols)))))
+        return Geometry(shape, 28.0, 0)
+    split = next((k for k in range(len(shape) - 1, 0, -1)
+                  if all(_contiguous(b[:k], shape[:k]) and _contiguous(b[k:], shape[k:]) for b in boxes)),
+                 len(shape) - 1)
+    rows, cols = max(1, math.prod(shape[:split])), max(1, math.prod(shape[split:]))
+    return Geometry(shape, float(min(PIC_H_MAX, max(PIC_H_MIN, round(PIC_W * rows / cols)))), split)
+
+
+def _segments(dims, shape, px: float) -> list[tuple[int, int, str]]:
+    """A group of dims flattened row-major, cut where a part or an outer dim's index changes.
+
+    Each dim refines the segments of the dims before it: by its parts' leaves,
+    or, for a dim before the group's last one, by its indices (one per stacked
+    expert). `px` is the picture length of one flattened element; a refinement
+    into more than MAX_LINES segments, or into segments thinner than 2 px, is
+    not made (nor any after it). Returns (start, stop, label) in flattened
+    elements; labels join an index and a part name (`3 gate`).
+
+    >>> from layoutlang import loads
+    >>> w13 = loads("mesh m (r=1)\\ntensor w [4, (gate: 8 | up: 8), 16]").tensors[0]
+    >>> _segments(w13.dims[:2], (4, 16), 1.0)[:3]
+    [(0, 8, '0 gate'), (8, 16, '0 up'), (16, 24, '1 gate')]
+    """
+    segs = [(0, max(1, math.prod(shape)), "")]
+    for d, dim in enumerate(dims):
+        unit = math.prod(shape[d + 1:])
+        leaves = part_leaves(dim.part_tree)
+        if len(leaves) > 1:
+            cuts = [(a, b, name) for name, a, b in leaves]
+        elif d < len(dims) - 1 and unit > 1 and shape[d] > 1:
+            cuts = [(i, i + 1, str(i)) for i in range(shape[d])]
+        else:
+            continue
+        refined = [(s0 + a * unit, s0 + b * unit, f"{text} {name}".strip())
+                   for s0, _, text in segs for a, b, name in cuts]
+        if len(refined) > MAX_LINES or min(b - a for a, b, _ in refined) * px < 2:
+            break
+        segs = refined
+    return segs
 
 
 def parts_overlay(dims, geo: Geometry) -> tuple[list[Line], list[Label]]:
-    """Part boundaries as lines and part names along the axes (rows left, columns on top)."""
+    """Part and index boundaries as lines, their names along the axes (rows left, columns on top)."""
     lines: list[Line] = []
     labels: list[Label] = []
     if not dims:
         return lines, labels
     top, left = MARGIN_T, MARGIN_L
     bottom, right = MARGIN_T + geo.height, MARGIN_L + PIC_W
-    if len(dims) >= 2:
-        leaves = part_leaves(dims[0].part_tree)
-        if len(leaves) > 1:
-            sy = geo.height / geo.rows
-            for i, (name, a, b) in enumerate(leaves):
-                if i:
-                    lines.append(Line(left, top + a * sy, right, top + a * sy))
-                if len(leaves) <= MAX_LABELS and (b - a) * sy >= 9:
-                    labels.append(Label(left - 4, top + (a + b) / 2 * sy + 3, name, "end"))
-        col_dim, stride = 1, math.prod(geo.shape[2:])
-    else:
-        col_dim, stride = 0, 1
-    leaves = part_leaves(dims[col_dim].part_tree)
-    if len(leaves) > 1:
-        sx = PIC_W / geo.cols
-        for i, (name, a, b) in enumerate(leaves):
+    sy, sx = geo.height / geo.rows, PIC_W / geo.cols
+    if geo.split:
+        rows = _segments(dims[:geo.split], geo.shape[:geo.split], sy)
+        for i, (a, b, name) in enumerate(rows):
             if i:
-                lines.append(Line(left + a * stride * sx, top, left + a * stride * sx, bottom))
-            if len(leaves) <= MAX_LABELS and (b - a) * stride * sx >= 6 * len(name) + 4:
-                labels.append(Label(left + (a + b) / 2 * stride * sx, top - 5, name, "middle"))
+                lines.append(Line(left, top + a * sy, right, top + a * sy))
+            if len(rows) > 1 and len(rows) <= MAX_LABELS and (b - a) * sy >= 9:
+                labels.append(Label(left - 4, top + (a + b) / 2 * sy + 3, name, "end"))
+    cols = _segments(dims[geo.split:], geo.shape[geo.split:], sx)
+    for i, (a, b, name) in enumerate(cols):
+        if i:
+            lines.append(Line(left + a * sx, top, left + a * sx, bottom))
+        if len(cols) > 1 and len(cols) <= MAX_LABELS and (b - a) * sx >= 6 * len(name) + 4:
+            labels.append(Label(left + (a + b) / 2 * sx, top - 5, name, "middle"))
     return lines, labels
 
 
 def padding(p: Placement, geo: Geometry, dims_count: int) -> tuple[list[PadStrip], float, float]:
-    """Hatched strips for stored padding: rows below the picture, other dims to its right.
+    """Hatched strips for stored padding: dims drawn down below the picture, the others to its right.
 
     Padding has no logical coordinate, so it is drawn beside the logical
     tensor: one strip per distinct padded slice, sized by its share of the dim.
@@ -341,8 +407,8 @@ def padding(p: Placement, geo: Geometry, dims_count: int) -> tuple[list[PadStrip
             title = (f"padding, dim {d}: {count} {unit} at local {where} on {ranks_word(ranks)}; "
                      f"stored, never sent, zero on arrival{more}")
             label = f"pad {count} ({ranks_word(ranks)})"
-            if d == 0 and dims_count >= 2:
-                h = max(11.0, min(18.0, geo.height * count / geo.rows))
+            if d < geo.split:
+                h = max(11.0, min(18.0, geo.height * count / geo.shape[d]))
                 strips.append(PadStrip(MARGIN_L, below + room_b, PIC_W, h, d, title, label))
                 room_b += h + 2
             else:
@@ -363,9 +429,10 @@ def _part_names(dims, logical) -> str:
 
 
 def _block(side: str, d: KeyBlock, geo: Geometry, dims, fill: str) -> Block:
-    x, y, w, h = geo.rect(d.logical)
-    where = ", ".join(f"{a}:{b}" for a, b in d.logical)
-    parts = _part_names(dims, d.logical)
+    logical = d.src_logical if side == "src" else d.logical
+    x, y, w, h = geo.rect(logical)
+    where = ", ".join(f"{a}:{b}" for a, b in logical)
+    parts = _part_names(dims, logical)
     parts = f" ({parts})" if parts else ""
     if side == "src":
         text = rank_ranges(d.holders, 24)
@@ -377,26 +444,27 @@ def _block(side: str, d: KeyBlock, geo: Geometry, dims, fill: str) -> Block:
         title = (f"[{where}]{parts}: received by {ranks_word(d.dst)}, "
                  f"{counted(len(d.dst), 'op')} from {ranks_word(sorted(set(d.src)))}")
     label = text if (w >= 5.6 * len(text) + 4 and h >= 11) else ""
-    return Block(x, y, w, h, fill, ",".join(f"{a}:{b}" for a, b in d.logical), " ".join(map(str, d.dst)),
+    return Block(x, y, w, h, fill, ",".join(f"{a}:{b}" for a, b in logical), " ".join(map(str, d.dst)),
                  " ".join(map(str, d.src)), " ".join(map(str, d.holders)), label, title)
 
 
 def pictures(group: TensorGroup) -> tuple[Picture, ...]:
-    """Source and destination pictures of a group's first key: the same blocks, coloured by holders / receivers."""
-    dims = group.dst.dims
-    geo = geometry(group.dst.logical_shape)
-    lines, labels = parts_overlay(dims, geo)
+    """Source and destination pictures of a group's first key: the same blocks, each drawn in its side's
+    stored tensor, coloured by holders / receivers."""
     holder_color: dict[tuple, int] = {}
     dst_color: dict[tuple, int] = {}
     out = []
     for side, tensor in (("src", group.src), ("dst", group.dst)):
+        dims = tensor.dims
+        geo = geometry(tensor.logical_shape, [d.src_logical if side == "src" else d.logical for d in group.blocks])
+        lines, labels = parts_overlay(dims, geo)
         if side == "src":
             blocks = [_block(side, d, geo, dims, _color(holder_color.setdefault(d.holders, len(holder_color))))
                       for d in group.blocks]
         else:
             blocks = [_block(side, d, geo, dims, _color(dst_color.setdefault(d.dst, len(dst_color))))
                       for d in group.blocks]
-        pads, room_b, room_r = padding(placement_of(tensor), geo, len(tensor.dims))
+        pads, room_b, room_r = padding(placement_of(tensor), geo, len(dims))
         what = ("source: colour = the ranks that hold each block (any can send it)" if side == "src"
                 else "destination: colour = the ranks that receive each block")
         caption = f"{tensor.name} {list(tensor.local_shape)} local, {tensor.dtype} — {what}"
