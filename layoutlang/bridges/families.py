@@ -39,6 +39,7 @@ Conventions (`CONVENTIONS`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Mapping
 
 from ..diagnostics import LayoutError, UsageError
@@ -133,7 +134,7 @@ class Model:
 
 
 def _read_field(config: Mapping, name: str, *, default=None, kind=int, alias: tuple[str, ...] = (),
-           source: str = "config.json"):
+                source: str = "config.json"):
     """config[name] (or an alias), checked: a missing field without a default is a ConfigError."""
     for key in (name, *alias):
         if key in config and config[key] is not None:
@@ -168,20 +169,19 @@ def model_from_config(config: Mapping, *, source: str = "config.json") -> Model:
     num_attention_heads, tie_word_embeddings false, dtype bf16); any other
     missing field is a ConfigError naming it (and `source`, the file it came from).
     """
-    def _field(config, name, **kw):  # noqa: F811 - every field of this config is read from `source`
-        return _read_field(config, name, source=source, **kw)
-
+    need = partial(_read_field, config, source=source)  # every field of this config, read from `source`
+    flag = lambda name, default: need(name, default=default, kind=bool)  # noqa: E731
     if "model_type" not in config:
         raise ConfigError(f"{source}: missing field `model_type`", help=f"known families: {', '.join(FAMILIES)}")
     mt = config["model_type"]
     if mt not in FAMILIES:
         raise ConfigError(f"{source}: model_type `{mt}` is not a family `layoutc new` knows",
                           help=f"known families: {', '.join(FAMILIES)}")
-    hidden = _field(config, "hidden_size")
-    layers = _field(config, "num_hidden_layers")
-    vocab = _field(config, "vocab_size")
-    heads = _field(config, "num_attention_heads")
-    tied = _field(config, "tie_word_embeddings", default=False, kind=bool)
+    hidden = need("hidden_size")
+    layers = need("num_hidden_layers")
+    vocab = need("vocab_size")
+    heads = need("num_attention_heads")
+    tied = need("tie_word_embeddings", default=False, kind=bool)
     raw_dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     if raw_dtype not in DTYPES:
         raise ConfigError(f"{source}: dtype `{raw_dtype}` has no layout dtype",
@@ -189,47 +189,52 @@ def model_from_config(config: Mapping, *, source: str = "config.json") -> Model:
     if config.get("mlp_bias"):
         raise ConfigError(f"{source}: `mlp_bias: true` is not described by `layoutc new`",
                           help="biases on the MLP weights are not written for any family yet")
-    flag = lambda name, default: _field(config, name, default=default, kind=bool)  # noqa: E731
     moe: MoE | None = None
     dense: int | None = None
     routed = [False] * layers
     if mt == "deepseek_v3":
         q_lora = config.get("q_lora_rank")
         if q_lora is not None:
-            q_lora = _field(config, "q_lora_rank")
-        attention: GQA | MLA = MLA(heads, q_lora, _field(config, "kv_lora_rank"), _field(config, "qk_nope_head_dim"),
-                                   _field(config, "qk_rope_head_dim"), _field(config, "v_head_dim"))
+            q_lora = need("q_lora_rank")
+        attention: GQA | MLA = MLA(heads, q_lora, need("kv_lora_rank"), need("qk_nope_head_dim"),
+                                   need("qk_rope_head_dim"), need("v_head_dim"))
     else:
-        kv = _field(config, "num_key_value_heads", default=heads)
-        head_dim = _field(config, "head_dim", default=hidden // heads)
-        # transformers' defaults: Qwen2 always has q/k/v biases, gpt-oss has attention biases by default
-        bias = {"qwen2": True, "qwen2_moe": flag("qkv_bias", True)}.get(mt, flag("attention_bias", mt == "gpt_oss"))
+        kv = need("num_key_value_heads", default=heads)
+        head_dim = need("head_dim", default=hidden // heads)
+        # as transformers builds them: Qwen2 always has q/k/v biases (no o bias), Qwen2-MoE by `qkv_bias`,
+        # the others by `attention_bias` (on q/k/v and o), which gpt-oss defaults to true
+        if mt == "qwen2":
+            bias = True
+        elif mt == "qwen2_moe":
+            bias = flag("qkv_bias", True)
+        else:
+            bias = flag("attention_bias", mt == "gpt_oss")
         attention = GQA(heads, kv, head_dim, qkv_bias=bias,
                         o_bias=bias and mt not in ("qwen2", "qwen2_moe"),
                         qk_norm=mt in ("qwen3", "qwen3_moe"), sinks=mt == "gpt_oss")
     if mt in ("llama", "mistral", "qwen2", "qwen3"):
-        dense = _field(config, "intermediate_size")
+        dense = need("intermediate_size")
     elif mt in ("mixtral", "gpt_oss"):
-        experts = _field(config, "num_local_experts", alias=("num_experts",))
-        inter = _field(config, "intermediate_size")
+        experts = need("num_local_experts", alias=("num_experts",))
+        inter = need("intermediate_size")
         moe = (MoE(experts, inter, block="block_sparse_moe", names=("w1", "w3", "w2")) if mt == "mixtral" else
                MoE(experts, inter, router="router", router_bias=True, expert_bias=True, interleaved=True))
         routed = [True] * layers
     elif mt in ("qwen2_moe", "qwen3_moe"):
-        experts = _field(config, "num_experts", alias=("num_local_experts",))
-        step = _field(config, "decoder_sparse_step", default=1)
+        experts = need("num_experts", alias=("num_local_experts",))
+        step = need("decoder_sparse_step", default=1)
         only = config.get("mlp_only_layers") or []
         routed = [l not in only and (l + 1) % step == 0 for l in range(layers)]
-        dense = _field(config, "intermediate_size") if not all(routed) else None
-        shared = _field(config, "shared_expert_intermediate_size") if mt == "qwen2_moe" else None
-        moe = MoE(experts, _field(config, "moe_intermediate_size"), shared=shared, shared_name="shared_expert",
+        dense = need("intermediate_size") if not all(routed) else None
+        shared = need("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+        moe = MoE(experts, need("moe_intermediate_size"), shared=shared, shared_name="shared_expert",
                   shared_gate=mt == "qwen2_moe")
     else:  # deepseek_v3
         first = _count(config, "first_k_dense_replace", source)
         routed = [l >= first for l in range(layers)]
-        dense = _field(config, "intermediate_size") if first else None
-        inter = _field(config, "moe_intermediate_size")
-        moe = MoE(_field(config, "n_routed_experts"), inter, shared=inter * _field(config, "n_shared_experts"),
+        dense = need("intermediate_size") if first else None
+        inter = need("moe_intermediate_size")
+        moe = MoE(need("n_routed_experts"), inter, shared=inter * need("n_shared_experts"),
                   score_bias=True)
     if moe is None or not any(routed):
         moe, routed = None, [False] * layers
