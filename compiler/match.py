@@ -9,11 +9,12 @@ destination lacks are returned as warnings, not errors.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 
 from layoutlang.diagnostics import LayoutError, Note
 from layoutlang.ir import KeyRegion, Layout, TensorIR
-from layoutlang.modes import Leaf, PartNode, PartTree, tree_extent
+from layoutlang.modes import ConcatM, Leaf, PartNode, PartTree, tree_extent
 
 
 class PlanError(LayoutError):
@@ -128,7 +129,7 @@ def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
             key = region.key if region is not None else t.key
             items = by_key.get(key)
             if items is None:
-                raise _missing(key, t, src, by_key)
+                raise _missing(key, t, region, src, by_key)
             sources = tuple(s for s, _ in items)
             src_regions = tuple(r for _, r in items) if any(r is not None for _, r in items) else ()
             m = Match(t, sources, region, src_regions)
@@ -140,21 +141,94 @@ def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
     return matches, unused
 
 
-def _missing(key: str, t: TensorIR, src: Layout, by_key) -> PlanError:
+def _missing(key: str, t: TensorIR, region: KeyRegion | None, src: Layout, by_key) -> PlanError:
+    """A destination key the source lacks (LANGUAGE.md 8.4): say which stored tensor declares
+    it, and point at the line to edit. A fused tensor whose parts have no keys, on either
+    side, is the usual cause (HF keeps q/k/v apart, Megatron and vLLM fuse them): part
+    keys are suggested there, never another weight's similar key."""
+    error = f"key `{key}` is not in the source layout {src.path}"
+    notes: list[Note] = []
+    stacked = region is not None and region.stacked
+    if stacked:
+        at = ", ".join(f"{var} = {value}" for var, value in _stack_indices(t, region))
+        notes.append(Note(f"stored tensor `{t.name}` declares it at stacked index {at}", t.span))
+    elif key != t.key:
+        notes.append(Note(f"stored tensor `{t.name}` declares it", t.span))
     close = difflib.get_close_matches(key, list(by_key), n=1, cutoff=0.8)
-    fused = [s for s in src.tensors if s.regions is None and len(s.dims) and any(
-        isinstance(d.part_tree, PartNode) for d in s.dims)]
-    hint = ""
-    if close:
-        hint = f"did you mean `{close[0]}`? "
-    elif fused:
-        nearest = difflib.get_close_matches(key, [f.name for f in fused], n=1, cutoff=0.0) or [fused[0].name]
-        hint = (f"if a fused source tensor holds it (e.g. `{nearest[0]}`), give its parts keys: "
-                "`(q: ... as KEY | ...)` (LANGUAGE.md 8.1); ")
-    return PlanError(f"key `{key}` is not in the source layout {src.path}", t.span,
-                     notes=[Note(f"stored tensor `{t.name}` declares it", t.span)] if key != t.key else [],
+    dst_parts = _parts_form(t) if t.regions is None else None
+    if dst_parts:  # this fused tensor is one key; the source holds its parts apart
+        if close:
+            holder = by_key[close[0]][0][0]
+            notes.append(Note(f"the source has a similarly named key `{close[0]}`", holder.span))
+        return PlanError(error, t.span, notes=notes,
+                         help="if the parts of this fused tensor are keys of their own in the source, give "
+                              f"them their keys on this line: `{dst_parts}` (LANGUAGE.md 8.1)")
+    fused = [(s, form) for s in src.tensors if s.regions is None for form in [_parts_form(s)] if form]
+    if fused:
+        nearest = difflib.get_close_matches(key, [s.name for s, _ in fused], n=1, cutoff=0.0)[0]
+        holder, form = next((s, f) for s, f in fused if s.name == nearest)
+        notes.append(Note(f"fused source tensor `{holder.name}` has parts without keys; edit this line",
+                          holder.span))
+        return PlanError(error, t.span, notes=notes,
+                         help=f"if it holds the key, give its parts keys: `{form}`, one of them `{key}` "
+                              "(LANGUAGE.md 8.1)")
+    if stacked:
+        template = _key_template(t) or key
+        return PlanError(error, t.span, notes=notes,
+                         help="the source must declare the key of every expert: give its per-expert tensors "
+                              f"`as {template}`, or change this `as KEY` to the source's keys (LANGUAGE.md 8.2)")
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    return PlanError(error, t.span, notes=notes,
                      help=hint + ("give the tensor the source's key with `as KEY`" if key == t.key
                                   else "give the part the source's key with `as KEY`"))
+
+
+def _parts_form(t: TensorIR) -> str | None:
+    """`(q: 64 as KEY | k: 16 as KEY | ...)` for the first concatenation among t's dims, or None."""
+    from layoutlang.fmt import format_mode
+
+    for d in t.dims:
+        concat = _first_concat(d.mode)
+        if concat is not None and concat.origin is not None:
+            parts = [(f"{p.name}: " if p.name else "") + format_mode(p.mode) + " as KEY"
+                     for p in concat.origin.parts]
+            return "(" + " | ".join(parts) + ")"
+    return None
+
+
+def _first_concat(mode):
+    if isinstance(mode, ConcatM):
+        return mode if len(mode.parts) > 1 else None
+    inner = getattr(mode, "inner", None)
+    return _first_concat(inner) if inner is not None else None
+
+
+def _stack_indices(t: TensorIR, region: KeyRegion) -> list[tuple[str, int]]:
+    """(variable, value) of each stacked dim of `region`: `e in A..B` holds e = A + index."""
+    out = []
+    for i in region.stacked:
+        origin = t.dims[i].mode.origin
+        start = region.box[i][0]
+        if origin is not None and hasattr(origin, "var"):
+            out.append((origin.var, start + _literal(origin.start)))
+        else:
+            out.append((f"dim {i}", start))
+    return out
+
+
+def _literal(expr) -> int:
+    """The value of a stack's start when it is a literal (the common `0..E`); else 0 offset unknown."""
+    value = getattr(expr, "value", None)
+    return value if isinstance(value, int) else 0
+
+
+def _key_template(t: TensorIR) -> str | None:
+    """The `as KEY` template of t's statement, as written (`...experts.{e}.down_proj.weight`)."""
+    if t.span is None:
+        return None
+    text = t.span.source.line_text(t.span.line)
+    found = re.search(r"\bas\s+(\S+)\s*\[", text)
+    return found.group(1) if found else None
 
 
 def _check_same_key(m: Match, compared: set) -> None:

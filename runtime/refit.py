@@ -392,7 +392,8 @@ class Refitter:
         for op in local:  # while the network works
             target_view = (assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name])[
                 _slices(op.dst_slice)]
-            target_view.copy_(source_view(op))
+            # a stacked side's block carries its extent-1 expert dim: same elements, same order
+            target_view.copy_(source_view(op).reshape(target_view.shape))
             self.local_bytes += op.bytes
         self._wait(works, [op for _, op in p2p], "transfer")
         for buf, view in pending:

@@ -42,21 +42,8 @@ CASES_DIR = Path("tests") / "diagnostics" / "v2_plan"  # relative to ROOT: rende
 REGEN = bool(os.environ.get("REGEN_GOLDEN"))
 CASES = sorted(p.name.removesuffix(".src.layout") for p in (ROOT / CASES_DIR).glob("*.src.layout"))
 
-# compiler/match.py `_missing` (not owned here), what it prints instead of the rule:
-REPORTED = {
-    "missing_key_fused_source":
-        "names the fused source tensor in `help` but points at no line of the source (the line to edit)",
-    "missing_key_fused_parts_without_keys":
-        "a similar key of ANOTHER weight (o_proj, present on both sides) wins over the fused source: "
-        "`did you mean ...o_proj.weight? give the tensor the source's key with as KEY` misleads; no part keys, "
-        "no line to edit",
-    "missing_key_similar_name":
-        "the issue's own example: `did you mean ...v_proj.weight? give the tensor the source's key with as KEY` "
-        "instead of part keys on this fused tensor",
-    "missing_key_stacked_experts":
-        "help says `give the part the source's key with as KEY` for a stacked key that is no part; "
-        "the note does not say which stack index",
-}
+# compiler/match.py `_missing`: cases where it prints something else than the rule, with what is wrong.
+REPORTED: dict[str, str] = {}  # none today: compiler/match.py `_missing` follows the rule
 
 
 def _xfail_if_reported(name: str) -> list:

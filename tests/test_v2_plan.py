@@ -109,8 +109,10 @@ def test_missing_key_suggests_part_keys_on_a_fused_source():
     err = info.value
     assert err.message == "key `q` is not in the source layout fused.layout"
     assert (err.span.source.path, err.span.line, err.span.col) == ("split.layout", 2, 1)
-    assert err.help.startswith("if a fused source tensor holds it (e.g. `qkv`), give its parts keys: "
-                               "`(q: ... as KEY | ...)`")
+    assert err.help == ("if it holds the key, give its parts keys: `(q: 8 as KEY | k: 4 as KEY | v: 4 as KEY)`, "
+                        "one of them `q` (LANGUAGE.md 8.1)")
+    # the line to edit: the fused source tensor's declaration
+    assert [(n.span.source.path, n.span.line) for n in err.notes] == [("fused.layout", 2)]
 
 
 def test_a_key_whose_parts_differ_is_a_diagnostic_at_both_declarations():

@@ -31,23 +31,14 @@ from layoutlang.runtime.launch import launch
 
 SMALL_V2 = Path(__file__).parent.parent / "examples" / "small" / "v2"
 
-# A local copy (source and destination on one rank) from a STACKED source into a per-expert
-# destination fails in runtime/refit.py: `target_view.copy_(source_view(op))` gets the source
-# block [1, I, H] for a target [I, H] (copy_ broadcasts only the other way). Reported; the fix is
-# `source_view(op).reshape(target_view.shape)` (the op's elements in row-major order, as
-# tests/plan_simulator.py applies it). Strict: the marker must go when the runtime is fixed.
-LOCAL_FROM_STACKED = pytest.mark.xfail(strict=True, reason="runtime/refit.py: local copy from a stacked source "
-                                       "slice [1, ...] into an unstacked destination slice")
 
 # (id, source, destination, source args, destination args, processes, ranks shared)
 PAIRS = [
     ("llama-vllm-mxfp8-to-hf-disjoint", "llama_vllm", "llama_hf", {"AT": 0}, {"AT": 4}, 5, False),
     ("llama-vllm-mxfp8-to-hf-collocated", "llama_vllm", "llama_hf", {"AT": 0}, {"AT": 1}, 4, True),
     ("moe-fusedmoe-stacked-to-hf-disjoint", "moe_vllm", "moe_hf", {"AT": 0}, {"AT": 4}, 5, False),
-    ("moe-fusedmoe-stacked-to-hf-collocated", "moe_vllm", "moe_hf", {"AT": 0}, {"AT": 2}, 4, True,
-     LOCAL_FROM_STACKED),
-    ("moe-fusedmoe-stacked-to-megatron-collocated", "moe_vllm", "moe_megatron", {"AT": 0}, {}, 8, True,
-     LOCAL_FROM_STACKED),
+    ("moe-fusedmoe-stacked-to-hf-collocated", "moe_vllm", "moe_hf", {"AT": 0}, {"AT": 2}, 4, True),
+    ("moe-fusedmoe-stacked-to-megatron-collocated", "moe_vllm", "moe_megatron", {"AT": 0}, {}, 8, True),
     ("moe-fusedmoe-ep2-to-megatron-etp1-disjoint", "moe_vllm", "moe_megatron", {"AT": 4, "EP": 2}, {"ETP": 1}, 6,
      False),
 ]
