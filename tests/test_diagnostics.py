@@ -17,7 +17,8 @@ Regenerating: after an intended change of wording, rewrite the goldens with
 
     REGEN_GOLDEN=1 .venv/bin/pytest tests/test_diagnostics.py
 
-(add `-k NAME` to rewrite only some), then READ `git diff tests/diagnostics/`:
+(add `-k NAME` to rewrite only some; the run fails on purpose), then READ
+`git diff tests/diagnostics/`:
 every changed golden is a changed promise to users. A new case is a new
 `NAME.layout`; the regeneration run writes its `NAME.expected` for review.
 """
@@ -85,7 +86,8 @@ def test_golden(name):
     if REGEN:
         with open(_expected_path(name), "w", encoding="utf-8", newline="") as fh:
             fh.write(actual)
-        return
+        pytest.fail(f"REGEN_GOLDEN: rewrote {name}.expected; read `git diff tests/diagnostics/`, then rerun "
+                    "without REGEN_GOLDEN", pytrace=False)  # a regeneration run is never green
     assert actual == _read_expected(name)
 
 
