@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 PAIRS = {
-    "llama3_8b": ("examples/llama3_8b_train.layout", "examples/llama3_8b_infer.layout", "linear_qkv"),
-    "deepseek_v3": ("examples/deepseek_v3_moe.layout", "examples/deepseek_v3_infer.layout", "layers.7.mlp.router"),
+    "llama3_8b": ("examples/llama3_8b_train.layout", "examples/llama3_8b_infer.layout", "layers.3.self_attn.k_proj"),
+    "deepseek_v3": ("examples/deepseek_v3_moe.layout", "examples/deepseek_v3_infer.layout", "layers.7.mlp.gate.weight"),
 }
 PNG = b"\x89PNG\r\n\x1a\n"
 REQUIRE = os.environ.get("LAYOUTLANG_REQUIRE_BROWSER", "") not in ("", "0")
