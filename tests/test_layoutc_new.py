@@ -13,6 +13,7 @@ References, independent of layoutlang.bridges.families:
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,7 @@ SIZES = {"megatron": {"TP": 2, "PP": 2, "DP": 2, "EP": 2, "ETP": 1},   # 8 ranks
 
 
 def _args(family: str, convention: str) -> list[str]:
+    """The args of `family`'s layout in `convention` (EP and ETP only where there are experts)."""
     return [a for a in ARGS[convention] if family in MOE or a not in ("EP", "ETP")]
 
 
@@ -360,8 +362,6 @@ QWEN3_30B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size"
 def test_the_session_of_docs_bridges_is_what_layoutc_prints(tmp_path, capsys, monkeypatch):
     """docs/bridges.md's `layoutc new` session on Qwen3-30B-A3B's config: every line it shows (its
     elided lines aside) is in the real output, in order, and the two files plan as it says."""
-    from pathlib import Path
-
     doc = (Path(__file__).parent.parent / "docs" / "bridges.md").read_text()
     session = doc.split("```\n$ layoutc new vllm")[1].split("```")[0]
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B))
@@ -380,3 +380,55 @@ def test_the_session_of_docs_bridges_is_what_layoutc_prints(tmp_path, capsys, mo
         at = printed.index(line, at) + 1
     plan = compile_plan(str(tmp_path / "train.layout"), str(tmp_path / "infer.layout"))
     assert "59.88 GiB" in session and round(plan.stats["bytes"] / 2**30, 2) == 59.88
+
+
+# ---- the hand-written small v2 examples: another author's reading of the same frameworks ----------------
+
+SMALL_V2 = Path(__file__).parent.parent / "examples" / "small" / "v2"
+EXAMPLE_CONFIGS = {  # configs of the sizes examples/small/v2 uses, and the examples they pair with
+    "llama": (dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=16, num_key_value_heads=2, vocab_size=900),
+              ["llama_hf", "llama_megatron", "llama_vllm", "llama_fsdp2"]),
+    "moe": (dict(model_type="qwen3_moe", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=8, vocab_size=500, num_experts=8),
+            ["moe_hf", "moe_megatron", "moe_vllm"]),
+    "mla": (dict(model_type="deepseek_v3", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=8, vocab_size=500, n_routed_experts=4, n_shared_experts=1,
+                 first_k_dense_replace=0, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=4,
+                 qk_nope_head_dim=8, v_head_dim=8),
+            ["mla_megatron", "mla_vllm"]),
+    "gptoss": (dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=8, vocab_size=500, num_local_experts=4),
+               ["gptoss_hf", "gptoss_megatron", "gptoss_vllm"]),
+}
+EXAMPLE_PAIRS = [(model, convention, example) for model, (_, examples) in EXAMPLE_CONFIGS.items()
+                 for convention in CONVENTIONS for example in examples]
+
+
+@pytest.mark.parametrize("model,convention,example", EXAMPLE_PAIRS,
+                         ids=[f"{m}-{c}->{e}" for m, c, e in EXAMPLE_PAIRS])
+def test_each_convention_feeds_the_hand_written_examples(model, convention, example):
+    """Every key of examples/small/v2 (written by hand from the frameworks, some of them only a model's
+    experts or attention) is in `layoutc new`'s output with its logical shape and part tree, and the
+    simulator finds every element of the example written once."""
+    cfg = EXAMPLE_CONFIGS[model][0]
+    sizes = {n: v for n, v in {"TP": 2, "EP": 2, "ETP": 1, "DP": 2}.items() if n in _args(cfg["model_type"], convention)}
+    src = loads(render_new(cfg, convention, sizes), convention)
+    path = SMALL_V2 / f"{example}.layout"
+    dst = load(str(path), {"AT": 4} if "AT" in path.read_text() else None)
+    plan = compile_plan(src, dst)
+    check_stats(plan, simulate(RunsView(plan.src), RunsView(plan.dst), plan))
+
+
+def test_the_hf_checkpoint_of_the_small_llama_is_the_hand_written_one():
+    """Both whole models: `layoutc new hf` and examples/small/v2/llama_hf.layout say the same thing."""
+    cfg = EXAMPLE_CONFIGS["llama"][0]
+    new = loads(render_new(cfg, "hf", {"AT": 3}), "new")
+    example = load(str(SMALL_V2 / "llama_hf.layout"), {"AT": 3})
+    assert _semantics(new) == _semantics(example)
+
+
+def render_new(cfg: dict, convention: str, sizes: dict) -> str:
+    from layoutlang.bridges.families import layout_text
+
+    return layout_text(cfg, convention, sizes)
