@@ -301,34 +301,7 @@ def probe_errors(model) -> dict:
     return out
 
 
-def _exit_with_launcher() -> None:
-    """Die with the test that launched us (parent-death signal, and a watch on the parent)."""
-    import threading
-    import time
-
-    parent = int(os.environ.get("MEGATRON_TEST_PARENT", "0"))
-    if not parent:
-        return
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def main(name: str, out_dir: str) -> int:
-    _exit_with_launcher()
     warnings.filterwarnings("ignore")    # megatron-core warns about Apex, TE, ... at import
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)

@@ -32,7 +32,6 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 from layoutlang.runtime.launch import free_port
-
 from megatron_worker import SCENARIOS  # tests/: the scenarios the workers run
 
 from layoutlang import loads
@@ -45,36 +44,55 @@ TOLERANCE = 1e-5       # fp32 logits, HF vs Megatron
 STEPS = 3              # refits per run (tests/megatron_worker.py)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the test process dies (Linux), so no worker outlives it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _spawn(argv: list[str], nproc: int, timeout: float, tmp: str) -> list[tuple[int | None, str, str]]:
+    """Run `argv` as ranks 0..nproc-1 of a gloo group on 127.0.0.1 (the env:// variables torchrun sets);
+    (exit code or None if killed at the deadline, stdout, stderr) per rank. Every process is gone on return."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out, err = (open(Path(tmp) / f"{kind}{rank}.txt", "w") for kind in ("stdout", "stderr"))
+        procs.append((subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=err,
+                                       start_new_session=True,
+                                       preexec_fn=_die_with_parent), out, err))  # noqa: PLW1509 - prctl only
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = [None] * nproc
+    try:
+        while time.monotonic() < deadline and any(p.poll() is None for p, _, _ in procs):
+            time.sleep(0.1)
+    finally:
+        for rank, (p, out, err) in enumerate(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            else:
+                codes[rank] = p.returncode
+            out.close()
+            err.close()
+    return [(codes[r], (Path(tmp) / f"stdout{r}.txt").read_text(), (Path(tmp) / f"stderr{r}.txt").read_text())
+            for r in range(nproc)]
+
+
 def _launch(scenario: str, timeout: float = 150.0) -> list[dict]:
-    """Run the scenario on its gloo workers; every worker is gone when this returns."""
-    nproc = SCENARIOS[scenario].world
+    """Run the scenario on its gloo workers (tests/megatron_worker.py); their results."""
     with tempfile.TemporaryDirectory(prefix="megatron-bridge-") as tmp:
-        port = free_port()
-        procs = []
-        for rank in range(nproc):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", MEGATRON_TEST_PARENT=str(os.getpid()),
-                       GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-                       PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            err = open(Path(tmp) / f"stderr{rank}.txt", "w")
-            procs.append((subprocess.Popen([sys.executable, str(WORKER), scenario, tmp], env=env,
-                                           stdout=subprocess.DEVNULL, stderr=err, start_new_session=True), err))
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs):
-                time.sleep(0.1)
-        finally:
-            for p, err in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                err.close()
+        ranks = _spawn([str(WORKER), scenario, tmp], SCENARIOS[scenario].world, timeout, tmp)
         results = []
-        for rank in range(nproc):
+        for rank, (code, _, stderr) in enumerate(ranks):
             out = Path(tmp) / f"rank{rank}.json"
             if not out.exists():
-                tail = (Path(tmp) / f"stderr{rank}.txt").read_text()[-2000:]
-                pytest.fail(f"rank {rank} of {scenario} left no result (timeout {timeout} s?):\n{tail}")
+                pytest.fail(f"rank {rank} of {scenario} left no result (exit {code}; killed at {timeout} s "
+                            f"if None):\n{stderr[-2000:]}")
             results.append(json.loads(out.read_text()))
     for r in results:
         assert r["ok"], f"rank {r['rank']} of {scenario}: {r.get('error')}"
@@ -198,6 +216,21 @@ def test_qwen2_moe_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
     assert names["decoder.layers.1.mlp.shared_experts.gate_weight"] == "model.layers.3.mlp.shared_expert_gate.weight"
     assert names["decoder.layers.1.mlp.router.weight"] == "model.layers.3.mlp.gate.weight"
     assert "decoder.layers.0.mlp.linear_fc1.weight" in {t.name for t in layout.tensors if t.holds(2)}
+
+
+@pytest.mark.timeout(240)
+def test_the_guides_trainer_loop_runs_as_written():
+    # tests/megatron_refit_loop.py is the program of docs/bridges.md's Megatron section, as written:
+    # a Megatron GPT trained at TP2 (AdamW, vocab-parallel cross entropy, dropout) feeds an HF Llama on
+    # rank 0 every step; it prints the largest logit difference after each refit.
+    with tempfile.TemporaryDirectory(prefix="megatron-loop-") as tmp:
+        ranks = _spawn([str(Path(__file__).parent / "megatron_refit_loop.py")], 2, 200, tmp)
+    for rank, (code, _, stderr) in enumerate(ranks):
+        assert code == 0, f"rank {rank} exited {code}:\n{stderr[-2000:]}"
+    lines = [line for line in ranks[0][1].splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 0", "step 1"]
+    for line in lines:
+        assert float(line.rsplit(" ", 1)[1]) <= TOLERANCE, line
 
 
 # ---- single process: the mesh numbers ranks as Megatron does ------------------------------------
