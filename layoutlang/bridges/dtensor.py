@@ -25,19 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from ..diagnostics import LayoutError
+from .families import BridgeError  # the bridges' one error type
 
 # Wrapper prefixes that torch inserts in parameter names; a key never has them.
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-class BridgeError(LayoutError):
-    """A live model holds something a layout cannot express (or the bridge cannot read)."""
-
-    def __init__(self, message: str, *, help: str | None = None):
-        super().__init__(message, None, help=help)
 
 
 @dataclass(frozen=True)
