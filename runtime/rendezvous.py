@@ -157,6 +157,11 @@ def _left(deadline: float, floor: float = 0.001) -> timedelta:
     return timedelta(seconds=max(deadline - time.monotonic(), floor))
 
 
+def parse_gate(gate: bytes) -> tuple[str, tuple[int, ...]]:
+    """(reason, peers) left at an aborted gate; ("", ()) at an open one."""
+    return ("", ()) if gate == GO else _parse(gate)
+
+
 def _parse(gate: bytes) -> tuple[str, tuple[int, ...]]:
     text = gate.decode("utf-8", errors="replace")
     _, peers, reason = (text.split("\n", 2) + ["", ""])[:3]
