@@ -306,15 +306,17 @@ def placement_ranks(mesh: Mesh, fixed: tuple[tuple[int, int], ...]):
 
 
 def storage_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    """Bytes a rank stores: elements (padding included) plus quantization scales."""
-    n = prod(shape)
+    """Bytes a rank stores: elements (padding included, packed as the dtype packs them)
+    plus every quantization scale (LANGUAGE.md 4, 4.1).
+
+    >>> storage_bytes("mxfp8", (4096, 2048)), storage_bytes("mxfp4", (64, 64)), storage_bytes("nvfp4", (64, 64))
+    (8650752, 2176, 2308)
+    >>> storage_bytes("fp8_b128", (300, 129))  # 3 x 2 blocks, edge blocks partial
+    38724
+    """
     kind = DTYPE[dtype]
-    size = n * kind.element_bytes
-    if kind.scales == "block":
-        size += n // MXFP8_BLOCK
-    elif kind.scales == "tensor":
-        size += 4
-    return size
+    size = prod(kind.data_shape(shape)) * max(1, kind.element_bits // 8)
+    return size + sum(prod(s.shape(shape)) * s.bytes for s in kind.scales)
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,7 +10,8 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from .errors import RefitError
-from .quant import Fp8Tensor, MXFP8Tensor, dequantize, quantize
+from .quant import Fp8BlockTensor, Fp8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequantize, quantize
 from .refit import Refitter, RefitHooks
 
-__all__ = ["Refitter", "RefitError", "RefitHooks", "Fp8Tensor", "MXFP8Tensor", "quantize", "dequantize"]
+__all__ = ["Refitter", "RefitError", "RefitHooks", "Fp8Tensor", "MXFP8Tensor", "Fp8BlockTensor", "MXFP4Tensor",
+           "NVFP4Tensor", "quantize", "dequantize"]

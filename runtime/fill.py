@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from layoutlang.ir import QUANTIZED, KeyRegion, TensorIR
+from layoutlang.vocabulary import DTYPE
 from layoutlang.modes import Run
 
-from .quant import PLAIN_DTYPES, dequantize, quantize
+from .quant import PLAIN_DTYPES, dequantize, quantize, tensors_of
 
 MASK32 = 0xFFFFFFFF
 
@@ -260,10 +261,10 @@ def _nearest(choices: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.T
     return stack.gather(0, distance.argmin(0, keepdim=True))[0]
 
 
-def _as_float(x: torch.Tensor) -> torch.Tensor:
-    """Compare scales by value (fp32) or by E8M0 code (uint8 / float8_e8m0fnu)."""
-    x = x.cpu()
-    return x.to(torch.float32) if x.dtype == torch.float32 else x.contiguous().view(torch.uint8).to(torch.float32)
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor, row-major (codes of fp8/e2m1/e8m0 data and scales, fp32 scales' bits)."""
+    flat = x.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)  # a size-1 dim keeps its stride
+    return flat.view(torch.uint8)
 
 
 def check_destination(t: TensorIR, rank: int, value, plan=None) -> str | None:
@@ -273,9 +274,11 @@ def check_destination(t: TensorIR, rank: int, value, plan=None) -> str | None:
     without it the source is taken to be plain.
     """
     want = expected_destination(t, rank, plan)
+    local = tuple(t.local_shape_at(rank))
     shape = tuple((value.data if t.dtype in QUANTIZED else value).shape)
-    if shape != tuple(t.local_shape_at(rank)):
-        return f"`{t.name}` on rank {rank}: local shape {shape}, expected {tuple(t.local_shape_at(rank))}"
+    stored = DTYPE[t.dtype].data_shape(local)  # packed e2m1: the last dim holds two per byte
+    if shape != stored:
+        return f"`{t.name}` on rank {rank}: local shape {shape}, expected {stored}"
     if t.dtype in QUANTIZED:
         # quantize once (DESIGN.md invariant 4): the bytes equal quantizing the expected bf16
         # tensor once; quantize() itself is checked against tests/reference_quant.py
@@ -284,12 +287,14 @@ def check_destination(t: TensorIR, rank: int, value, plan=None) -> str | None:
             nearest = _nearest(want.choices, dequantize(value, t.dtype).cpu())
             expected = torch.where(want.data, nearest, 0.0).to(torch.bfloat16)
         ref = quantize(expected, t.dtype)
-        got, ref_data = value.data.cpu().to(torch.float32), ref.data.to(torch.float32)
-        same = (got == ref_data) | (torch.isnan(got) & torch.isnan(ref_data))
-        if not bool(same.all()):
-            return f"`{t.name}` on rank {rank}: quantized data differs at {(~same).nonzero()[0].tolist()}"
-        scales = (value.scales, ref.scales) if t.dtype == "mxfp8" else (value.scale, ref.scale)
-        if not torch.equal(_as_float(scales[0]), _as_float(scales[1])):
+        got, ref_data = _raw(value.data), _raw(ref.data)
+        if not torch.equal(got, ref_data):
+            at = (got != ref_data).nonzero()[0, 0].item()
+            index = [int(i) for i in torch.unravel_index(torch.tensor(at), stored)] if stored else []
+            if index:
+                index[-1] *= DTYPE[t.dtype].per_byte  # the element (the first of a packed pair)
+            return f"`{t.name}` on rank {rank}: quantized data differs at {index}"
+        if not all(torch.equal(_raw(a), _raw(b)) for a, b in zip(tensors_of(value)[1:], tensors_of(ref)[1:])):
             return f"`{t.name}` on rank {rank}: quantization scales differ"
         return None
     got = value.cpu()

@@ -32,8 +32,8 @@ from layoutlang.ir import QUANTIZED, TensorIR
 from layoutlang.modes import PadRun
 
 from .errors import RefitError
-from .quant import FP8_DTYPES, MX_BLOCK, PLAIN_DTYPES, as_quantized, dequantize, quantize_into
-from .rendezvous import Abandoned, Rendezvous, StoreUnreachable
+from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storage_problem, tensors_of
+from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
 
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOTE_CHARS = 4000   # what one rank tells the others about its tensors, at most
@@ -141,6 +141,7 @@ class Refitter:
         self._digest = hashlib.sha256(f"{plan.digest}/{budget_bytes}".encode()).hexdigest()[:16]
         self._rv = self._rendezvous()
         self._step = 0
+        self._fence: str | None = None  # the step's one meeting after the buckets (its prefix)
         self._phase = "setup"
         self._broken: str | None = None
         self._keys: dict[int, list[tuple[str, bool]]] = {}  # step -> (key, shared)
@@ -224,19 +225,25 @@ class Refitter:
         schedule = self.schedule(self._agree(step, src_tensors, dst_tensors, strided))
         self.meter = StagingMeter()
         mismatches: list[str] = []
+        # One fence per step, not per bucket: the last bucket's meeting (store traffic is
+        # O(ranks) per step; benchmarks/store_scale.py). Between buckets a rank only waits
+        # for its own peers' transfers, under the timeout; a rank that fails gives up the
+        # fence with its reason, so every rank is released at once, with that reason.
+        last = schedule.buckets[-1].index if schedule.buckets else 0
+        self._fence = fence = self._prefix(step, "bucket", last)
         for b in schedule.buckets:
             self._phase = f"bucket {b.index}"
-            prefix = self._prefix(step, "bucket", b.index)
             try:
                 self.hooks.before_bucket(self, step, b.index)
                 mismatches += self._bucket(schedule, b.index, src, dst, device)
             except Exception as exc:  # noqa: BLE001 - every fault in a bucket is a RefitError
                 err = exc if isinstance(exc, RefitError) else RefitError.at(
                     self.rank, step, self._phase, f"{type(exc).__name__}: {_first_line(exc)}", reusable=False)
-                self._rv.give_up(prefix, f"rank {self.rank} failed in bucket {b.index}: {err.detail}",
+                self._rv.give_up(fence, f"rank {self.rank} failed in bucket {b.index}: {err.detail}",
                                  err.peers or (self.rank,))
                 raise err from (None if err is exc else exc)
-            self._meet(step, prefix, f"finish bucket {b.index}", reusable=False)
+        self._phase = f"bucket {last}"
+        self._meet(step, fence, f"finish bucket {last}", reusable=False)
         if self.verify:
             self._phase = "verification"
             self._verify_result(step, mismatches)
@@ -427,12 +434,29 @@ class Refitter:
                 text = _first_line(exc)
                 if "timed out" in text.lower() or "timeout" in text.lower():
                     text = f"peer rank {peer} did not complete it within {self.timeout.total_seconds():g} s"
-                raise RefitError.at(self.rank, self._step, self._phase, f"{what} of op {op.id} (`{op.key}`) with "
-                                    f"peer rank {peer} failed: {text}", peers=(peer,), reusable=False) from exc
+                raise self._root_cause() or RefitError.at(
+                    self.rank, self._step, self._phase, f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} "
+                    f"failed: {text}", peers=(peer,), reusable=False) from exc
             if ok is False:
-                raise RefitError.at(self.rank, self._step, self._phase, f"peer rank {peer} did not complete {what} "
-                                    f"of op {op.id} (`{op.key}`) within {self.timeout.total_seconds():g} s",
-                                    peers=(peer,), reusable=False)
+                raise self._root_cause() or RefitError.at(
+                    self.rank, self._step, self._phase, f"peer rank {peer} did not complete {what} of op {op.id} "
+                    f"(`{op.key}`) within {self.timeout.total_seconds():g} s", peers=(peer,), reusable=False)
+
+    def _root_cause(self) -> RefitError | None:
+        """The reason a rank already left at the step's fence, if any: a peer that stopped
+        answering is usually waiting on the rank that failed first, which this names."""
+        fence = self._fence
+        if fence is None:
+            return None
+        try:
+            if not self._rv.store.check([f"{fence}/gate"]):
+                return None
+            reason, peers = parse_gate(self._rv.store.get(f"{fence}/gate"))
+        except Exception:  # noqa: BLE001 - no store, no better reason: the caller's stands
+            return None
+        if not reason:
+            return None
+        return RefitError.at(self.rank, self._step, self._phase, reason, peers=peers, reusable=False)
 
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
@@ -496,8 +520,8 @@ def _default_store():
 
 
 def _strided(value) -> bool:
-    """Is this tensor (or a quantized tensor's data or scales) not contiguous?"""
-    parts = [value] if isinstance(value, torch.Tensor) else [getattr(value, n, None) for n in ("data", "scale", "scales")]
+    """Is this tensor (or any tensor of a quantized value: data, scales) not contiguous?"""
+    parts = [value] if isinstance(value, torch.Tensor) else tensors_of(value)
     return any(isinstance(p, torch.Tensor) and not p.is_contiguous() for p in parts)
 
 
@@ -515,19 +539,7 @@ def _zero_padding(tensor: torch.Tensor, t: TensorIR, rank: int) -> None:
 def _shape_problem(t: TensorIR, value, rank: int) -> str | None:
     expected = tuple(t.local_shape_at(rank))  # ranks of a ragged split hold different extents
     if t.dtype in QUANTIZED:
-        value = as_quantized(value, t.dtype)
-        data = getattr(value, "data", None)
-        if data is None or not isinstance(data, torch.Tensor):
-            return f"expected a quantized {t.dtype} tensor (data with its scale), got {type(value).__name__}"
-        if tuple(data.shape) != expected or data.dtype != FP8_DTYPES[t.dtype]:
-            return f"expected {t.dtype} data {list(expected)} {FP8_DTYPES[t.dtype]}, got {list(data.shape)} {data.dtype}"
-        if t.dtype == "mxfp8":
-            want = expected[:-1] + (expected[-1] // MX_BLOCK,)
-            if tuple(value.scales.shape) != want:
-                return f"expected mxfp8 scales {list(want)}, got {list(value.scales.shape)}"
-        elif value.scale.numel() != 1:
-            return f"expected a one-element scale, got {list(value.scale.shape)}"
-        return None
+        return storage_problem(as_quantized(value, t.dtype), t.dtype, expected)
     if not isinstance(value, torch.Tensor):
         return f"expected a torch.Tensor, got {type(value).__name__}"
     if tuple(value.shape) != expected or value.dtype != PLAIN_DTYPES[t.dtype]:

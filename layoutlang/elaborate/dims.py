@@ -4,8 +4,8 @@ Guarantees: a stacked dim `e in A..B` (v2) is a plain extent B - A >= 1; every e
 extent fits in 64 bits; a dim's storage alternates in at most `modes.MAX_RUNS`
 pieces; `over` splits the mode legally (`modes.check_split`), `chunk` divides
 the local extent unless it has `align`, and `align` is at least 1; a dtype fits
-the local shape (a block-scaled dtype needs a last dim of whole blocks) and the
-tensor's bytes fit 64 bits.
+the local shape (a block-scaled dtype needs a last dim of whole blocks and of
+whole packed bytes, fp8_b128 two dims) and the tensor's bytes fit 64 bits.
 
 Sharing (what keeps a layout of 10^5 instances small): equal dims are one
 `DimIR` object per layout, equal shapes one tuple; inside loops a statement's
@@ -22,7 +22,7 @@ from .. import ast
 from ..diagnostics import ElaborationError, Note, did_you_mean
 from ..ir import ChunkSplit, DimIR, Mesh, Split, storage_bytes
 from ..modes import MAX_RUNS, ConcatM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
-from ..vocabulary import DTYPE, MXFP8_BLOCK
+from ..vocabulary import DTYPE
 from . import limits
 from .meshes import AxisClaims
 from .scope import Scope
@@ -159,14 +159,23 @@ class Dims:
         if (dims, dtype) in self.stored:
             return
         local = built.local_shape
+        kind = DTYPE[dtype]
+        multiple = kind.last_dim_multiple
         last = _local_extents(dims[-1]) if dims else {0}
-        if DTYPE[dtype].scales == "block" and (not dims or any(n % MXFP8_BLOCK for n in last)):
-            bad = next((n for n in sorted(last) if n % MXFP8_BLOCK), 0)
-            raise ElaborationError(f"{dtype} needs the local last dim to be a multiple of {MXFP8_BLOCK}; "
+        if multiple > 1 and (not dims or any(n % multiple for n in last)):
+            bad = next((n for n in sorted(last) if n % multiple), 0)
+            raise ElaborationError(f"{dtype} needs the local last dim to be a multiple of {multiple}; "
                                    f"here it is {bad if dims else 'absent (0-d tensor)'}",
                                    stmt.dims[-1].span if stmt.dims else stmt.span,
                                    help=f"use another dtype, or a shape whose local last dim is a multiple "
-                                        f"of {MXFP8_BLOCK}")
+                                        f"of {multiple}")
+        if len(dims) < kind.min_dims:
+            grid = " x ".join(str(b) for b in max((s.block for s in kind.scales), key=len))
+            raise ElaborationError(f"{dtype} needs at least {kind.min_dims} dims (one scale per {grid} block of "
+                                   f"the local last {kind.min_dims} dims); here there {_dims_text(len(dims))}",
+                                   stmt.dims[-1].span if stmt.dims else stmt.span,
+                                   help="store 1-d tensors (norms, biases) in bf16 or fp32, as DeepSeek-V3's "
+                                        "checkpoint does, or use a dtype with a per-tensor or 1-d block scale")
         n = 1
         for d in dims:
             n *= max(d.logical, d.local)
@@ -174,6 +183,10 @@ class Dims:
             raise ElaborationError(f"tensor of {n} elements does not fit in 64-bit sizes", stmt.span,
                                    help="check the extents")
         self.stored.add((dims, dtype))
+
+
+def _dims_text(n: int) -> str:
+    return "is 1 dim" if n == 1 else f"are {n} dims"
 
 
 def _local_extents(dim: DimIR) -> set[int]:
