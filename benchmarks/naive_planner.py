@@ -13,6 +13,13 @@ the receiver itself if it holds the piece, then a rank on its node, then the
 least-loaded candidate so far, ties to the lowest rank. Nothing is shared
 between layers, experts or ranks: no templates, no memoized shards.
 
+Keys inside stored tensors (LANGUAGE.md 8: part keys, stacked dims, `transposed`):
+each (destination instance, key) is planned on its own, in the key's coordinates:
+every side's runs are restricted to the key's box in its stored tensor
+(`key_runs`: clipped, re-based to the key, a stacked dim kept aside as the local
+index that holds the key, the two dims of a transposed key swapped), and each
+slice is put back in its stored tensor's storage order. One op never mixes keys.
+
 Differences from the real planner, by design: the real planner batches its
 sender choice per template (all identical layers of one request at once), this
 one picks op by op, so senders may differ while the pieces, op ids, bytes and
@@ -22,7 +29,9 @@ source slices can feed is one piece here with every holder as a candidate.
     .venv/bin/python benchmarks/naive_planner.py --selfcheck
 
 compares it with `layoutlang.compiler.compile_plan` on the Llama-3-8B example
-pairs (and a small DeepSeek-V3-style MoE pair): the same ops in the same order
+pairs (fused tensors with part keys on both sides), two small DeepSeek-V3-style
+MoE pairs, stacked FusedMoE experts and transposed GPT-2 Conv1D weights
+(examples/small/v2/): the same ops in the same order
 (id, key, destination rank, name and slice, bytes), the same candidate senders,
 and every real op's sender holding its source slice.
 """
@@ -39,7 +48,7 @@ from typing import Callable
 
 from layoutlang.gcpause import gc_paused
 from layoutlang import load
-from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, Run, TensorIR
+from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, KeyRegion, Layout, Run, TensorIR
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -110,6 +119,49 @@ def data_elements(runs) -> int:
     return n
 
 
+# ---- a key inside a stored tensor (LANGUAGE.md 8) ------------------------------------
+
+def key_runs(t: TensorIR, region: KeyRegion | None, rank: int):
+    """(runs per KEY dim, stacked local index per STORED dim or None) of `t` on `rank`,
+    restricted to one key: data runs clipped to the key's box and re-based to the key's
+    logical coordinates; a stacked dim holds the key at one local index (kept aside, not a
+    dim of the key); a transposed key's two dims swapped. A v1 tensor (region None) is its
+    runs as they are. None when the rank holds none of the key."""
+    runs = t.runs(rank)
+    if region is None:
+        return runs, None
+    dims, fixed = [], []
+    for i, (dim_runs, (lo, hi)) in enumerate(zip(runs, region.box)):
+        clipped = []
+        for r in dim_runs:
+            if isinstance(r, Run):
+                a, b = max(lo, r.logical_start), min(hi, r.logical_start + r.length)
+                if a < b:
+                    clipped.append(Run(r.local_start + a - r.logical_start, a - lo, b - a))
+        if not clipped:
+            return None
+        if i in region.stacked:
+            if len(clipped) != 1 or clipped[0].length != 1:
+                raise NaiveError(f"{t.name}: stacked dim {i} holds {clipped} of one key")
+            fixed.append(clipped[0].local_start)
+        else:
+            dims.append(tuple(clipped))
+            fixed.append(None)
+    return tuple(dims[::-1] if region.transposed else dims), tuple(fixed)
+
+
+def stored_slice(key_slice: Slice, fixed, region: KeyRegion | None) -> Slice:
+    """A slice in a key's dims, put back in its stored tensor's dims (stacked dims: extent 1)."""
+    if region is None:
+        return key_slice
+    it = iter(key_slice[::-1] if region.transposed else key_slice)
+    return tuple((f, f + 1) if f is not None else next(it) for f in fixed)
+
+
+def key_shape(t: TensorIR, region: KeyRegion | None) -> tuple[int, ...]:
+    return t.logical_shape if region is None else region.key_shape
+
+
 def volume(sl: Slice) -> int:
     n = 1
     for a, b in sl:
@@ -130,65 +182,76 @@ class NaivePlan:
         self.recv = [0] * self.world
         self.ops: list[NaiveOp] = []
         self.usable: set[int] = set()
-        by_key: dict[str, list[TensorIR]] = {}
-        for t in src.tensors:
-            by_key.setdefault(t.key, []).append(t)
+        by_key = src.key_index  # key -> ((stored source instance, its region or None), ...)
         for t in dst.tensors:
             if dst_filter is not None and not dst_filter(t):
                 continue
             start = time.perf_counter()
-            sources = by_key.get(t.key)
-            if not sources:
-                raise NaiveError(f"key {t.key} is not in the source")
-            if t.logical_shape != sources[0].logical_shape:
-                raise NaiveError(f"{t.key}: logical shape {t.logical_shape} != {sources[0].logical_shape}")
             wire = ELEMENT_BYTES["bf16" if t.dtype in QUANTIZED else t.dtype]
-            ordinal = 0  # the request's position within this tensor (round robin restarts per tensor)
-            for rank in sorted(t.ranks()):
-                for dst_slice, alts in self._pieces(t, rank, sources):
-                    cands = sorted({q for ranks in alts.values() for q in ranks})
-                    nbytes = volume(dst_slice) * wire
-                    sender = self._pick(selector, ranks_per_node, rank, cands, nbytes, ordinal)
-                    ordinal += 1
-                    inst, src_slice = next(a for a, ranks in alts.items() if sender in ranks)
-                    self.usable.update(cands)
-                    self.recv[rank] += nbytes
-                    self.ops.append(NaiveOp(len(self.ops), t.key, sender, rank, sources[inst].name,
-                                            t.name, src_slice, dst_slice, nbytes, tuple(cands)))
+            for region in (None,) if t.regions is None else t.regions:
+                key = t.key if region is None else region.key
+                sources = by_key.get(key)
+                if not sources:
+                    raise NaiveError(f"key {key} is not in the source")
+                if key_shape(t, region) != key_shape(*sources[0]):
+                    raise NaiveError(f"{key}: logical shape {key_shape(t, region)} != {key_shape(*sources[0])}")
+                ordinal = 0  # the request's position within this key (round robin restarts per key)
+                for rank in sorted(t.ranks()):
+                    held = key_runs(t, region, rank)
+                    if held is None:
+                        continue
+                    for dst_slice, alts in self._pieces(t, region, rank, held, sources):
+                        cands = sorted({q for ranks in alts.values() for q in ranks})
+                        nbytes = volume(dst_slice) * wire
+                        sender = self._pick(selector, ranks_per_node, rank, cands, nbytes, ordinal)
+                        ordinal += 1
+                        inst, src_slice = next(a for a, ranks in alts.items() if sender in ranks)
+                        self.usable.update(cands)
+                        self.recv[rank] += nbytes
+                        self.ops.append(NaiveOp(len(self.ops), key, sender, rank, sources[inst][0].name,
+                                                t.name, src_slice, dst_slice, nbytes, tuple(cands)))
             if timer is not None:
                 timer(t, time.perf_counter() - start)
 
-    def _pieces(self, t: TensorIR, rank: int, sources: list[TensorIR]):
-        """[(dst_slice, {(instance, src_slice): [ranks]})] for one destination rank, sorted."""
-        druns = t.runs(rank)
+    def _pieces(self, t: TensorIR, region, rank: int, held, sources):
+        """[(dst_slice, {(instance, src_slice): [ranks]})] for one destination rank and key, sorted;
+        slices in STORED coordinates, intersections in the key's."""
+        druns, dfixed = held
         groups: dict[Slice, tuple[Slice, dict]] = {}
-        first = sources[0]
+        first, first_region = sources[0]
         for q in first.ranks():
-            sruns = first.runs(q)
-            per_dim = [intersect(d, s) for d, s in zip(druns, sruns)]
+            s = key_runs(first, first_region, q)
+            if s is None:
+                continue
+            sruns, sfixed = s
+            per_dim = [intersect(d, r) for d, r in zip(druns, sruns)]
             if any(not segs for segs in per_dim):
                 continue
             for rect in itertools.product(*per_dim):
-                dst_slice = tuple((d, d + n) for d, _, _, n in rect)
+                dst_slice = stored_slice(tuple((d, d + n) for d, _, _, n in rect), dfixed, region)
                 logical = tuple((g, g + n) for _, _, g, n in rect)
-                src_slice = tuple((s, s + n) for _, s, _, n in rect)
+                src_slice = stored_slice(tuple((s, s + n) for _, s, _, n in rect), sfixed, first_region)
                 _, alts = groups.setdefault(dst_slice, (logical, {}))
                 alts.setdefault((0, src_slice), []).append(q)
         for inst in range(1, len(sources)):
-            other = sources[inst]
+            other, other_region = sources[inst]
             for q in other.ranks():
-                sruns = other.runs(q)
+                s = key_runs(other, other_region, q)
+                if s is None:
+                    continue
+                sruns, sfixed = s
                 for dst_slice, (logical, alts) in groups.items():
                     starts = [holds_whole(r, lo, hi) for r, (lo, hi) in zip(sruns, logical)]
                     if all(x is not None for x in starts):
-                        src_slice = tuple((x, x + hi - lo) for x, (lo, hi) in zip(starts, logical))
+                        src_slice = stored_slice(tuple((x, x + hi - lo) for x, (lo, hi) in zip(starts, logical)),
+                                                 sfixed, other_region)
                         alts.setdefault((inst, src_slice), []).append(q)
-        # exactly once: the pieces are disjoint and cover every data element
+        # exactly once: the pieces are disjoint and cover every data element of the key here
         rects = sorted(groups)
         covered = sum(volume(r) for r in rects)
         if covered != data_elements(druns):
             raise NaiveError(f"{t.name} on rank {rank}: pieces cover {covered} elements, "
-                             f"the tensor holds {data_elements(druns)}")
+                             f"the key holds {data_elements(druns)}")
         for a, b in itertools.combinations(rects, 2):
             if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
                 raise NaiveError(f"{t.name} on rank {rank}: pieces {a} and {b} overlap")
@@ -247,6 +310,10 @@ PAIRS = [
     ("DeepSeek-V3-style MoE, 10 layers x 8 experts: trainer 32 ranks -> engine EP4xETP2 at 32",
      "deepseek_v3_moe.layout", "deepseek_v3_infer.layout", {"L": 10, "E": 8},
      {"TP": 2, "DP": 2, "EP": 2, "ETP": 2}, {"ENGINE_TP": 4, "ENGINE_DP": 2, "ENGINE_EP": 4, "ENGINE_ETP": 2, "AT": 32}),
+    ("small MoE, per-expert Megatron EP2xETP2 -> vLLM FusedMoE stacked w13/w2 EP4 at 4",
+     "small/v2/moe_megatron.layout", "small/v2/moe_vllm.layout", {}, {}, {"AT": 4}),
+    ("small GPT-2, HF Conv1D transposed -> TP2 [out, in] at 1",
+     "small/v2/gpt2_hf.layout", "small/v2/gpt2_tp.layout", {}, {}, {"AT": 1}),
 ]
 
 
@@ -269,9 +336,7 @@ def compare(real, naive: NaivePlan) -> list[str]:
             break
     # the real sender is a candidate and holds the source slice it names
     cands = {(o.dst_rank, o.dst_name, o.dst_slice): o for o in naive.ops}
-    by_name = {}
-    for t in real.src.tensors:
-        by_name.setdefault(t.name, []).append(t)
+    src_index = real.src.key_index
     bad = 0
     for r in real_ops:
         n = cands.get((r.dst_rank, r.dst_name, r.dst_slice))
@@ -281,8 +346,8 @@ def compare(real, naive: NaivePlan) -> list[str]:
             problems.append(f"op {r.id}: sender {r.src_rank} is not among {n.candidates}")
             bad += 1
         else:
-            holders = [t for t in by_name[r.src_name] if t.key == r.key and t.holds(r.src_rank)]
-            if not holders or not _feeds(holders[0], r):
+            holders = [(t, reg) for t, reg in src_index.get(r.key, ()) if t.name == r.src_name and t.holds(r.src_rank)]
+            if not holders or not _feeds(*holders[0], r):
                 problems.append(f"op {r.id}: rank {r.src_rank} {r.src_name}{list(r.src_slice)} "
                                 f"does not hold the logical data of {r.dst_name}{list(r.dst_slice)}")
                 bad += 1
@@ -299,16 +364,30 @@ def compare(real, naive: NaivePlan) -> list[str]:
     return problems
 
 
-def _feeds(src_t: TensorIR, op) -> bool:
-    """Does src_slice on the sender map to the same logical elements as dst_slice?"""
-    dst_t = next(t for t in _DST_CACHE if t.name == op.dst_name and t.key == op.key)
-    sruns, druns = src_t.runs(op.src_rank), dst_t.runs(op.dst_rank)
-    for s_runs, d_runs, (s0, s1), (d0, d1) in zip(sruns, druns, op.src_slice, op.dst_slice):
-        if s1 - s0 != d1 - d0:
-            return False
-        if _logical(s_runs, s0, s1) != _logical(d_runs, d0, d1):
-            return False
-    return True
+def _feeds(src_t: TensorIR, src_region, op) -> bool:
+    """Does src_slice on the sender hold the same elements of the op's key as dst_slice?"""
+    dst_t, dst_region = next((t, reg) for t, reg in _DST_CACHE if t.name == op.dst_name and
+                             (reg.key if reg is not None else t.key) == op.key and t.holds(op.dst_rank))
+    a = _key_box(src_t, src_region, op.src_rank, op.src_slice)
+    return a is not None and a == _key_box(dst_t, dst_region, op.dst_rank, op.dst_slice)
+
+
+def _key_box(t: TensorIR, region, rank: int, sl: Slice):
+    """The box of the key (in its dims) that stored slice `sl` holds, or None if no run holds it whole."""
+    box = []
+    for i, (runs, (a, b)) in enumerate(zip(t.runs(rank), sl)):
+        lo = _logical(runs, a, b)
+        if lo is None:
+            return None
+        if region is not None:
+            rlo, rhi = region.box[i]
+            if not (rlo <= lo and lo + b - a <= rhi):
+                return None
+            if i in region.stacked:
+                continue
+            lo -= rlo
+        box.append((lo, lo + b - a))
+    return tuple(box[::-1] if region is not None and region.transposed else box)
 
 
 def _logical(runs, lo, hi):
@@ -319,7 +398,11 @@ def _logical(runs, lo, hi):
     return None
 
 
-_DST_CACHE: list[TensorIR] = []
+_DST_CACHE: list[tuple[TensorIR, KeyRegion | None]] = []  # the destination's (instance, region) pairs
+
+
+def dst_items(layout: Layout) -> list[tuple[TensorIR, KeyRegion | None]]:
+    return [item for items in layout.key_index.values() for item in items]
 
 
 def selfcheck() -> int:
@@ -340,7 +423,7 @@ def selfcheck() -> int:
         t1 = time.perf_counter()
         naive = NaivePlan(src, dst)
         t2 = time.perf_counter()
-        _DST_CACHE[:] = dst.tensors
+        _DST_CACHE[:] = dst_items(dst)
         problems = compare(real, naive)
         rs, ns = real.stats, naive.stats
         status = "ok  " if not problems else "FAIL"

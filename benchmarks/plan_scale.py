@@ -62,7 +62,7 @@ QUICK = {"common": {"L": 10, "E": 16},
          "src": {"TP": 2, "DP": 4, "EP": 4, "ETP": 2},  # 64 ranks
          "dst": {"ENGINE_TP": 8, "ENGINE_DP": 2, "ENGINE_EP": 16, "ENGINE_ETP": 1}}  # 16 ranks
 
-LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+LAYER = re.compile(r"model\.layers\.(\d+)\.")  # HF keys; the engine's names too
 GIB = 2**30
 
 
@@ -215,23 +215,29 @@ def layout_holders(src, dst) -> dict:
     Returns {"by_set": {frozenset(ranks): bytes}, "bytes": all bytes (local included),
     "usable": source ranks holding any data of a destination key}.
     """
-    by_key: dict[str, list] = {}
-    for t in src.tensors:
-        by_key.setdefault(t.key, []).append(t)
+    from naive_planner import key_runs  # a key's runs inside its stored tensor (LANGUAGE.md 8)
+
+    by_key = src.key_index  # key -> ((stored instance, region or None), ...)
     by_set: dict[frozenset, int] = {}
     total, usable, memo = 0, set(), {}
-    for t in dst.tensors:
+    for t, region in ((t, r) for t in dst.tensors for r in ((None,) if t.regions is None else t.regions)):
+        key = t.key if region is None else region.key
         shards: dict[tuple, list[int]] = {}  # (instance, runs) -> ranks: replicas share one entry
-        for i, s in enumerate(by_key[t.key]):
+        for i, (s, s_region) in enumerate(by_key[key]):
             for q in s.ranks():
-                shards.setdefault((i, s.runs(q)), []).append(q)
+                held = key_runs(s, s_region, q)
+                if held is not None:
+                    shards.setdefault((i, held[0]), []).append(q)
         shard_list = list(shards.items())
         for (_, runs), ranks in shard_list:
             if all(_intervals(d) for d in runs):
                 usable.update(ranks)
         wire = 2 if t.dtype in QUANTIZED else WIRE_BYTES[t.dtype]
         for r in t.ranks():
-            druns = t.runs(r)
+            held = key_runs(t, region, r)
+            if held is None:
+                continue
+            druns = held[0]
             key = (druns, tuple(runs for (_, runs), _ in shard_list))
             cells = memo.get(key)
             if cells is None:
@@ -242,7 +248,7 @@ def layout_holders(src, dst) -> dict:
                     who = frozenset.intersection(*(w for w, _ in combo)) if combo else frozenset(range(len(shard_list)))
                     n = math.prod(length for _, length in combo)
                     if not who:
-                        raise SystemExit(f"{t.key}: destination rank {r} holds elements no source rank holds")
+                        raise SystemExit(f"{key}: destination rank {r} holds elements no source rank holds")
                     cells[who] = cells.get(who, 0) + n
                 memo[key] = cells
             for who, n in cells.items():

