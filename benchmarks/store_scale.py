@@ -1,11 +1,12 @@
 """What a refit's store meetings cost: N clients meeting through ONE TCPStore server.
 
 A refit step meets in the process group's store (runtime/rendezvous.py): once to
-agree, once per bucket (so that a stalled or dead rank is named by every rank
-within the timeout, NCCL included), once at the end. A meeting costs each rank
-about 5 store requests (set `here/R`, add `count`, wait and get `gate`, and a
-delete two steps later), all on one server thread: per step
-5 x W x (buckets + 3) requests. This benchmark measures the server: C clients
+agree and once after its last bucket (the step's fence; a rank that fails in
+any bucket gives up the fence with its reason, so every rank is released at
+once). It used to meet after every bucket. A meeting costs each rank about 5
+store requests (set `here/R`, add `count`, wait and get `gate`, and a delete two
+steps later), all on one server thread: per step 2 x 5 x W requests, where
+per-bucket fences cost (buckets + 1) x 5 x W. This benchmark measures the server: C clients
 (P processes x T threads, each with its own TCPStore connection, the way ranks
 connect) run the real `Rendezvous.meet` M times, and it prints meetings per
 second and requests per second against C. The baseline, measured in the same
@@ -106,13 +107,15 @@ def main() -> int:
         print(f"{c:>8} {meetings / spent:>11.1f} {rps:>11.0f} {per_meeting * 1e3:>11.2f}  "
               f"{per_meeting / first:.2f}x time for {c / sizes[0]:.0f}x clients{'' if ok else '  FAILED'}")
     c, per_meeting, rps = rows[-1]
-    print(f"\nmodel (one server thread, {rps:.0f} requests/s as measured at C = {c}):")
+    print(f"\nmodel (one server thread, {rps:.0f} requests/s as measured at C = {c}); a step meets to agree and "
+          "once after its buckets (one fence per step), where it used to meet after every bucket:")
     for world in (1024, 8192):
         meeting = REQUESTS_PER_MEETING * world / rps
         for buckets in (4, 32):
-            step = meeting * (buckets + 3)
-            print(f"  {world:>5} ranks, {buckets:>2} buckets: {meeting * 1e3:7.1f} ms per meeting, "
-                  f"{step:6.2f} s of meetings per step ({REQUESTS_PER_MEETING * world * (buckets + 3):,} requests)")
+            fenced, per_bucket = 2 * meeting, (buckets + 1) * meeting
+            print(f"  {world:>5} ranks, {buckets:>2} buckets: {meeting * 1e3:7.1f} ms per meeting; "
+                  f"{fenced:6.2f} s of meetings per step ({2 * REQUESTS_PER_MEETING * world:,} requests), "
+                  f"per-bucket fences {per_bucket:6.2f} s ({per_bucket / fenced:.1f}x)")
     if not ok_all:
         print("a meeting FAILED", file=sys.stderr)
         return 1
