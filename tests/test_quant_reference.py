@@ -42,6 +42,20 @@ from layoutlang.runtime.quant import dequantize, quantize
     (9.0, ref.E5M2, 0x48),          # step 2^(3-2) = 2: 4.5 -> 4 (even) -> 8: exp 18, mantissa 00
     (11.0, ref.E5M2, 0x4A),         # 5.5 -> 6 (even) -> 12 = 1.5 * 2^3: exp 18, mantissa 10
     (2.0 ** -16, ref.E5M2, 0x01),   # the smallest subnormal
+    # e2m1 (s.ee.m, bias 1): 0.5 is the one subnormal (exp 00, mantissa 1), 6 = 1.5 * 2^2 the max
+    (0.5, ref.E2M1, 0x1),
+    (6.0, ref.E2M1, 0x7),           # exp 11, mantissa 1
+    (7.0, ref.E2M1, 0x7),           # saturates (no Inf, no NaN)
+    (0.25, ref.E2M1, 0x0),          # half a step: tie -> 0 (even)
+    (0.75, ref.E2M1, 0x2),          # between 0.5 (mantissa 1) and 1 (mantissa 0): tie -> 1
+    (1.25, ref.E2M1, 0x2),          # 1 | 1.5: tie -> 1 (0010)
+    (1.75, ref.E2M1, 0x4),          # 1.5 | 2: tie -> 2 (0100), carrying into the next binade
+    (2.5, ref.E2M1, 0x4),           # 2 | 3: tie -> 2
+    (3.5, ref.E2M1, 0x6),           # 3 | 4: tie -> 4 (0110)
+    (5.0, ref.E2M1, 0x6),           # 4 | 6: tie -> 4
+    (5.5, ref.E2M1, 0x7),           # nearer 6
+    (-0.5, ref.E2M1, 0x9),
+    (-0.0, ref.E2M1, 0x8),
 ])
 def test_reference_codes_by_hand(value, fmt, code):
     assert ref.encode(*ref.exact(value), fmt) == code
@@ -53,6 +67,9 @@ def test_reference_decodes_every_finite_code():
         for code in set(range(256)) - nans:
             assert ref.encode(*ref.decode(code, fmt), fmt) == code, (fmt.name, hex(code))
     assert ref.E4M3.max_finite == 448 and ref.E5M2.max_finite == 57344
+    e2m1 = [ref.to_float(*ref.decode(code, ref.E2M1)) for code in range(16)]
+    assert e2m1 == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # the published table
+    assert all(ref.encode(*ref.decode(code, ref.E2M1), ref.E2M1) == code for code in range(16))
 
 
 def test_reference_codes_agree_with_torch_on_every_code():
