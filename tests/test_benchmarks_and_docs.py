@@ -71,14 +71,6 @@ def test_replicas_scale_small():
     assert lines[-1] == "result: ok"
 
 
-# examples/v2/deepseek_v3_infer_stacked.layout is not yet in the HF-key convention that the
-# trainer it is planned from now follows (issue 10): the benchmark cannot plan it until it is.
-STACKED_PENDING = "as embedding.word_embeddings.weight" in (
-    ROOT / "examples" / "v2" / "deepseek_v3_infer_stacked.layout").read_text("utf-8")
-
-
-@pytest.mark.xfail(STACKED_PENDING, strict=True,
-                   reason="examples/v2/deepseek_v3_infer_stacked.layout still has Megatron-Core keys")
 @pytest.mark.timeout(300)
 def test_stacked_scale_quick():
     proc = _run("benchmarks/stacked_scale.py", "--quick", "--repeat", "1")

@@ -74,14 +74,6 @@ def _files(patterns: list[str]) -> list[str]:
 
 FILES = {model: _files(patterns) for model, patterns in GROUPS.items()}
 
-# Not yet in the HF-key convention (still keyed by Megatron-Core names): its pairs and its
-# group membership are expected to fail until it is converted, and must pass after (strict).
-PENDING = {name for name in ("v2/deepseek_v3_infer_stacked",)
-           if "as embedding.word_embeddings.weight" in (EXAMPLES / f"{name}.layout").read_text("utf-8")}
-PENDING_MARK = pytest.mark.xfail(strict=True, reason="examples/v2/deepseek_v3_infer_stacked.layout still has "
-                                                     "Megatron-Core keys (issue 10: convert it like deepseek_v3_infer)")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():
     """The simulator's tensors are small: torch's intra-op threads only contend for the CPU
@@ -111,14 +103,12 @@ def _pairs(small: bool) -> list:
         if names[0].startswith("small/") != small:
             continue
         for src, dst in itertools.permutations(names, 2):
-            marks = [PENDING_MARK] if {src, dst} & PENDING else []
-            out.append(pytest.param(src, dst, id=f"{src}->{dst}", marks=marks))
+            out.append(pytest.param(src, dst, id=f"{src}->{dst}"))
     return out
 
 
 def _group_params() -> list:
-    return [pytest.param(model, id=model, marks=[PENDING_MARK] if set(names) & PENDING else [])
-            for model, names in FILES.items()]
+    return [pytest.param(model, id=model) for model in FILES]
 
 
 @pytest.mark.parametrize("model", _group_params())
@@ -139,7 +129,7 @@ def test_different_models_stay_apart():
     DeepSeek-V3 and the expert block share layer 1's router and expert key names only)."""
     placed = [name for names in FILES.values() for name in names]
     assert len(placed) == len(set(placed))
-    assert len({signature(sorted(MEMBERS[model] - PENDING)[0]) for model in GROUPS}) == len(GROUPS)
+    assert len({signature(sorted(MEMBERS[model])[0]) for model in GROUPS}) == len(GROUPS)
 
 
 @functools.cache
