@@ -43,7 +43,6 @@ from layoutlang.runtime.launch import launch
 from layoutlang.runtime.quant import as_quantized, quantize_into, storage_problem
 
 SMALL_V2 = Path(__file__).parent.parent / "examples" / "small" / "v2"
-P = 2.0 ** -133  # the smallest bf16 subnormal
 
 
 def _bf16(values, shape) -> torch.Tensor:
@@ -102,11 +101,11 @@ def _error(text: str) -> str:
     ("mesh m (tp=2)\ntensor w [] mxfp4", "2:1",
      "mxfp4 needs the local last dim to be a multiple of 32; here it is absent (0-d tensor)", "multiple of 32"),
     ("mesh m (tp=2)\ntensor w [64 over tp] fp8_b128", "2:11",
-     "fp8_b128 needs at least 2 dims (one scale per 128 x 128 block of the local last 2 dims); "
-     "here there is 1 dim", "help: store 1-d tensors (norms, biases) in bf16 or fp32"),
+     ("fp8_b128 needs at least 2 dims (one scale per 128 x 128 block of the local last 2 dims); "
+      "here there is 1 dim"), "help: store 1-d tensors (norms, biases) in bf16 or fp32"),
     ("mesh m (tp=2)\ntensor w [] fp8_b128", "2:1",
-     "fp8_b128 needs at least 2 dims (one scale per 128 x 128 block of the local last 2 dims); "
-     "here there are 0 dims", "DeepSeek-V3"),
+     ("fp8_b128 needs at least 2 dims (one scale per 128 x 128 block of the local last 2 dims); "
+      "here there are 0 dims"), "DeepSeek-V3"),
 ])
 def test_diagnostics(text, where, message, help_):
     msg = _error(text)
@@ -352,7 +351,7 @@ def test_nan_and_inf_poison_their_scale_block():
     assert r.scales == _u8(q.scales) and r.packed == _u8(q.data)
 
     q = quantize(x, "nvfp4")
-    assert math.isnan(q.global_scale.item()) and _u8(q.scales) == [[0x7F] * 4] * 2 and not any(sum(_u8(q.data), []))
+    assert math.isnan(q.global_scale.item()) and _u8(q.scales) == [[0x7F] * 4] * 2 and not q.data.view(torch.uint8).any()
     assert bool(dequantize(q, "nvfp4").isnan().all())
     r = ref.quantize_nvfp4(x.to(torch.float64).tolist())
     assert math.isnan(r.global_scale) and r.scales == _u8(q.scales) and r.packed == _u8(q.data)
@@ -363,7 +362,7 @@ def test_nan_and_inf_poison_their_scale_block():
     r = ref.quantize_fp8_b128(y.to(torch.float64).tolist())
     assert q.scales[0, 0].item() == r.scales[0][0] == ref.to_float(*ref.round_to(0, Fraction(1, 448), ref.FP32))
     assert math.isnan(q.scales[1, 0].item()) and math.isnan(r.scales[1][0])
-    assert _u8(q.data) == r.codes and not any(sum(_u8(q.data)[128:], []))
+    assert _u8(q.data) == r.codes and not q.data.view(torch.uint8)[128:].any()
     assert bool((dequantize(q, "fp8_b128")[:128] == 1).all()) and bool(dequantize(q, "fp8_b128")[128:].isnan().all())
 
 
@@ -483,16 +482,20 @@ def _launch_and_check(job: dict, nproc: int, plan) -> list:
 
 
 @pytest.mark.timeout(300)
-def test_trainer_into_each_new_dtype(tmp_path):
+@pytest.mark.parametrize("at, strided", [(0, False), (2, True)], ids=["collocated", "at2-strided-views"])
+def test_trainer_into_each_new_dtype(tmp_path, at, strided):
     """bf16 trainer (dp2 x tp2) -> an engine with fp8_b128 (padded rows, 3 x 2 partial blocks per
     rank), mxfp4 (part keys; a transposed key: blocks along the storage last dim), nvfp4 (stacked
     experts sharing a global scale; padded rows). The workers check every element: padding zero,
-    the bytes equal quantizing the expected tensor once, storage written in place."""
+    the bytes equal quantizing the expected tensor once, storage written in place; with strided
+    views, data and scales are every other element of bigger buffers whose other elements must
+    keep their guard values."""
     paths = _write(tmp_path, train=TRAIN, engine=ENGINE)
-    plan = compile_plan(paths["train"], paths["engine"])
+    plan = compile_plan(paths["train"], paths["engine"], dst_args={"AT": at})
     assert {t.dtype for t in plan.dst.tensors} == {"fp8_b128", "mxfp4", "nvfp4", "fp32"}
     assert tuple(next(t for t in plan.dst.tensors if t.name == "dense").local_shape) == (320, 136)
-    results = _launch_and_check({"src": paths["train"], "dst": paths["engine"]}, 4, plan)
+    results = _launch_and_check({"src": paths["train"], "dst": paths["engine"], "dst_args": {"AT": at},
+                                 "strided": strided}, 4, plan)
     # every destination data element arrived once, in bf16 (quantized) or fp32: counted from the layout
     want = sum(_data_elements(t, r) * (4 if t.dtype == "fp32" else 2) for t in plan.dst.tensors for r in t.ranks())
     assert sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results) == want
