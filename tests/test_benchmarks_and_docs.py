@@ -72,6 +72,16 @@ def test_replicas_scale_small():
 
 
 @pytest.mark.timeout(300)
+def test_store_scale_quick():
+    """Every client passes every real Rendezvous meeting; the model rows are printed."""
+    proc = _run("benchmarks/store_scale.py", "--quick", "--meetings", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows[:2]] == [4, 16] and not any("FAILED" in r for r in rows), proc.stdout
+    assert proc.stdout.count("ranks,") == 4  # 1,024 and 8,192 ranks x 4 and 32 buckets
+
+
+@pytest.mark.timeout(300)
 def test_stacked_scale_quick():
     proc = _run("benchmarks/stacked_scale.py", "--quick", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
