@@ -184,7 +184,7 @@ def child(spec: dict) -> dict:
 
 
 WIRE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # a quantized destination travels as bf16 (LANGUAGE.md 4)
-QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "mxfp8")
+QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "mxfp8", "fp8_b128", "mxfp4", "nvfp4")  # written out: independent of the vocabulary
 
 
 def _intervals(runs) -> tuple[tuple[int, int], ...]:

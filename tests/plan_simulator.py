@@ -69,7 +69,7 @@ from reference_enumerator import Dim, LayoutSpec, MeshSpec, dim_local, instances
 
 SENTINEL = -1e30
 WIRE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "mxfp8")
+QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "mxfp8", "fp8_b128", "mxfp4", "nvfp4")  # written out: independent of the vocabulary
 MAX_PROBLEMS = 12
 
 LocalMap = list[list[int | None]]  # per dim, per local element: logical index or None (padding)
