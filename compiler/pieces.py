@@ -171,3 +171,26 @@ def pieces(dst_runs: tuple[tuple[RunLike, ...], ...],
         out.append(Piece(dst_slice, logical, tuple(sources)))
     out.sort(key=lambda p: p.dst_slice)
     return tuple(out)
+
+
+def split_piece(p: Piece, cuts: tuple[int, ...], dst_dim: int, key_dim: int,
+                src_dims: tuple[int, ...]) -> tuple[Piece, ...]:
+    """Piece p cut along one destination dim at the local positions `cuts` (strictly inside it).
+
+    `dst_dim` is the dim cut in the destination's storage order, `key_dim` the
+    same dim in `p.logical`, `src_dims[i]` the same dim in the storage of source
+    instance i: each part's logical range and every source slice shift alike,
+    so each alternative still holds every part whole. The parts, in order,
+    tile p (verify.check_split proves it).
+    """
+    lo, hi = p.dst_slice[dst_dim]
+    bounds = (lo, *cuts, hi)
+
+    def cut(sl: Slice, d: int, a: int, b: int) -> Slice:
+        start = sl[d][0] + a - lo
+        return sl[:d] + ((start, start + b - a),) + sl[d + 1:]
+
+    return tuple(Piece(cut(p.dst_slice, dst_dim, a, b), cut(p.logical, key_dim, a, b),
+                       tuple(Source(s.instance, s.shard, cut(s.src_slice, src_dims[s.instance], a, b))
+                             for s in p.sources))
+                 for a, b in zip(bounds, bounds[1:]))

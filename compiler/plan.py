@@ -7,6 +7,8 @@ Pipeline (each stage a pure function of the previous one)::
     pieces     per destination shard: rectangles and who can feed them (pieces.py)
     prove      pieces tile every destination shard exactly once       (verify.py)
     select     a sender per request, batched over a template's members (select.py)
+    split      when whole pieces leave the busiest sender far above the floor, cut
+               the requests that overload it along their outer dim and select again
     emit       ops in canonical order: dst instance, dst rank, piece
 
 Identical layers and experts share a template, so planning costs grow with
@@ -17,6 +19,7 @@ on every rank and every run.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,14 +27,15 @@ from layoutlang.diagnostics import Note
 from layoutlang.elaborate import load
 from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
+from layoutlang.vocabulary import DTYPE
 from layoutlang.modes import Run, cached_property
 
 from .match import Match, PlanError, match
-from .pieces import Piece, Slice, Source, pieces
+from .pieces import Piece, Slice, Source, pieces, split_piece
 from .ranks import RankSet
-from .select import SELECTORS
+from .select import SELECTORS, SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER
 from .shards import Placement, Shard, placement_of, shards
-from .verify import check_tiling
+from .verify import check_split, check_tiling
 
 FORMAT = "layoutlang.plan/1"
 
@@ -96,6 +100,9 @@ class Geometry:
 
     `requests` are in canonical order (destination rank, then piece);
     `alternatives[k]` are piece k's sources, each with the ranks that hold it.
+    A split geometry (`split_geometry`) appends the parts of its split pieces
+    after the pieces that tile the shards; a split request becomes requests for
+    its parts, in place.
     """
 
     dst: Placement
@@ -106,6 +113,11 @@ class Geometry:
     alternatives: tuple[tuple[tuple[Source, RankSet], ...], ...]
     dst_box: Box = None                 # the key's region in the stored tensor (v2 part keys), or None
     src_boxes: tuple[Box, ...] = ()
+    tiling: int | None = None           # pieces[tiling:] are parts of split pieces (None: nothing split)
+
+    def is_part(self, request: Request) -> bool:
+        """Whether the request is for a part of a split piece."""
+        return self.tiling is not None and request.piece >= self.tiling
 
     def source_for(self, k: int, rank: int) -> Source:
         """The alternative of piece k that `rank` holds (the first one wins)."""
@@ -317,10 +329,12 @@ class Plan:
     """
 
     def __init__(self, src: Layout, dst: Layout, *, ranks_per_node: int | None = None,
-                 selector: str = "balanced", progress=None):
+                 selector: str = "balanced", split: bool = True, progress=None):
         self.src, self.dst = src, dst
         self.ranks_per_node = ranks_per_node
         self.selector_name = selector
+        self.split = split
+        self.splits = 0  # whole requests (instances x template requests) cut into parts by `split_stage`
         self.world = max(src.ranks, dst.ranks)
         self._progress = progress or (lambda stage, done, total: None)
         self._cache = PlanCache()
@@ -464,6 +478,8 @@ class Plan:
 
         inputs = (FORMAT, __version__, self.src.digest, self.dst.digest, self.ranks_per_node,
                   self.selector_name)
+        if not self.split:  # named only when off: the default plan keeps the inputs it always had
+            inputs += (("split", False),)
         return hashlib.sha256(repr(inputs).encode("utf-8")).hexdigest()
 
     def one_line(self) -> str:
@@ -516,12 +532,7 @@ def template_stage(plan: Plan) -> None:
         plan._instance.append((ti, len(members[ti])))
         members[ti].append(i)
     plan.templates = tuple(Template(g, tuple(ms)) for g, ms in zip(geometries, members))
-    offsets, acc = [], 0
-    for ti, _ in plan._instance:
-        offsets.append(acc)
-        acc += len(geometries[ti].requests)
-    offsets.append(acc)
-    plan._offsets = offsets
+    plan._offsets = _offsets(plan._instance, plan.templates)
     plan._progress("templates", total, total)
 
 
@@ -531,22 +542,215 @@ def select_stage(plan: Plan) -> None:
     The order is a pure function of the plan (bytes, then template and
     request order), so every rank makes the same choices.
     """
+    plan._picks, selector = _select(plan, plan.templates)
+    plan.send_load = selector.load
+
+
+def _select(plan: Plan, templates: tuple[Template, ...]):
+    """(picks per template request, the selector with its final load) for these templates.
+
+    Whole requests go first, largest first; then the parts of split requests,
+    largest first: parts fill the gaps the whole ones leave (they were cut for
+    that), so placing them last keeps them off senders that still await whole
+    requests only they can send.
+    """
     selector = SELECTORS[plan.selector_name](plan.world, plan.ranks_per_node)
-    order = sorted(((req.bytes, i, j) for i, t in enumerate(plan.templates)
-                    for j, req in enumerate(t.geometry.requests)), key=lambda x: (-x[0], x[1], x[2]))
-    picks: list[list] = [[None] * len(t.geometry.requests) for t in plan.templates]
-    for step, (nbytes, i, j) in enumerate(order):
+    order = sorted(((t.geometry.is_part(req), -req.bytes, i, j) for i, t in enumerate(templates)
+                    for j, req in enumerate(t.geometry.requests)))
+    picks: list[list] = [[None] * len(t.geometry.requests) for t in templates]
+    for step, (_, neg_bytes, i, j) in enumerate(order):
         if step % 4096 == 0:
             plan._progress("senders", step, len(order))
-        t = plan.templates[i]
+        t = templates[i]
         req = t.geometry.requests[j]
-        picks[i][j] = tuple(selector.pick(req.rank, req.senders, len(t.members), nbytes, j))
-    plan._picks = picks
-    plan.send_load = selector.load
+        picks[i][j] = tuple(selector.pick(req.rank, req.senders, len(t.members), -neg_bytes, j))
     plan._progress("senders", len(order), len(order))
+    return picks, selector
 
 
-PIPELINE = (("match", match_stage), ("templates", template_stage), ("senders", select_stage))
+def split_stage(plan: Plan) -> None:
+    """Cut the requests that overload the busiest senders into parts along their outer dim.
+
+    When usable senders outnumber the pieces, each piece goes whole to one
+    sender and the busiest one sits far above the floor (all bytes / usable
+    senders: Llama-3-8B from 4096 trainer ranks to a TP2 x DP8 engine, 4.2x).
+    After selection, every network request picked from a sender above
+    SPLIT_TRIGGER x the floor is cut, per template (every member alike), into
+    the parts `Balanced.parts` says (about floor / SPLIT_GRAIN bytes each, at
+    most its candidates, none below SPLIT_MIN_BYTES, none when no candidate
+    has room) along its first destination dim of extent > 1, so each part is
+    one slice on the receiver as the piece was, cuts on the destination
+    dtype's scale blocks; then senders are selected again. Rounds repeat while
+    new requests qualify (SPLIT_ROUNDS at most); the lowest busiest sender
+    wins, a split plan only if it beats the whole one by 1 % (SPLIT_GAIN), so
+    plans that splitting cannot improve (balanced already, too few replicas)
+    stay exactly as they were. Every choice is a function of the two layouts:
+    the same on every rank. Only the balanced selector splits (round_robin is
+    kept as Megatron-LM's rule).
+    """
+    if not plan.split or plan.selector_name != "balanced" or not plan.templates:
+        return
+    base = plan.templates
+    floor = _send_floor(base)
+    line = SPLIT_TRIGGER * floor
+    if not floor or max(plan.send_load) <= line:
+        return
+    grain = floor / SPLIT_GRAIN
+    quanta = [_split_quanta(plan, t) for t in base]
+    marks: list[dict[int, int]] = [{} for _ in base]  # per template: request index -> parts
+    # per template, the request of `base` each current request is (None: a part of a split one)
+    origin: list[tuple[int | None, ...]] = [tuple(range(len(t.geometry.requests))) for t in base]
+    templates = base
+    picks, selector = _select(plan, base)  # the senders stage's choices again, with the selector that made them
+    best = (max(selector.load), templates, picks, selector.load, origin)
+    for _ in range(SPLIT_ROUNDS):
+        fresh = _mark(base, picks, selector, origin, marks, quanta, line, grain)
+        if not fresh:
+            break
+        rebuilt, origin = list(templates), list(origin)
+        for i in fresh:
+            g, origin[i] = split_geometry(base[i].geometry, marks[i], quanta[i])
+            rebuilt[i] = Template(g, base[i].members)
+        templates = tuple(rebuilt)
+        picks, selector = _select(plan, templates)
+        busiest = max(selector.load)
+        if busiest < best[0] * SPLIT_GAIN:
+            best = (busiest, templates, picks, selector.load, origin)
+        if busiest <= line:
+            break
+    if best[1] is base:
+        return
+    _, plan.templates, plan._picks, plan.send_load, origin = best
+    plan.splits = sum(len(t.members) * (len(t.geometry.requests) - sum(k is not None for k in origin[i]))
+                      for i, t in enumerate(base))
+    plan._offsets = _offsets(plan._instance, plan.templates)
+
+
+def _send_floor(templates: tuple[Template, ...]) -> float:
+    """All bytes over every rank that could send (Plan.stats' floor), before any choice."""
+    total = 0
+    sets: dict[int, RankSet] = {}
+    for t in templates:
+        n = len(t.members)
+        for req in t.geometry.requests:
+            total += req.bytes * n
+            sets.setdefault(id(req.senders), req.senders)
+    usable = len({r for rs in sets.values() for r in rs})
+    return total / usable if usable else 0.0
+
+
+def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: float) -> list[int]:
+    """Add to `marks` every whole request of `base` picked (for any member) from a sender above
+    `line` that `selector.parts` cuts and that its outer dim can cut; the templates marked anew."""
+    load = selector.load
+    fresh = []
+    for i, t in enumerate(base):
+        g, new = t.geometry, False
+        for j, got in enumerate(picks[i]):
+            k = origin[i][j]
+            if k is None or k in marks[i] or not any(load[s] > line for s in got):
+                continue
+            req = g.requests[k]
+            parts = selector.parts(req.rank, req.senders, req.bytes, line, grain)
+            if parts > 1 and _cuts(g.pieces[req.piece], parts, quanta[i]):
+                marks[i][k] = parts
+                new = True
+        if new:
+            fresh.append(i)
+    return fresh
+
+
+def _split_quanta(plan: Plan, t: Template) -> tuple[int, ...]:
+    """Per destination storage dim, the multiple a cut must sit on: the scale block along that
+    dim of every member's destination dtype (LANGUAGE.md 4.1; 1 for plain dtypes), so that a
+    part never shares a scale block with another."""
+    ndim = len(t.geometry.pieces[0].dst_slice) if t.geometry.pieces else 0
+    out = [1] * ndim
+    for dtype in {plan.matches[i].dst.dtype for i in t.members}:
+        for grid in DTYPE[dtype].scales:
+            for back, b in enumerate(reversed(grid.block), 1):
+                if back <= ndim:
+                    out[ndim - back] = math.lcm(out[ndim - back], b)
+    return tuple(out)
+
+
+def _outer(p: Piece) -> int | None:
+    """The piece's first destination dim of extent > 1 (its outer dim in the receiver's storage)."""
+    return next((d for d, (a, b) in enumerate(p.dst_slice) if b - a > 1), None)
+
+
+def _cuts(p: Piece, parts: int, quanta: tuple[int, ...]) -> tuple[int, ...]:
+    """Where to cut p along its outer dim into about `parts` even parts: local destination
+    positions strictly inside it, each a multiple of the dim's quantum."""
+    d = _outer(p)
+    if d is None or parts < 2:
+        return ()
+    a, b = p.dst_slice[d]
+    q = quanta[d]
+    cuts = sorted({c - c % q for c in (a + (b - a) * i // parts for i in range(1, parts))})
+    return tuple(c for c in cuts if a < c < b)
+
+
+def _key_dims(box: Box, ndim: int) -> list[int]:
+    """Storage dims in the key's dim order: stacked dims left out, reversed when transposed."""
+    if box is None:
+        return list(range(ndim))
+    _, stacked, transposed = box
+    dims = [d for d in range(ndim) if d not in stacked]
+    return dims[::-1] if transposed else dims
+
+
+def split_geometry(g: Geometry, marks: dict[int, int],
+                   quanta: tuple[int, ...]) -> tuple[Geometry, tuple[int | None, ...]]:
+    """g with request k (for k in marks) cut into about marks[k] parts along its outer dim.
+
+    Parts are appended to the pieces (one set per split piece and count, shared by
+    every request that splits it alike), each proven to tile its piece; a split
+    request becomes one request per part, in place. Returns the geometry and, per
+    new request, the index of the request it was in g (None for a part).
+    """
+    pieces_, alternatives = list(g.pieces), list(g.alternatives)
+    made: dict[tuple[int, int], range] = {}
+    requests, origin = [], []
+    for k, req in enumerate(g.requests):
+        if k not in marks:
+            requests.append(req)
+            origin.append(k)
+            continue
+        key = (req.piece, marks[k])
+        if key not in made:
+            piece = g.pieces[req.piece]
+            d = _outer(piece)
+            q = _key_dims(g.dst_box, len(piece.dst_slice)).index(d)
+            src_dims = tuple(_key_dims(g.src_boxes[i] if g.src_boxes else None, len(src.dims))[q]
+                             for i, src in enumerate(g.src))
+            parts = split_piece(piece, _cuts(piece, marks[k], quanta), d, q, src_dims)
+            fault = check_split(piece.dst_slice, [p.dst_slice for p in parts])
+            if fault is not None:
+                raise AssertionError(f"split of {piece.dst_slice}: {fault}")
+            made[key] = range(len(pieces_), len(pieces_) + len(parts))
+            pieces_.extend(parts)
+            holders = [h for _, h in g.alternatives[req.piece]]  # in the order of piece.sources
+            alternatives.extend(tuple(zip(p.sources, holders)) for p in parts)
+        for n in made[key]:
+            requests.append(Request(req.rank, n, pieces_[n].elements * g.wire_bytes, req.senders))
+            origin.append(None)
+    return (Geometry(g.dst, g.src, g.wire_bytes, tuple(pieces_), tuple(requests), tuple(alternatives),
+                     g.dst_box, g.src_boxes, len(g.pieces)), tuple(origin))
+
+
+def _offsets(instances: list[tuple[int, int]], templates: tuple[Template, ...]) -> list[int]:
+    """The first op id of every destination instance, and the op count last."""
+    offsets, acc = [], 0
+    for ti, _ in instances:
+        offsets.append(acc)
+        acc += len(templates[ti].geometry.requests)
+    offsets.append(acc)
+    return offsets
+
+
+PIPELINE = (("match", match_stage), ("templates", template_stage), ("senders", select_stage),
+            ("split", split_stage))
 
 
 def _as_layout(x, args) -> Layout:
@@ -557,12 +761,14 @@ def _as_layout(x, args) -> Layout:
 
 def compile_plan(src, dst, *, args: dict[str, int] | None = None,
                  src_args: dict[str, int] | None = None, dst_args: dict[str, int] | None = None,
-                 ranks_per_node: int | None = None, selector: str = "balanced", progress=None) -> Plan:
+                 ranks_per_node: int | None = None, selector: str = "balanced", split: bool = True,
+                 progress=None) -> Plan:
     """Compile the plan that moves every destination tensor's data from the source.
 
     `src`/`dst` are paths or loaded layouts. `args` sets args in both layouts
     (each takes the ones it declares; one that neither declares is an error);
-    `src_args`/`dst_args` set one side only.
+    `src_args`/`dst_args` set one side only. `split=False` keeps every piece
+    whole (`split_stage`: pieces are cut only when that balances the senders).
     """
     from layoutlang.diagnostics import UsageError
 
@@ -591,4 +797,5 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
     if progress:
         progress("layouts", 2, 2)
     with gc_paused():
-        return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, progress=progress)
+        return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, split=split,
+                    progress=progress)

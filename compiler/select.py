@@ -12,13 +12,27 @@ replicas do all the work.
 
 Selectors take a *batch*: the same request made by `n` tensors that share a
 template (identical layers or experts). Cost grows with templates, not tensors.
+
+Splitting (compiler/plan.py `split_stage`): whole pieces balance only when
+there are more of them than senders. When a request overloads its sender,
+`Balanced.parts` says into how many parts to cut it so that idle replicas can
+share it; the SPLIT_* constants below are the policy.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 from .ranks import RankSet
+
+# The policy of splitting (compiler/plan.py `split_stage`), in units of the send floor
+# (all bytes / every rank that can send: what a perfectly even plan would give each).
+SPLIT_TRIGGER = 1.1  # busiest sender above this x the floor: cut; at or below it the plan stays whole
+SPLIT_GRAIN = 16     # parts of about floor / 16: greedy placement then overshoots the floor by ~1/16
+SPLIT_MIN_BYTES = 64 * 1024  # no part below this: a smaller message costs its latency, not its bytes
+SPLIT_GAIN = 0.99    # a split plan replaces the whole one only if its busiest sender is 1 % lower
+SPLIT_ROUNDS = 4     # cut, select again: at most this many times
 
 
 class Balanced:
@@ -30,6 +44,7 @@ class Balanced:
         self.load = [0] * world
         self.ranks_per_node = ranks_per_node
         self._heaps: dict[int, tuple] = {}
+        self._lowest: dict[int, int] = {}  # id(candidate range) -> its least load, once picking is over
 
     def candidates(self, receiver: int, ranks: RankSet):
         if receiver in ranks.members:
@@ -88,6 +103,28 @@ class Balanced:
             load[r] = lo
         return out
 
+    def parts(self, receiver: int, ranks: RankSet, nbytes: int, line: float, grain: float) -> int:
+        """Into how many parts to cut a request picked from a sender above `line` (1: keep it whole).
+
+        Parts of about `grain` bytes, never more than the candidate senders (more would
+        only queue on them) nor smaller than SPLIT_MIN_BYTES; whole when the receiver
+        holds the piece (a local copy uses no link), when it has one candidate, or when
+        every candidate is above the line already (cutting would only move the overload).
+        Read once picking is over: `load` is final.
+        """
+        count = min(math.ceil(nbytes / grain), nbytes // SPLIT_MIN_BYTES)
+        if count < 2:
+            return 1
+        cands = self.candidates(receiver, ranks)
+        if len(cands) < 2:
+            return 1
+        shared = cands is ranks.ranks  # one object per piece: its least load is worth keeping
+        low = self._lowest.get(id(cands)) if shared else None
+        if low is None:
+            low = min(self.load[r] for r in cands)
+            if shared:
+                self._lowest[id(cands)] = low  # the set outlives this selector, so the id stays unique
+        return min(count, len(cands)) if low <= line else 1
 
     def _from_heap(self, cands, n: int, nbytes: int) -> list[int]:
         """The greedy rule over a large shared candidate set, O(log n) a pick.

@@ -86,3 +86,9 @@ def _check_1d(spans: list[tuple[int, int]], want: list[tuple[int, int]],
     if k < len(spans):
         return CoverageFault("padding", prefix + (spans[k],))
     return None
+
+
+def check_split(parent: Slice, parts: list[Slice]) -> CoverageFault | None:
+    """None if `parts` tile the rectangle `parent` exactly once (a split piece, compiler/plan.py):
+    with the parent proven to tile its shard, every destination element is still received once."""
+    return check_tiling(parts, tuple((Run(a, a, b - a),) for a, b in parent))
