@@ -29,23 +29,51 @@ COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "b
           "bright_green", "bright_yellow", "bright_blue", "bright_red")
 GLYPHS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 RANKS_WIDTH = 48  # a shard's rank list is cut beyond this many characters
+MAX_KEYS = 8  # a NAME found in one layout only: the other side shows this many of its keys
 
 
-def _instances(layout: Layout, key: str) -> list[tuple[TensorIR, KeyRegion | None]]:
+def _lookup(layout: Layout, key: str) -> tuple[tuple[TensorIR, KeyRegion | None], ...] | None:
     """The stored instances that hold `key` (with the key's region inside them, v2), or, when
-    `key` is a stored tensor's NAME, that tensor whole."""
+    `key` is a stored tensor's NAME, that tensor whole; None when it is neither."""
     found = key_items(layout).get(key)
     if found is None:
-        named = [(t, None) for t in layout.tensors if t.name == key]
-        if named:
-            return named
+        found = tuple((t, None) for t in layout.tensors if t.name == key) or None
+    return found
+
+
+def _instances(layout: Layout, key: str) -> tuple[tuple[TensorIR, KeyRegion | None], ...]:
+    """`_lookup`, or a usage error that suggests the closest keys and names (each once)."""
+    found = _lookup(layout, key)
+    if found is None:
         import difflib
-        close = difflib.get_close_matches(key, list(key_items(layout)) + [t.name for t in layout.tensors],
-                                          n=3, cutoff=0.6)
+        candidates = dict.fromkeys([*key_items(layout), *(t.name for t in layout.tensors)])
+        close = difflib.get_close_matches(key, list(candidates), n=3, cutoff=0.6)
         raise UsageError(f"key `{key}` is not in {layout.path} (nor is a stored tensor of that name)",
                          help=("did you mean: " + ", ".join(f"`{c}`" for c in close)) if close
                          else "`layoutc plan --format json` lists every key")
     return found
+
+
+def _keys_of(items) -> list[str]:
+    """The keys a stored tensor's instances hold, in file order, each once."""
+    keys: dict[str, None] = {}
+    for t, _ in items:
+        keys.update(dict.fromkeys([r.key for r in t.regions] if t.regions is not None else [t.key]))
+    return list(keys)
+
+
+def _per_key(layout: Layout, keys: list[str], title: str, rank: int | None) -> list:
+    """Where each key of a stored tensor that only the other layout has lies in `layout`."""
+    out: list = []
+    for k in keys[:MAX_KEYS]:
+        if _lookup(layout, k) is None:
+            out.append(Text(f"key {k}: not in {layout.path}"))
+            continue
+        out.append(Text.assemble(("key ", "bold"), (k, "bold"), (f" in the {title}:", "bold")))
+        out.extend(_side(layout, k, title, rank))
+    if len(keys) > MAX_KEYS:
+        out.append(Text(f"... {len(keys) - MAX_KEYS} more keys (explain one by its key)"))
+    return out
 
 
 def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
@@ -87,7 +115,8 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
             cells = [_runs_text(runs) for runs in s.runs]
             table.add_row(Text(GLYPHS[i % len(GLYPHS)], style=COLORS[i % len(COLORS)]),
                           rank_ranges(s.ranks, RANKS_WIDTH), *cells)
-        out.append(table)
+        # a rank may hold the stored tensor but no element of a key inside it
+        out.append(table if table.row_count else Text(f"  rank {rank} holds no part of it"))
     return out
 
 
@@ -123,7 +152,15 @@ def _bar(extent: int, d: int, shard_list) -> Text:
 
 def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: int | None = None,
             max_ops: int = 40) -> Group:
-    t, region = _instances(src, key)[0]
+    """`key` is a key or a stored tensor's NAME. A NAME that only one of the two layouts has is
+    shown whole on its side; the other side shows where each of its keys lies there."""
+    src_items = _lookup(src, key)
+    dst_items = _lookup(dst, key) if dst is not None else None
+    if src_items is None and (dst_items is None or key in key_items(dst)):
+        _instances(src, key)  # not in the source, and not a stored tensor's NAME in the destination
+    if dst is not None and dst_items is None and key in key_items(src):
+        _instances(dst, key)  # a source key the destination lacks
+    t, region = (src_items or dst_items)[0]
     parts = []
     head = Text.assemble((key, "bold"), f"  logical {list(region.key_shape if region else t.logical_shape)}")
     parts.append(head)
@@ -132,11 +169,13 @@ def explain(src: Layout, key: str, dst: Layout | None = None, plan=None, rank: i
         if len(leaves) > 1:
             desc = "  ".join(f"{label} [{a}, {b})" for label, a, b in leaves[:8])
             parts.append(Text(f"  dim {d} parts: {desc}" + (" ..." if len(leaves) > 8 else "")))
-    parts.extend(_side(src, key, "source", rank))
+    parts.extend(_side(src, key, "source", rank) if src_items is not None
+                 else _per_key(src, _keys_of(dst_items), "source", rank))
     if dst is not None:
-        parts.extend(_side(dst, key, "destination", rank))
+        parts.extend(_side(dst, key, "destination", rank) if dst_items is not None
+                     else _per_key(dst, _keys_of(src_items), "destination", rank))
     if plan is not None:
-        by_name = key not in key_items(src)  # a stored tensor's NAME: every key it holds
+        by_name = key not in key_items(src) and key not in key_items(dst)  # a NAME: ops of its keys
         ops = [op for op in (plan.ops_for_rank(rank) if rank is not None else plan.ops)
                if (key in (op.src_name, op.dst_name) if by_name else op.key == key)]
         table = Table(title=f"{len(ops)} ops", show_edge=False, box=None, title_justify="left")
