@@ -340,7 +340,8 @@ class Plan:
         self._cache = PlanCache()
         for _, stage in PIPELINE:
             stage(self)
-        self._cache = None  # the memos served compilation; the plan keeps only what it needs
+        # the memos and the selector served compilation; the plan keeps only what it needs
+        self._cache = self._selector = None
 
     # ---- the grouped model ------------------------------------------------------
     def picks(self, template: int, request: int) -> tuple[int, ...]:
@@ -542,8 +543,8 @@ def select_stage(plan: Plan) -> None:
     The order is a pure function of the plan (bytes, then template and
     request order), so every rank makes the same choices.
     """
-    plan._picks, selector = _select(plan, plan.templates)
-    plan.send_load = selector.load
+    plan._picks, plan._selector = _select(plan, plan.templates)
+    plan.send_load = plan._selector.load
 
 
 def _select(plan: Plan, templates: tuple[Template, ...]):
@@ -600,8 +601,7 @@ def split_stage(plan: Plan) -> None:
     marks: list[dict[int, int]] = [{} for _ in base]  # per template: request index -> parts
     # per template, the request of `base` each current request is (None: a part of a split one)
     origin: list[tuple[int | None, ...]] = [tuple(range(len(t.geometry.requests))) for t in base]
-    templates = base
-    picks, selector = _select(plan, base)  # the senders stage's choices again, with the selector that made them
+    templates, picks, selector = base, plan._picks, plan._selector
     best = (max(selector.load), templates, picks, selector.load, origin)
     for _ in range(SPLIT_ROUNDS):
         fresh = _mark(base, picks, selector, origin, marks, quanta, line, grain)
