@@ -642,13 +642,15 @@ def _send_floor(templates: tuple[Template, ...]) -> float:
 def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: float) -> list[int]:
     """Add to `marks` every whole request of `base` picked (for any member) from a sender above
     `line` that `selector.parts` cuts and that its outer dim can cut; the templates marked anew."""
-    load = selector.load
+    over = {r for r, sent in enumerate(selector.load) if sent > line}
     fresh = []
     for i, t in enumerate(base):
         g, new = t.geometry, False
         for j, got in enumerate(picks[i]):
+            if over.isdisjoint(got):
+                continue
             k = origin[i][j]
-            if k is None or k in marks[i] or not any(load[s] > line for s in got):
+            if k is None or k in marks[i]:
                 continue
             req = g.requests[k]
             parts = selector.parts(req.rank, req.senders, req.bytes, line, grain)
