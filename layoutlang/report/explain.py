@@ -4,8 +4,9 @@ For a key: its logical shape and parts, and for each layout the shards (which
 ranks hold which block, as runs of local -> logical) with a bar per split dim
 showing who holds which logical range; with a destination, the ops that move
 it. By a stored tensor's NAME: that tensor whole, and, where only one of the
-two layouts has the NAME, the other side key by key. Rendered with rich; `explain_text` gives the same as plain text. Rank
-lists and slices are written by units.py, as in every other report.
+two layouts has the NAME, the other side key by key. Rendered with rich;
+`explain_text` gives the same as plain text. Rank lists and slices are written
+by units.py, as in every other report.
 """
 
 from __future__ import annotations
