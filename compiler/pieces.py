@@ -193,4 +193,4 @@ def split_piece(p: Piece, cuts: tuple[int, ...], dst_dim: int, key_dim: int,
     return tuple(Piece(cut(p.dst_slice, dst_dim, a, b), cut(p.logical, key_dim, a, b),
                        tuple(Source(s.instance, s.shard, cut(s.src_slice, src_dims[s.instance], a, b))
                              for s in p.sources))
-                 for a, b in zip(bounds, bounds[1:]))
+                 for a, b in itertools.pairwise(bounds))

@@ -27,8 +27,8 @@ from layoutlang.diagnostics import Note
 from layoutlang.elaborate import load
 from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
-from layoutlang.vocabulary import DTYPE
 from layoutlang.modes import Run, cached_property
+from layoutlang.vocabulary import DTYPE
 
 from .match import Match, PlanError, match
 from .pieces import Piece, Slice, Source, pieces, split_piece

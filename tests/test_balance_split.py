@@ -176,7 +176,7 @@ def test_cuts_sit_on_mxfp8_blocks():
     spans = sorted(op.dst_slice[1] for op in plan.ops)
     assert len(spans) == 8 and all(op.dst_slice[0] == (0, 1) for op in plan.ops)
     assert spans[0][0] == 0 and spans[-1][1] == 262368
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert all(b % 32 == 0 for _, b in spans[:-1])
     assert len({op.src_rank for op in plan.ops}) == 8
     exact(plan)
@@ -276,7 +276,7 @@ def test_parts_are_outer_dim_slices_of_whole_pieces(mid, at):
             outer = next(d for d, (a, b) in enumerate(w.dst_slice) if b - a > 1)
             spans = sorted(op.dst_slice[outer] for op in inside)
             assert spans[0][0] == w.dst_slice[outer][0] and spans[-1][1] == w.dst_slice[outer][1]
-            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+            assert all(x[1] == y[0] for x, y in itertools.pairwise(spans))
             for op in inside:
                 assert all(op.dst_slice[d] == w.dst_slice[d] for d in range(len(w.dst_slice)) if d != outer)
                 shift = op.dst_slice[outer][0] - w.dst_slice[outer][0]
