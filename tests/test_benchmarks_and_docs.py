@@ -288,4 +288,4 @@ def test_readme_commands_run(command, monkeypatch, capsys):
 
 def test_readme_lists_the_verbs():
     verbs = {c.split()[1] for c in README}
-    assert verbs == {"check", "fmt", "plan", "explain", "run"}, README
+    assert verbs == {"check", "fmt", "plan", "explain", "run", "new"}, README
