@@ -250,7 +250,8 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
         raise UsageError(f"--rank filters ops in text and json output; {ns.format} shows the whole plan")
     with _Progress(err, ns.quiet) as progress:
         plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
-                            ranks_per_node=ns.ranks_per_node, selector=ns.selector, progress=progress)
+                            ranks_per_node=ns.ranks_per_node, selector=ns.selector, progress=progress,
+                            split=not ns.no_split)
     _report_shared_args(args, plan.src, plan.dst, err)
     check_rank(plan, ns.rank)
     if ns.format == "json":
@@ -460,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "receiver's node and report intra-/inter-node bytes")
     plan.add_argument("--quiet", "-q", action="store_true",
                       help="no progress bars (they only show on a terminal, never in CI)")
+    plan.add_argument("--no-split", action="store_true",
+                      help="keep every piece whole: never cut a piece among idle replicas to balance the "
+                           "senders (compile_plan(split=False))")
     plan.add_argument("--selector", default="balanced", metavar="NAME",
                       help="how a sender is chosen among the replicas: balanced (default) or "
                            "round_robin")

@@ -72,6 +72,12 @@ def test_replicas_scale_small():
 
 
 @pytest.mark.timeout(300)
+def test_balance_scale_quick():
+    proc = _run("benchmarks/balance_scale.py", "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(300)
 def test_store_scale_quick():
     """Every client passes every real Rendezvous meeting; the model rows are printed."""
     proc = _run("benchmarks/store_scale.py", "--quick", "--meetings", "5")
