@@ -2,7 +2,8 @@
 
 Why: the front end's split arithmetic has many interacting cases (products
 inside concatenations, padding inside products, replication when an axis
-outgrows a product, tuple axes, `chunk ... align`). Random small layouts reach
+outgrows a product, tuple axes, `chunk ... align`, ragged splits that leave
+some ranks empty). Random small layouts reach
 the corners hand-written fixtures miss; tests/reference_enumerator.py says what
 each rank must store.
 
@@ -14,7 +15,11 @@ A generated case is a `Case(spec, text)`: the plain-data model
 
 Most splits are valid by construction (extents are chosen as multiples of the
 axis sizes); about one dim in seven is generated for a different axis size, so
-it may be indivisible, and the test then expects `LayoutError`. The rendering
+it may be indivisible, and the test then expects `LayoutError`. About one
+`over` in five is `ragged` (LANGUAGE.md 8.5) on a mode drawn for any size, so
+its extents rarely divide and are often smaller than the axis (coordinates that
+hold nothing); its `chunk` is mostly `ragged` too (an equal one is the error
+case), and about one `chunk` of an equal split in five is `ragged`. The rendering
 itself also varies (flattened `(A, B, C)` products, arithmetic extents, axis
 names as sizes (`2*a`), optional parentheses around `pad`, `at a=a-1`);
 shrinking moves every such choice to its plainest form.
@@ -44,7 +49,7 @@ from reference_enumerator import (
     Product,
     SplitError,
     TensorSpec,
-    over_labels,
+    dim_local,
     stored_extent,
 )
 
@@ -54,6 +59,7 @@ DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
 MAX_STORED = 48
 MAX_WORLD = 16
 MAX_DEPTH = 3
+RAGGED_PERCENT = 20  # how often an `over`, or the `chunk` of an equal split, is `ragged`
 
 T = TypeVar("T")
 
@@ -95,8 +101,8 @@ class Style:
         return options[0] if self._draw is None else self._draw(st.sampled_from(options))
 
     def maybe(self, percent: int) -> bool:
-        """True with about `percent` % probability (False when deterministic)."""
-        return self._draw is not None and self._draw(st.integers(0, 99)) < percent
+        """True with about `percent` % probability (False when deterministic; shrinks to False)."""
+        return self._draw is not None and self._draw(st.integers(0, 99)) >= 100 - percent
 
 
 def render_int(style: Style, n: int) -> str:
@@ -152,10 +158,14 @@ def render_dim(style: Style, dim: Dim) -> str:
         text += f" over {dim.over[0]}"
     elif dim.over:
         text += f" over ({', '.join(dim.over)})"
+    if dim.ragged:
+        text += " ragged"
     if dim.chunk is not None:
         text += f" chunk {dim.chunk}"
         if dim.align is not None:
             text += f" align {render_int(style, dim.align)}"
+        if dim.chunk_ragged:
+            text += " ragged"
     return text
 
 
@@ -277,29 +287,43 @@ def meshes(draw, max_world: int = MAX_WORLD) -> MeshSpec:
 
 
 @st.composite
-def dims(draw, mesh: MeshSpec, free: Sequence[str]) -> Dim:
-    """One dim using only `free` axes (an axis may be used once per tensor)."""
+def dims(draw, mesh: MeshSpec, free: Sequence[str], ragged_percent: int = RAGGED_PERCENT) -> Dim:
+    """One dim using only `free` axes (an axis may be used once per tensor);
+    `ragged_percent` % of its `over`s (and equal splits' `chunk`s) are `ragged`."""
     sizes = mesh.sizes
     order = draw(st.permutations(list(free)))
     nover = draw(st.sampled_from([n for n in (1, 0, 2, 3) if n <= len(order)]))
     over, rest = tuple(order[:nover]), order[nover:]
     s = math.prod(sizes[a] for a in over)
-    # Mostly a mode made for s; sometimes one made for another size (maybe indivisible).
-    target = s if draw(st.integers(0, 99)) >= 15 else draw(st.integers(1, 6))
+    # `over ... ragged` (shrinks to the equal split).
+    ragged = bool(over) and draw(st.integers(0, 99)) >= 100 - ragged_percent
+    if ragged:
+        # Any mode splits raggedly: one drawn for size 1 or 3 rarely divides s, and its
+        # extents and copy counts (1..8) are often below s, leaving coordinates empty.
+        target = draw(st.sampled_from([1, 3, s]))
+    else:
+        # Mostly a mode made for s; sometimes one made for another size (maybe indivisible).
+        target = s if draw(st.integers(0, 99)) >= 15 else draw(st.integers(1, 6))
     mode = draw(modes(target, MAX_STORED))
     chunk_axis = rest[0] if rest and draw(st.integers(0, 99)) < 40 else None
     if chunk_axis is None:
-        return Dim(mode, over)
+        return Dim(mode, over, ragged=ragged)
+    if ragged:  # an equal chunk of a ragged split is an error: keep that rare
+        chunk_ragged = draw(st.integers(0, 99)) < 90
+    else:
+        chunk_ragged = draw(st.integers(0, 99)) >= 100 - ragged_percent
+    if chunk_ragged:
+        return Dim(mode, over, chunk_axis, None, ragged, True)
     g = sizes[chunk_axis]
     try:
-        n = len(over_labels(mode, s, 0))
+        n = len(dim_local(Dim(mode, over, ragged=ragged), sizes, {a: 0 for a in over}))
     except SplitError:
         n = stored_extent(mode)
     if n % g == 0:
         align = draw(st.sampled_from([None, 1, 2, 4, 3]))
     else:  # without `align` this chunk is indivisible: keep that rare
         align = draw(st.sampled_from([1, 2, 4, 3, None]))
-    return Dim(mode, over, chunk_axis, align)
+    return Dim(mode, over, chunk_axis, align, ragged)
 
 
 @st.composite
@@ -310,6 +334,7 @@ def tensors(
     reserved: Sequence[str] = (),
     var_in_name: str | None = None,
     key_stem: str | None = None,
+    ragged_percent: int = RAGGED_PERCENT,
 ) -> TensorSpec:
     """A tensor with 0-3 dims and optional `at` placement, avoiding `reserved` axes."""
     sizes = mesh.sizes
@@ -323,7 +348,7 @@ def tensors(
     ndims = draw(st.sampled_from([1, 2, 2, 3, 0]))
     dim_list = []
     for _ in range(ndims):
-        d = draw(dims(mesh, free))
+        d = draw(dims(mesh, free, ragged_percent))
         free = [a for a in free if a not in d.axes()]
         dim_list.append(d)
     dtype = draw(st.sampled_from([None, None, *DTYPES]))
@@ -331,7 +356,7 @@ def tensors(
 
 
 @st.composite
-def loops(draw, mesh: MeshSpec, index: int) -> LoopSpec:
+def loops(draw, mesh: MeshSpec, index: int, ragged_percent: int = RAGGED_PERCENT) -> LoopSpec:
     """`for l in A..B [over AXIS [sizes [...]]]` with 1-2 tensors in its body."""
     sizes = mesh.sizes
     start = draw(st.sampled_from([0, 1, 2]))
@@ -348,28 +373,33 @@ def loops(draw, mesh: MeshSpec, index: int) -> LoopSpec:
     for j in range(draw(st.integers(1, 2))):
         var = "global" if axis is None else draw(st.sampled_from(["local", "global"]))
         key_stem = f"k{index}_{j}" if draw(st.integers(0, 4)) == 0 else None
-        body.append(draw(tensors(mesh, f"t{index}_{j}", (axis,) if axis else (), var, key_stem)))
+        reserved = (axis,) if axis else ()
+        body.append(draw(tensors(mesh, f"t{index}_{j}", reserved, var, key_stem, ragged_percent)))
     return LoopSpec(start, start + length, tuple(body), axis, block_sizes)
 
 
 @st.composite
-def layout_specs(draw, with_loops: bool = True, max_statements: int = 3) -> LayoutSpec:
+def layout_specs(
+    draw, with_loops: bool = True, max_statements: int = 3, ragged_percent: int = RAGGED_PERCENT
+) -> LayoutSpec:
     mesh = draw(meshes())
     statements: list[TensorSpec | LoopSpec] = []
     for i in range(draw(st.integers(1, max_statements))):
         if with_loops and draw(st.booleans()):
-            statements.append(draw(loops(mesh, i)))
+            statements.append(draw(loops(mesh, i, ragged_percent)))
         else:
             key_stem = f"k{i}" if draw(st.integers(0, 4)) == 0 else None
-            statements.append(draw(tensors(mesh, f"t{i}", key_stem=key_stem)))
+            statements.append(draw(tensors(mesh, f"t{i}", key_stem=key_stem, ragged_percent=ragged_percent)))
     default = draw(st.sampled_from([None, None, "fp16", "fp32"]))
     return LayoutSpec(mesh, tuple(statements), default)
 
 
 @st.composite
-def cases(draw, with_loops: bool = True, max_statements: int = 3) -> Case:
-    """A random layout and one random spelling of it."""
-    spec = draw(layout_specs(with_loops, max_statements))
+def cases(
+    draw, with_loops: bool = True, max_statements: int = 3, ragged_percent: int = RAGGED_PERCENT
+) -> Case:
+    """A random layout and one random spelling of it (`ragged_percent`: see `dims`)."""
+    spec = draw(layout_specs(with_loops, max_statements, ragged_percent))
     return Case(spec, render_layout(spec, Style(draw)))
 
 

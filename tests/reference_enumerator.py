@@ -24,12 +24,22 @@ Notation
                      logical(M): the logical index, or None for padding.
     over(M, s, c)    the labels that coordinate c of an axis of size s stores.
     chunk(xs, g, k)  the g-way contiguous cut of a rank's local storage.
+    ragged           `over ... ragged` / `chunk ... ragged` (LANGUAGE.md 8.5):
+                     the same cuts made like torch.chunk: blocks of
+                     cdiv(n, s), coordinate c takes [c*b, min((c+1)*b, n)),
+                     possibly nothing; never padded, never replicated.
 
 Example: `(2, (x: 1 | y: 2))` stores copy 0 (x0, y0, y1) then copy 1
 (x0, y0, y1); logically it is `(x: (2, 1) | y: (2, 2))`, so
 
 >>> storage(Product(2, Concat((("x", Plain(1)), ("y", Plain(2))))))
 [0, 2, 3, 1, 4, 5]
+
+Ragged: 5 over 2 stores [0, 1, 2] | [3, 4]; `(3, 4)` over 4 cuts the 3 copies,
+so the 4th coordinate holds nothing:
+
+>>> [local(Product(3, Plain(4)), 4, c, ragged=True) for c in range(4)]
+[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], []]
 
 An indivisible split raises SplitError (the front end must raise LayoutError
 for the same layout); nothing returns a sentinel.
@@ -40,7 +50,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import assert_never
+from typing import TypeVar, assert_never
 
 # ---------------------------------------------------------------------------
 # Modes (one dimension's structure, without `over` / `chunk`)
@@ -77,16 +87,25 @@ class Pad:
 
 
 Mode = Plain | Product | Concat | Pad
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Dim:
-    """`MODE [over AXES] [chunk AXIS [align K]]` with the axes named."""
+    """`MODE [over AXES [ragged]] [chunk AXIS [align K | ragged]]` with the axes named."""
 
     mode: Mode
     over: tuple[str, ...] = ()
     chunk: str | None = None
     align: int | None = None
+    ragged: bool = False        # `over AXES ragged`
+    chunk_ragged: bool = False  # `chunk AXIS ragged`
+
+    def __post_init__(self) -> None:
+        # The grammar: `ragged` follows an `over AXES` or a `chunk AXIS`, never with `align`.
+        assert self.over or not self.ragged, "`ragged` needs `over AXES`"
+        assert self.chunk is not None or not self.chunk_ragged, "`chunk ... ragged` needs `chunk`"
+        assert self.align is None or not self.chunk_ragged, "`ragged` and `align` exclude each other"
 
     def axes(self) -> tuple[str, ...]:
         return self.over + ((self.chunk,) if self.chunk is not None else ())
@@ -245,6 +264,36 @@ def _contiguous(xs: list[Stored], s: int, c: int, what: str) -> list[Stored]:
     return xs[c * w : (c + 1) * w]
 
 
+def torch_chunk(xs: list[T], s: int, c: int) -> list[T]:
+    """Piece c of torch.chunk(xs, s): blocks of cdiv(len(xs), s), the last shorter, then none.
+
+    >>> [torch_chunk([0, 1, 2, 3, 4], 4, c) for c in range(4)]
+    [[0, 1], [2, 3], [4], []]
+    """
+    b = -(-len(xs) // s)
+    return xs[c * b : (c + 1) * b]  # a slice past the end is empty
+
+
+def over_ragged_labels(mode: Mode, s: int, c: int) -> list[Stored]:
+    """What coordinate c of s stores of `mode` under `over ... ragged` (LANGUAGE.md 8.5).
+
+    A plain extent cuts its elements, a product `(N, M)` its N copies, a
+    concatenation gives each part its own ragged split. A padded extent cuts its
+    stored elements, as the equal split does (the spec is silent on `pad`).
+    """
+    assert 0 <= c < s
+    match mode:
+        case Plain(_) | Pad(_, _):
+            return torch_chunk(labels(mode), s, c)
+        case Product(n, inner):
+            copies = [_in_copy(i, labels(inner)) for i in range(n)]
+            return [x for copy in torch_chunk(copies, s, c) for x in copy]
+        case Concat(parts):
+            return [x for p, (_, m) in enumerate(parts) for x in _in_part(p, over_ragged_labels(m, s, c))]
+        case _:
+            assert_never(mode)
+
+
 def over_labels(mode: Mode, s: int, c: int) -> list[Stored]:
     """What coordinate c of an axis of size s stores of `mode`, in local storage order.
 
@@ -272,9 +321,15 @@ def over_labels(mode: Mode, s: int, c: int) -> list[Stored]:
             assert_never(mode)
 
 
-def chunk(xs: list[int | None], g: int, gc: int, align: int | None) -> list[int | None]:
-    """Chunk gc of g of a rank's local storage; `align K` first pads the tail to K*g."""
+def chunk(
+    xs: list[int | None], g: int, gc: int, align: int | None, ragged: bool = False
+) -> list[int | None]:
+    """Chunk gc of g of a rank's local storage; `align K` first pads the tail to K*g;
+    `ragged` cuts it like torch.chunk instead (no padding)."""
     assert 0 <= gc < g
+    if ragged:
+        assert align is None
+        return torch_chunk(xs, g, gc)
     if align is not None:
         xs = xs + [None] * (-len(xs) % (align * g))
     if len(xs) % g:
@@ -284,13 +339,21 @@ def chunk(xs: list[int | None], g: int, gc: int, align: int | None) -> list[int 
 
 
 def local(
-    mode: Mode, s: int, c: int, g: int = 1, gc: int = 0, align: int | None = None
+    mode: Mode,
+    s: int,
+    c: int,
+    g: int = 1,
+    gc: int = 0,
+    align: int | None = None,
+    *,
+    ragged: bool = False,
+    chunk_ragged: bool = False,
 ) -> list[int | None]:
     """A rank's stored elements of one dim: logical index or None (padding), in local order.
 
-    (s, c) is the combined `over` axis (1, 0 without `over`); (g, gc, align) the
-    `chunk` axis (1, 0, None without `chunk`). Raises SplitError where the spec
-    says the split is an error.
+    (s, c, ragged) is the combined `over` axis (1, 0 without `over`); (g, gc,
+    align, chunk_ragged) the `chunk` axis (1, 0, None without `chunk`). Raises
+    SplitError where the spec says the split is an error.
 
     >>> local(Plain(8), 2, 1)
     [4, 5, 6, 7]
@@ -298,16 +361,24 @@ def local(
     [3, 4, 5]
     >>> local(Pad(Plain(5), 4), 2, 1, 2, 1, align=2)  # [4 P P P] -> pad to 4 -> [P P]
     [None, None]
+    >>> local(Plain(6), 2, 1, 4, 3, ragged=True, chunk_ragged=True)  # [3 4 5] -> [3] [4] [5] []
+    []
     """
-    return chunk(to_indices(mode, over_labels(mode, s, c)), g, gc, align)
+    stored = over_ragged_labels(mode, s, c) if ragged else over_labels(mode, s, c)
+    return chunk(to_indices(mode, stored), g, gc, align, chunk_ragged)
 
 
 def dim_local(dim: Dim, sizes: dict[str, int], coords: dict[str, int]) -> list[int | None]:
     """`local` for a Dim on the rank with the given mesh coordinates."""
     s, c = combine(tuple(sizes[a] for a in dim.over), tuple(coords[a] for a in dim.over))
     if dim.chunk is None:
-        return local(dim.mode, s, c)
-    return local(dim.mode, s, c, sizes[dim.chunk], coords[dim.chunk], dim.align)
+        return local(dim.mode, s, c, ragged=dim.ragged)
+    if dim.ragged and not dim.chunk_ragged:
+        raise SplitError("an equal `chunk` of a ragged `over`: the local extents differ")
+    return local(
+        dim.mode, s, c, sizes[dim.chunk], coords[dim.chunk], dim.align,
+        ragged=dim.ragged, chunk_ragged=dim.chunk_ragged,
+    )
 
 
 def dim_is_valid(dim: Dim, sizes: dict[str, int]) -> bool:

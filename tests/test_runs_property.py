@@ -8,9 +8,12 @@ are loaded with `layoutlang.loads` and compared on EVERY rank:
 
 - runs expand to exactly the reference's per-element list (logical index or
   padding), and are maximal (no two neighbours could be merged);
-- local_shape, logical_shape, holds(rank), name, key, dtype, replica axes,
-  mesh and world size match the reference;
-- a layout with an indivisible split raises LayoutError, and only then.
+- local_shape_at(rank), logical_shape, holds(rank), name, key, dtype,
+  replica axes, mesh and world size match the reference; local_shape is the
+  largest local extent of each dim (every rank's, unless a split is ragged);
+- ragged splits (LANGUAGE.md 8.5): what each rank stores, empty ranks included;
+- a layout with an indivisible split (or an equal `chunk` of a ragged `over`)
+  raises LayoutError, and only then.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ def features(spec: LayoutSpec) -> set[str]:
             for d in t.dims:
                 s = math.prod(sizes[a] for a in d.over)
                 out |= {"over tuple"} if len(d.over) > 1 else set()
-                out |= {f"chunk align={d.align is not None}"} if d.chunk else set()
+                out |= {f"chunk align={d.align is not None}"} if d.chunk and not d.chunk_ragged else set()
+                out |= _ragged_features(d, sizes)
                 for m, outer in _modes_in(d.mode):
                     if isinstance(m, Product) and outer and set(outer) == {Concat} and s > m.count:
                         out.add("replicated product in a part")
@@ -109,6 +113,24 @@ def features(spec: LayoutSpec) -> set[str]:
                         out.add(f"pad inside {outer[-1].__name__}")
                 if isinstance(d.mode, Product) and s > d.mode.count:
                     out.add("replicated product")
+    return out
+
+
+def _ragged_features(d: Dim, sizes: dict[str, int]) -> set[str]:
+    """What a ragged dim exercises: its form, and whether some coordinate holds nothing."""
+    if not (d.ragged or d.chunk_ragged):
+        return set()
+    out = {f"over ragged ({type(d.mode).__name__})" if d.ragged else "chunk ragged after an equal split"}
+    if d.ragged and d.chunk:
+        out.add("chunk ragged after over ragged" if d.chunk_ragged else "equal chunk of over ragged")
+    try:
+        axes = d.axes()
+        extents = [len(dim_local(d, sizes, dict(zip(axes, p))))
+                   for p in itertools.product(*(range(sizes[a]) for a in axes))]
+    except SplitError:
+        return out
+    out |= {"ragged: some rank holds nothing"} if 0 in extents else set()
+    out |= {"ragged: extents differ"} if len(set(extents)) > 1 else set()
     return out
 
 
@@ -144,17 +166,20 @@ def check_layout(case: Case) -> None:
         assert got.logical_shape == tuple(logical_extent(d.mode) for d in want.spec.dims), what
         holders = {r for r in range(layout.ranks) if got.holds(r)}
         assert holders == set(want.holders), what
+        largest = [0] * len(want.spec.dims)
         for rank in sorted(want.holders):
             coords = mesh.coords(rank)
             assert coords is not None
             ref = [dim_local(d, mesh.sizes, coords) for d in want.spec.dims]
-            assert got.local_shape == tuple(len(xs) for xs in ref), f"{what}, rank {rank}"
+            assert got.local_shape_at(rank) == tuple(len(xs) for xs in ref), f"{what}, rank {rank}"
+            largest = [max(n, len(xs)) for n, xs in zip(largest, ref)]
             runs = got.runs(rank)
             assert len(runs) == len(ref), f"{what}, rank {rank}"
             for i, (dim_runs, xs) in enumerate(zip(runs, ref)):
                 where = f"{what}, rank {rank} {coords}, dim {i}"
                 assert expand(dim_runs) == xs, where
                 assert_maximal(dim_runs)
+        assert got.local_shape == tuple(largest), f"{what}: local_shape is not the largest local extent"
 
 
 # ---------------------------------------------------------------------------
@@ -186,6 +211,15 @@ TUPLE_OVER = one_tensor(
     Dim(Plain(6)),
 )
 INDIVISIBLE = one_tensor(MeshSpec("m", (("tp", 4),)), Dim(Product(6, Plain(2)), ("tp",)))
+# Ragged (LANGUAGE.md 8.5): FSDP2 over a TP shard; copies and parts cut raggedly; empty ranks.
+DP_TP = MeshSpec("m", (("dp", 2), ("tp", 3)))
+RAGGED_FSDP2_ON_TP = one_tensor(DP_TP, Dim(Plain(7), ("tp",), "dp", ragged=True, chunk_ragged=True), Dim(Plain(2)))
+RAGGED_PARTS = one_tensor(
+    MeshSpec("m", (("dp", 2), ("tp", 3), ("cp", 4))),
+    Dim(Concat((("a", Plain(3)), ("b", Product(2, Plain(2))))), ("dp", "tp"), ragged=True),
+    Dim(Product(3, Pad(Plain(3), 2)), chunk="cp", chunk_ragged=True),
+)
+RAGGED_EQUAL_CHUNK = one_tensor(DP_TP, Dim(Plain(6), ("tp",), "dp", ragged=True))  # an error
 PIPELINE = case_of(
     LayoutSpec(
         MeshSpec("m", (("pp", 2), ("tp", 2)), 4),
@@ -223,6 +257,33 @@ def test_reference_on_spec_examples():
     assert [local(Plain(6), 2, 1, 2, gc, 2) for gc in (0, 1)] == [[3, 4], [5, None]]
 
 
+def test_reference_on_ragged_examples():
+    """LANGUAGE.md 8.5 and docs/language.md 14.6, by hand: torch.chunk's blocks, possibly empty."""
+    def every(mode, s, **kw):
+        return [local(mode, s, c, ragged=True, **kw) for c in range(s)]
+
+    assert every(Plain(5), 2) == [[0, 1, 2], [3, 4]]                 # dim 0 of 5 over 2: 3 and 2
+    assert every(Plain(1), 2) == [[0], []]                           # of 1 over 2: 1 and 0
+    assert [len(xs) for xs in every(Plain(16), 3)] == [6, 6, 4]      # k_proj's 16 rows over dp=3
+    assert [len(xs) for xs in every(Plain(128), 3)] == [43, 43, 42]
+    assert every(Plain(5), 4) == [[0, 1], [2, 3], [4], []]
+    # a product cuts its copies, never replicates: (3, 4) over 4
+    assert every(Product(3, Plain(4)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], []]
+    assert every(Product(2, Plain(3)), 4) == [[0, 1, 2], [3, 4, 5], [], []]
+    # each part its own ragged split: (a: 3 | b: 5) over 2
+    assert every(Concat((("a", Plain(3)), ("b", Plain(5)))), 2) == [[0, 1, 3, 4, 5], [2, 6, 7]]
+    # (2, (x: 1 | y: 2)) over 2: copy 0 | copy 1, each in storage order (x, y, y)
+    assert every(Product(2, Concat((("x", Plain(1)), ("y", Plain(2))))), 2) == [[0, 2, 3], [1, 4, 5]]
+    # chunk ragged cuts the local storage: 7 over tp=3 ragged -> [0 1 2] [3 4 5] [6]; chunk dp=2
+    tp_dp = [[local(Plain(7), 3, c, 2, g, ragged=True, chunk_ragged=True) for g in (0, 1)] for c in range(3)]
+    assert tp_dp == [[[0, 1], [2]], [[3, 4], [5]], [[6], []]]
+    # chunk ragged after an equal split cuts padding like data: [0 1 2 P] over 1, chunk 3 -> [0 1] [2 P]
+    assert [local(Pad(Plain(3), 4), 1, 0, 3, g, chunk_ragged=True) for g in range(3)] == [[0, 1], [2, None], []]
+    # an equal chunk of a ragged split is an error, even where the extents happen to agree
+    with pytest.raises(SplitError):
+        dim_local(Dim(Plain(4), ("a",), "b", ragged=True), {"a": 2, "b": 2}, {"a": 0, "b": 0})
+
+
 @settings(max_examples=200, deadline=None)
 @given(modes(1, MAX_STORED))
 def test_reference_storage_is_a_permutation(mode):
@@ -238,9 +299,20 @@ def test_reference_storage_is_a_permutation(mode):
 @example(PADDED_VOCAB)
 @example(TUPLE_OVER)
 @example(INDIVISIBLE)
+@example(RAGGED_FSDP2_ON_TP)
+@example(RAGGED_PARTS)
+@example(RAGGED_EQUAL_CHUNK)
 @given(cases(with_loops=False, max_statements=1))
 def test_runs_match_reference(case: Case):
     """One tensor, every dim form, every rank: runs == reference, element by element."""
+    check_layout(case)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(with_loops=False, max_statements=1, ragged_percent=85))
+def test_ragged_runs_match_reference(case: Case):
+    """Ragged splits weighted up (LANGUAGE.md 8.5): plain, product, concatenation, tuple axes,
+    `chunk ... ragged` after an equal or a ragged `over`, ranks that hold nothing."""
     check_layout(case)
 
 
