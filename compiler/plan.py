@@ -19,6 +19,7 @@ on every rank and every run.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass
@@ -161,6 +162,10 @@ class PlanCache:
         self._shards: dict[Placement, tuple[Shard, ...]] = {}
         self._shard_of_rank: dict[tuple, dict[int, int]] = {}
         self._views: dict[tuple, tuple[Shard, ...]] = {}
+        # Equal clipped run tuples are one object: keys of different experts or parts that
+        # the same shards cut alike then share `proven_pieces` (memoized by run ids).
+        self._runs: dict[tuple, tuple] = {}
+        self._narrow: dict[tuple, tuple] = {}  # (placement, dim) -> shards sorted by their extent there
         self._pieces: dict[tuple, tuple] = {}
         self._holders: dict[tuple[int, ...], RankSet] = {}
 
@@ -177,8 +182,32 @@ class PlanCache:
             return self.shards(p)
         hit = self._views.get((p, box))
         if hit is None:
-            hit = self._views[(p, box)] = clip_shards(self.shards(p), *box)
+            hit = self._views[(p, box)] = clip_shards(self._near(p, box[0]), *box, intern=self._runs)
         return hit
+
+    def _near(self, p: Placement, box: tuple[tuple[int, int], ...]) -> tuple[Shard, ...]:
+        """The shards that may overlap `box`, in shard order: those whose extent along the box's
+        narrowest dim meets it (a stacked key's index: one shard of hundreds)."""
+        shards_ = self.shards(p)
+        if len(shards_) < 16 or not box:
+            return shards_
+        d = min(range(len(box)), key=lambda i: box[i][1] - box[i][0])
+        index = self._narrow.get((p, d))
+        if index is None:
+            spans = []
+            for i, sh in enumerate(shards_):
+                starts = [r.logical_start for r in sh.runs[d] if isinstance(r, Run)]
+                ends = [r.logical_start + r.length for r in sh.runs[d] if isinstance(r, Run)]
+                if starts:
+                    spans.append((min(starts), max(ends), i))
+            spans.sort()
+            index = self._narrow[(p, d)] = (tuple(a for a, _, _ in spans), tuple(spans))
+        starts, spans = index
+        lo, hi = box[d]
+        stop = bisect.bisect_left(starts, hi)
+        # spans sorted by start: every candidate starts before hi; keep those ending after lo
+        keep = sorted(i for a, b, i in spans[:stop] if b > lo)
+        return tuple(shards_[i] for i in keep)
 
     def shard_of_rank(self, p: Placement, box: Box = None) -> dict[int, int]:
         hit = self._shard_of_rank.get((p, box))
@@ -217,7 +246,8 @@ class KeyShard(Shard):
 
 
 def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...],
-                stacked: tuple[int, ...] = (), transposed: bool = False) -> tuple[KeyShard, ...]:
+                stacked: tuple[int, ...] = (), transposed: bool = False,
+                intern: dict | None = None) -> tuple[KeyShard, ...]:
     """Shards restricted to a key's logical box, re-based to its corner, stacked dims taken out.
 
     Preserves: local storage positions (ops stay slices of the STORED tensor);
@@ -241,7 +271,8 @@ def clip_shards(shards_: tuple[Shard, ...], box: tuple[tuple[int, int], ...],
             if d in stacked:
                 at.append((d, clipped[0].local_start))
             else:
-                dims.append(tuple(clipped))
+                runs_ = tuple(clipped)
+                dims.append(runs_ if intern is None else intern.setdefault(runs_, runs_))
         else:
             out.append(KeyShard(tuple(dims[::-1] if transposed else dims), sh.ranks, tuple(at), transposed))
     return tuple(out)
