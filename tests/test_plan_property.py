@@ -20,8 +20,9 @@ storage spelling of it by rewrites that keep the hoisted part tree
     a part's name       ->   left out on one side        names compare where both give them
 
 Each side then splits each dim its own way on its own mesh (`over` an axis or
-a tuple of axes, `chunk` with or without `align`, or not at all; unused axes
-are replicas), places the destination mesh on the same ranks (collocated) or
+a tuple of axes, `chunk` with or without `align`, `ragged` on either like
+torch.chunk (LANGUAGE.md 8.5, some ranks then hold nothing), or not at all;
+unused axes are replicas), places the destination mesh on the same ranks (collocated) or
 after the source (`at OFFSET`), sometimes declares a key twice (`at a=0` and
 `at a=a-1`, like tied embeddings), puts tensors in loops (`over` an axis,
 `sizes`, `{l.local}` names), gives the destination other names (`as KEY`),
@@ -250,19 +251,27 @@ def over_options(free: list[str]) -> list[tuple[str, ...]]:
 
 @st.composite
 def split_dim(draw, mode: Mode, mesh: MeshSpec, free: list[str], prefer=None) -> Dim:
-    """A valid `over` / `chunk [align]` for `mode` on `mesh`, using only `free` axes."""
+    """A valid `over [ragged]` / `chunk [align K | ragged]` for `mode` on `mesh`, using only
+    `free` axes. A ragged `over` (LANGUAGE.md 8.5) cuts any extent, so it takes any axes, and
+    its `chunk` is ragged too."""
     sizes = mesh.sizes
-    options = [o for o in over_options(free) if dim_is_valid(Dim(mode, o), sizes)]
-    if prefer in options and draw(st.integers(0, 99)) < 70:
-        over = prefer
+    ragged = bool(free) and draw(st.integers(0, 99)) >= 80
+    if ragged:
+        over = draw(st.sampled_from(over_options(free)[1:]))
     else:
-        over = draw(st.sampled_from(options))
+        options = [o for o in over_options(free) if dim_is_valid(Dim(mode, o), sizes)]
+        if prefer in options and draw(st.integers(0, 99)) < 70:
+            over = prefer
+        else:
+            over = draw(st.sampled_from(options))
     rest = [a for a in free if a not in over]
     if rest and draw(st.integers(0, 99)) < 35:
         axis = draw(st.sampled_from(rest))
+        if ragged or draw(st.integers(0, 99)) >= 80:
+            return Dim(mode, over, axis, None, ragged, chunk_ragged=True)
         aligns = [k for k in (None, 1, 2, 4, 3) if dim_is_valid(Dim(mode, over, axis, k), sizes)]
         return Dim(mode, over, axis, draw(st.sampled_from(aligns)))
-    return Dim(mode, over)
+    return Dim(mode, over, ragged=ragged)
 
 
 @dataclass
@@ -276,8 +285,11 @@ class Item:
     mx: bool                                           # last dim is a plain 32 (mxfp8 allowed)
 
 
-def _local_extent(dim: Dim, mesh: MeshSpec) -> int:
-    return len(dim_local(dim, mesh.sizes, {a: 0 for a, _ in mesh.axes}))
+def _local_extents(dim: Dim, mesh: MeshSpec) -> set[int]:
+    """Every local extent the dim has on some rank (one, unless it is ragged)."""
+    names = [a for a, _ in mesh.axes]
+    return {len(dim_local(dim, mesh.sizes, dict(zip(names, p))))
+            for p in itertools.product(*(range(n) for _, n in mesh.axes))}
 
 
 @st.composite
@@ -325,7 +337,7 @@ def statements(draw, item: Item, side: str, mesh: MeshSpec, bases: list[Mode], f
                 dim = draw(split_dim(mode, mesh, free, prefer))
             free = [a for a in free if a not in dim.axes()]
             dims.append(dim)
-        mx_ok = bool(dims) and _local_extent(dims[-1], mesh) % 32 == 0  # mxfp8 blocks of 32
+        mx_ok = bool(dims) and all(n % 32 == 0 for n in _local_extents(dims[-1], mesh))  # mxfp8 blocks of 32
         dtype = draw(st.sampled_from([None, None, *DTYPES, *(["mxfp8"] if mx_ok else [])]))
         if item.mx and mx_ok and draw(st.booleans()):
             dtype = "mxfp8"
@@ -444,17 +456,21 @@ def pairs(draw, negative: bool = False) -> Pair:
                 features.add(f"replicas ({side})")
             for dim in inst.spec.dims:
                 split = math.prod(spec.mesh.sizes[a] for a in dim.over)
-                if isinstance(dim.mode, Concat) and _replicated_in_part(dim.mode, split):
+                if isinstance(dim.mode, Concat) and not dim.ragged and _replicated_in_part(dim.mode, split):
                     features.add(f"replicated product in a part ({side})")
                 if len(dim.over) > 1:
                     features.add("over tuple")
                 if dim.chunk:
-                    features.add(f"chunk align={dim.align is not None}")
+                    features.add("chunk ragged" if dim.chunk_ragged else f"chunk align={dim.align is not None}")
+                if dim.ragged:
+                    features.add(f"over ragged ({side})")
+                if (dim.ragged or dim.chunk_ragged) and 0 in _local_extents(dim, spec.mesh):
+                    features.add("ragged: a rank holds nothing")
                 if has(dim.mode, lambda m: isinstance(m, Product) and isinstance(m.inner, Concat)):
                     features.add("concat in product")
                 if has(dim.mode, lambda m: isinstance(m, Pad)):
                     features.add("pad")
-                if isinstance(dim.mode, Product) and dim.over and \
+                if isinstance(dim.mode, Product) and dim.over and not dim.ragged and \
                         math.prod(spec.mesh.sizes[a] for a in dim.over) > dim.mode.count:
                     features.add("replicated product")
             if inst.dtype == "mxfp8":
