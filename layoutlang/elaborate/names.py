@@ -27,10 +27,18 @@ def render(tpl: ast.NameTemplate, local: str, scope: Scope) -> str:
     for p in tpl.pieces:
         if p.__class__ is str:
             out.append(p)
-        elif p.expr.__class__ is ast.Name and loops and p.expr.name == loops[-1].node.var:
-            out.append(str(loops[-1].value))  # the innermost loop variable: most names
+            continue
+        expr = p.expr
+        if expr.__class__ is ast.Name and loops:
+            name = expr.name
+            for frame in reversed(loops):  # a loop variable (they shadow nothing): most names
+                if frame.node.var == name:
+                    out.append(str(frame.value))
+                    break
+            else:
+                out.append(str(scope.evaluate(expr, local)))
         else:
-            out.append(str(scope.evaluate(p.expr, local)))
+            out.append(str(scope.evaluate(expr, local)))
     return "".join(out)
 
 
