@@ -1,43 +1,38 @@
-"""Per-rank execution graphs and the buckets that bound staging memory.
+"""The buckets that bound staging memory, and a rank's steps as a dependency graph.
 
 Buckets are global: contiguous runs of destination instances in plan order,
 closed as soon as adding the next instance would push some rank's staging
 past the budget (an instance larger than the budget alone is its own
 bucket). The keys of one stored tensor (v2 part keys) never straddle two
-buckets: it is assembled and quantized once, whole. Every rank computes the same buckets, so every rank walks them in
-the same order and batched point-to-point exchanges pair up.
+buckets: whatever of it is assembled in bf16 is quantized once, whole. Every
+rank computes the same buckets, so every rank walks them in the same order
+and batched point-to-point exchanges pair up.
 
-A rank's graph (networkx.DiGraph), per bucket::
+Staging a rank needs (what the budget limits), as compiler/steps.py decides
+it: a quantized destination that receives bf16 somewhere is assembled whole
+in bf16; a quantized source is dequantized whole to bf16; a transfer whose
+slice is not contiguous in local storage, or whose dtype changes on the wire,
+goes through a buffer of its own size; a quantized-wire transfer through a
+buffer of its bytes on both ends.
 
-    dequantize(src) -> send(op) / copy(op)
-    recv(op) / copy(op) -> assemble(dst) [-> quantize(dst)] -> done(dst)
-    ... every node of bucket k -> barrier(k) -> the roots of bucket k+1
-
-Staging a rank needs (what the budget limits): a quantized destination is
-assembled whole in bf16; a quantized source is dequantized whole to bf16; a
-slice that is not contiguous in local storage, or whose dtype changes on the
-wire, goes through a buffer of its own size.
+`rank_graph` is a rank's steps as a networkx DiGraph (data edges, a barrier
+per bucket), checked acyclic: what `layoutc plan --rank R --steps` lists in
+order and the runtime walks.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from math import prod
 
 import networkx as nx
 
 from layoutlang.ir import QUANTIZED
+from layoutlang.modes import Run
 
-from .plan import Op, Plan, Transfer, wire_dtype
-
-
-def contiguous(sl: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
-    """Is this slice one contiguous block of a row-major tensor of `shape`?"""
-    k = 0
-    while k < len(sl) and sl[k][1] - sl[k][0] == 1:
-        k += 1  # leading dims of extent one
-    return all(sl[i] == (0, shape[i]) for i in range(k + 1, len(sl)))
+from .plan import Plan, Transfer
+from .steps import contiguous, recv_staged, send_staged
+from .wire import wire_dtype
 
 
 @dataclass(frozen=True)
@@ -50,24 +45,49 @@ class Bucket:
 
 
 def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, int]:
-    """(sender bytes, receiver bytes) of staging for one transfer.
+    """(sender bytes, receiver bytes) of staging for one transfer: the buffers its steps
+    allocate (compiler/steps.py decides which transfers are staged; this counts them).
 
-    `strided`: some rank passes tensors that are not contiguous, so any
-    transfer may have to go through a buffer of its own size on both ends.
+    `strided`: some rank passes tensors that are not contiguous. A quantized-wire
+    transfer (`t.wire`) is packed by its sender into a buffer of its bytes (after
+    turning its block into bf16 when the source is not already that) and lands in one
+    on the receiver (a local one: one buffer).
     """
-    if t.sender == t.dst_rank:
-        return 0, 0  # a local copy casts in place of its destination view
     m = plan.matches[t.instance]
     src_inst = m.src[t.source.instance]
     src_region = m.src_region(t.source.instance)
     turned = (m.region is not None and m.region.transposed) != (src_region is not None and src_region.transposed)
-    send = 0 if (not strided and not turned and contiguous(t.source.src_slice, src_inst.local_shape_at(t.sender))
-                 and src_inst.dtype == wire_dtype(m.dst.dtype)) else t.bytes
-    recv = 0 if (not strided and m.dst.dtype not in QUANTIZED
-                 and contiguous(t.piece.dst_slice, m.dst.local_shape_at(t.dst_rank))) else t.bytes
-    if m.dst.dtype in QUANTIZED:
-        recv = 0  # lands in the whole-tensor bf16 assembly buffer, counted per instance
+    src_local = tuple(src_inst.local_shape_at(t.sender))
+    if t.wire:
+        as_is = not turned and src_inst.dtype == "bf16" and contiguous(t.source.src_slice, src_local)
+        block = 0 if as_is else t.piece.elements * 2  # the bf16 block it quantizes
+        return (t.bytes + block, 0) if t.sender == t.dst_rank else (t.bytes + block, t.bytes)
+    if t.sender == t.dst_rank:
+        return 0, 0  # a local copy casts in place of its destination view
+    send = t.bytes if send_staged(t.source.src_slice, src_local, src_inst.dtype, wire_dtype(m.dst.dtype), turned,
+                                  strided) else 0
+    recv = t.bytes if recv_staged(t.piece.dst_slice, tuple(m.dst.local_shape_at(t.dst_rank)), m.dst.dtype,
+                                  strided) else 0
     return send, recv
+
+
+def _assembled(plan: Plan, i: int) -> set[int]:
+    """The ranks that assemble destination instance i's stored tensor in bf16 (it is quantized):
+    those receiving any bf16-path op of any of its keys, or holding padding (quantized-wire ops
+    alone land in the quantized storage directly)."""
+    m = plan.matches[i]
+    j = i
+    while j < len(plan.matches) and plan.matches[j].dst is m.dst:
+        j += 1
+    packed, plain = set(), set()
+    for k in range(i, j):
+        for t in plan.transfers(instance=k):
+            (packed if t.wire else plain).add(t.dst_rank)
+    out = set(plain)
+    for r in packed - plain:
+        if any(not isinstance(run, Run) for runs in m.dst.runs(r) for run in runs):
+            out.add(r)
+    return out
 
 
 def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int]:
@@ -77,7 +97,7 @@ def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int
     transfers = list(plan.transfers(instance=i))
     first_key = i == 0 or plan.matches[i - 1].dst is not m.dst  # keys of one stored tensor share it
     if m.dst.dtype in QUANTIZED and first_key:
-        for r in {t.dst_rank for t in transfers}:
+        for r in _assembled(plan, i):
             out[r] = out.get(r, 0) + prod(m.dst.local_shape_at(r)) * 2
     dequantized: set[tuple[int, int]] = set()
     for t in transfers:
@@ -126,59 +146,90 @@ def staging_per_bucket(plan: Plan, bucket: Bucket, strided: bool = False) -> dic
     return used
 
 
-def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None) -> nx.DiGraph:
-    """The steps `rank` executes, as a DAG (checked), with a `bucket` on every node."""
+def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: bool = False) -> nx.DiGraph:
+    """The steps `rank` executes (compiler/steps.py, what the runtime walks) as a DAG (checked).
+
+    Nodes are (bucket, position) with the `step` and its `kind`, plus ("done", bucket, T) for
+    every tensor completed and ("barrier", bucket). Edges are data: a round's messages ->
+    its post -> its wait -> what reads them (land, agree, the next round, unpack); an
+    assembly -> what writes into it -> its quantize -> the packed blocks unpacked over it;
+    dequantize / pack -> the sends and copies that read them; every sink of bucket k ->
+    barrier k -> bucket k+1's first steps.
+    """
+    from .steps import MESSAGES, schedule
+
     g = nx.DiGraph()
-    ops = plan.ops_for_rank(rank)
-    bucket_list = buckets(plan, budget_bytes)
-    stops = [b.stop_op for b in bucket_list]
-    entry = {e.key: e for e in plan.tensors}
-
-    def bucket_of(op: Op) -> int:
-        return bisect.bisect_right(stops, op.id)
-
+    sched = schedule(plan, rank, budget_bytes, strided)
     prev_barrier = None
-    by_bucket: dict[int, list[Op]] = {}
-    for op in ops:
-        by_bucket.setdefault(bucket_of(op), []).append(op)
-    held: dict[int, list] = {}  # instances this rank holds, even those that receive nothing
-    for b in bucket_list:
-        for i in range(b.first_instance, b.stop_instance):
-            if plan.matches[i].dst.holds(rank):
-                held.setdefault(b.index, []).append(plan.matches[i].dst)
-    for b in range(len(bucket_list)):
+    for b, steps in enumerate(sched.steps):
         nodes = []
-        for t in held.get(b, []):  # padding-only tensors are still zeroed (assembled)
-            e = entry[t.key]
-            asm, done = ("assemble", t.name), ("done", t.name)
-            g.add_node(asm, bucket=b, key=t.key)
-            g.add_node(done, bucket=b)
-            if e.dst_dtype in QUANTIZED:
-                q = ("quantize", t.name)
-                g.add_node(q, bucket=b)
-                g.add_edge(asm, q)
-                g.add_edge(q, done)
-            else:
-                g.add_edge(asm, done)
-            nodes.extend([asm, done])
-        for op in by_bucket.get(b, []):
-            e = entry[op.key]
-            if op.src_rank == rank:
-                step = ("copy", op.id) if op.local else ("send", op.id)
-                g.add_node(step, bucket=b, op=op)
-                nodes.append(step)
-                if e.src_dtype in QUANTIZED:
-                    deq = ("dequantize", op.src_name, b)
-                    g.add_node(deq, bucket=b)
-                    g.add_edge(deq, step)
-                    nodes.append(deq)
-            if op.dst_rank == rank:
-                step = ("copy", op.id) if op.local else ("recv", op.id)
-                g.add_node(step, bucket=b, op=op)
-                nodes.append(step)
-                g.add_edge(step, ("assemble", op.dst_name))
+        last: dict[tuple, tuple] = {}   # what a later step reads: ("post", r), ("wait", r), ("tensor", T), ...
+        writes: dict[str, list] = {}    # destination tensor -> steps writing it
+        for i, st in enumerate(steps):
+            n = (b, i)
+            g.add_node(n, step=st, kind=st.kind, bucket=b)
+            nodes.append(n)
+            o = st.op
+
+            def dep(key):
+                if key in last:
+                    g.add_edge(last[key], n)
+
+            if st.kind in ("assemble", "zero", "dequantize"):
+                last[("tensor", st.tensor)] = n
+            elif st.kind == "pack":
+                dep(("tensor", o.src_name))
+                dep(("wait", 1))
+                last[("pack", o.id)] = n
+            elif st.kind in MESSAGES:
+                dep(("pack", o.id) if st.kind == "send" else ("tensor", o.src_name if MESSAGES[st.kind][1] else
+                                                             o.dst_name))
+                if st.kind == "reply-send":
+                    dep(("agree", o.dst_name))
+                last.setdefault(("round", st.round), [])
+                last[("round", st.round)].append(n)
+                last[("op", o.id)] = n
+            elif st.kind == "post":
+                for m in last.get(("round", st.round), []):
+                    g.add_edge(m, n)
+                last[("post", st.round)] = n
+            elif st.kind == "wait":
+                dep(("post", st.round))
+                last[("wait", st.round)] = n
+            elif st.kind == "copy":
+                dep(("tensor", o.src_name))
+                dep(("tensor", o.dst_name))
+                writes.setdefault(o.dst_name, []).append(n)
+            elif st.kind == "land":
+                dep(("wait", 0))
+                dep(("op", o.id))
+                writes.setdefault(o.dst_name, []).append(n)
+            elif st.kind == "agree":
+                dep(("wait", 0))
+                for w in writes.get(st.tensor, []):
+                    g.add_edge(w, n)
+                last[("agree", st.tensor)] = n
+            elif st.kind in ("quantize", "scale"):
+                for key in (("wait", 0), ("wait", 2), ("agree", st.tensor), ("tensor", st.tensor)):
+                    dep(key)
+                for w in writes.get(st.tensor, []):
+                    g.add_edge(w, n)
+                last[("tensor", st.tensor)] = n
+                writes[st.tensor] = [n]
+            elif st.kind == "unpack":
+                for key in (("wait", 0), ("wait", 2), ("pack", o.id), ("tensor", o.dst_name)):
+                    dep(key)
+                writes.setdefault(o.dst_name, []).append(n)
+        for t in sched.dst[b]:
+            done = ("done", b, t.name)
+            g.add_node(done, kind="done", bucket=b)
+            for w in writes.get(t.name, []):
+                g.add_edge(w, done)
+            if ("tensor", t.name) in last:
+                g.add_edge(last[("tensor", t.name)], done)
+            nodes.append(done)
         barrier = ("barrier", b)
-        g.add_node(barrier, bucket=b)
+        g.add_node(barrier, kind="barrier", bucket=b)
         for n_ in nodes:
             if prev_barrier is not None and g.in_degree(n_) == 0:
                 g.add_edge(prev_barrier, n_)

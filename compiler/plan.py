@@ -20,6 +20,7 @@ on every rank and every run.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .ranks import RankSet
 from .select import SELECTORS, SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER
 from .shards import Placement, Shard, placement_of, shards
 from .verify import check_split, check_tiling
+from .wire import WIRE_MODES, op_wire, wire_dtype
 
 FORMAT = "layoutlang.plan/1"
 
@@ -57,6 +59,9 @@ class Op:
     # a key stored transposed on one side only (LANGUAGE.md 8.3): the source block is (p, q) in
     # its storage order (stacked dims left out) and the destination stores its transpose (q, p)
     transpose: tuple[int, int] | None = None
+    # the destination's quantized format when the op carries data and scales (compiler/wire.py);
+    # None: the bf16-path wire dtype (`wire_dtype`)
+    wire: str | None = None
 
     @property
     def local(self) -> bool:
@@ -64,8 +69,9 @@ class Op:
 
     def __str__(self) -> str:
         sl = lambda s: "[" + ", ".join(f"{a}:{b}" for a, b in s) + "]"
+        wire = f" {self.wire}" if self.wire else ""
         return (f"op {self.id} {self.key}: rank {self.src_rank} {self.src_name}{sl(self.src_slice)} -> "
-                f"rank {self.dst_rank} {self.dst_name}{sl(self.dst_slice)} ({self.bytes} B)")
+                f"rank {self.dst_rank} {self.dst_name}{sl(self.dst_slice)} ({self.bytes} B{wire})")
 
 
 @dataclass(frozen=True)
@@ -74,11 +80,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     src_dtype: str
     dst_dtype: str
-
-
-def wire_dtype(dst_dtype: str) -> str:
-    """The destination's dtype, unless it is quantized: then bf16 (LANGUAGE.md 4)."""
-    return "bf16" if dst_dtype in QUANTIZED else dst_dtype
 
 
 # A key's view of its stored tensor: (logical box, stacked dims, transposed); None: the whole tensor.
@@ -93,6 +94,7 @@ class Request:
     piece: int           # index into Geometry.pieces
     bytes: int           # on the wire, per instance
     senders: RankSet     # shared by every request for this piece
+    wire: str | None = None  # quantized wire format (compiler/wire.py), None: the bf16 path
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,20 @@ class Geometry:
     dst_box: Box = None                 # the key's region in the stored tensor (v2 part keys), or None
     src_boxes: tuple[Box, ...] = ()
     tiling: int | None = None           # pieces[tiling:] are parts of split pieces (None: nothing split)
+    dst_dtype: str = "bf16"
+    wire_mode: str = "auto"
+    dst_local: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (rank, local shape) of every destination rank
+
+    @cached_property
+    def _local_of(self) -> dict[int, tuple[int, ...]]:
+        return dict(self.dst_local)
+
+    def request(self, rank: int, k: int, piece: Piece, senders: RankSet) -> Request:
+        """The request of `rank` for piece k, with its wire format and bytes (compiler/wire.py)."""
+        local = self._local_of.get(rank, ())
+        wire, nbytes = op_wire(piece.dst_slice, local, self.dst_dtype, self.wire_mode) if local else \
+            (None, piece.elements * self.wire_bytes)
+        return Request(rank, k, nbytes, senders, wire)
 
     def is_part(self, request: Request) -> bool:
         """Whether the request is for a part of a split piece."""
@@ -148,6 +164,7 @@ class Transfer:
     source: Source       # the alternative the sender holds
     bytes: int
     senders: RankSet     # every rank that could have sent it
+    wire: str | None = None  # the op's quantized wire format, None: the bf16 path
 
 
 class PlanCache:
@@ -297,7 +314,8 @@ def _in_storage(p: Piece, dst: Shard, src_shards) -> Piece:
 
 
 def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wire_bytes: int,
-                   cache: PlanCache, dst_box: Box = None, src_boxes: tuple[Box, ...] = ()) -> Geometry:
+                   cache: PlanCache, dst_box: Box = None, src_boxes: tuple[Box, ...] = (),
+                   wire_mode: str = "auto") -> Geometry:
     """Pieces per destination shard, proven to tile it; requests in canonical order.
 
     With boxes (v2 part keys) every shard is first cut to the key's region, so
@@ -320,9 +338,13 @@ def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wir
     senders = tuple(alts[0][1] if len(alts) == 1 else RankSet(r for _, h in alts for r in h)
                     for alts in alternatives)
     shard_index = cache.shard_of_rank(dst, dst_box)
-    requests = tuple(Request(rank, k, piece_list[k].elements * wire_bytes, senders[k])
+    quantized = first.dst.dtype in QUANTIZED
+    local = tuple((rank, tuple(first.dst.local_shape_at(rank))) for rank in sorted(shard_index)) if quantized else ()
+    g = Geometry(dst, src, wire_bytes, tuple(piece_list), (), alternatives, dst_box, tuple(src_boxes),
+                 dst_dtype=first.dst.dtype, wire_mode=wire_mode, dst_local=local)
+    requests = tuple(g.request(rank, k, piece_list[k], senders[k])
                      for rank in sorted(shard_index) for k in per_shard[shard_index[rank]])
-    return Geometry(dst, src, wire_bytes, tuple(piece_list), requests, alternatives, dst_box, tuple(src_boxes))
+    return dataclasses.replace(g, requests=requests)
 
 
 def _logical(runs, a: int, b: int) -> str:
@@ -360,11 +382,12 @@ class Plan:
     """
 
     def __init__(self, src: Layout, dst: Layout, *, ranks_per_node: int | None = None,
-                 selector: str = "balanced", split: bool = True, progress=None):
+                 selector: str = "balanced", split: bool = True, wire: str = "auto", progress=None):
         self.src, self.dst = src, dst
         self.ranks_per_node = ranks_per_node
         self.selector_name = selector
         self.split = split
+        self.wire = wire  # "auto": quantized wire where blocks are whole (compiler/wire.py); "bf16": never
         self.splits = 0  # whole requests (instances x template requests) cut into parts by `split_stage`
         self.world = max(src.ranks, dst.ranks)
         self._progress = progress or (lambda stage, done, total: None)
@@ -401,7 +424,7 @@ class Plan:
         """Every op as a Transfer, in canonical order; only `rank`'s (sent or received), or one instance's."""
         for op_id, i, g, req, sender in self._rows(rank, instance):
             yield Transfer(op_id, i, req.rank, g.pieces[req.piece], sender, g.source_for(req.piece, sender),
-                           req.bytes, req.senders)
+                           req.bytes, req.senders, req.wire)
 
     def _rows(self, rank: int | None, instance: int | None):
         """(op id, instance, geometry, request, sender) in canonical order: what ops and transfers share."""
@@ -425,14 +448,14 @@ class Plan:
             src = g.source_for(req.piece, sender)
             out.append(Op(op_id, m.key, sender, req.rank, m.src[src.instance].name, m.dst.name,
                           src.src_slice, g.pieces[req.piece].dst_slice, req.bytes,
-                          _transpose(m, src) if g.dst_box or g.src_boxes else None))
+                          _transpose(m, src) if g.dst_box or g.src_boxes else None, req.wire))
         return tuple(out)
 
     def op(self, t: Transfer) -> Op:
         """The op a transfer becomes (named by the layouts' tensors)."""
         m = self.matches[t.instance]
         return Op(t.op_id, m.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
-                  t.source.src_slice, t.piece.dst_slice, t.bytes, _transpose(m, t.source))
+                  t.source.src_slice, t.piece.dst_slice, t.bytes, _transpose(m, t.source), t.wire)
 
     @property
     def op_count(self) -> int:
@@ -512,6 +535,8 @@ class Plan:
                   self.selector_name)
         if not self.split:  # named only when off: the default plan keeps the inputs it always had
             inputs += (("split", False),)
+        if self.wire != "auto":
+            inputs += (("wire", self.wire),)
         return hashlib.sha256(repr(inputs).encode("utf-8")).hexdigest()
 
     def one_line(self) -> str:
@@ -553,13 +578,15 @@ def template_stage(plan: Plan) -> None:
         # layouts outlive the plan, so the ids stay valid.)
         dst_box = (m.region.box, m.region.stacked, m.region.transposed) if m.region is not None else None
         src_boxes = tuple((r.box, r.stacked, r.transposed) if r is not None else None for r in m.src_regions)
+        # a quantized destination's format decides which ops carry quantized bytes (wire.py)
         sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed, dst_box,
-               tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), src_boxes, wire)
+               tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), src_boxes, wire,
+               m.dst.dtype if m.dst.dtype in QUANTIZED else None)
         ti = by_sig.get(sig)
         if ti is None:
             ti = by_sig[sig] = len(geometries)
             geometries.append(build_geometry(m, placement_of(m.dst), tuple(placement_of(s) for s in m.src),
-                                             wire, plan._cache, dst_box, src_boxes))
+                                             wire, plan._cache, dst_box, src_boxes, plan.wire))
             members.append([])
         plan._instance.append((ti, len(members[ti])))
         members[ti].append(i)
@@ -766,10 +793,10 @@ def split_geometry(g: Geometry, marks: dict[int, int],
             holders = [h for _, h in g.alternatives[req.piece]]  # in the order of piece.sources
             alternatives.extend(tuple(zip(p.sources, holders)) for p in parts)
         for n in made[key]:
-            requests.append(Request(req.rank, n, pieces_[n].elements * g.wire_bytes, req.senders))
+            requests.append(g.request(req.rank, n, pieces_[n], req.senders))
             origin.append(None)
-    return (Geometry(g.dst, g.src, g.wire_bytes, tuple(pieces_), tuple(requests), tuple(alternatives),
-                     g.dst_box, g.src_boxes, len(g.pieces)), tuple(origin))
+    return (dataclasses.replace(g, pieces=tuple(pieces_), requests=tuple(requests), alternatives=tuple(alternatives),
+                                tiling=len(g.pieces)), tuple(origin))
 
 
 def _offsets(instances: list[tuple[int, int]], templates: tuple[Template, ...]) -> list[int]:
@@ -795,18 +822,23 @@ def _as_layout(x, args) -> Layout:
 def compile_plan(src, dst, *, args: dict[str, int] | None = None,
                  src_args: dict[str, int] | None = None, dst_args: dict[str, int] | None = None,
                  ranks_per_node: int | None = None, selector: str = "balanced", split: bool = True,
-                 progress=None) -> Plan:
+                 wire: str = "auto", progress=None) -> Plan:
     """Compile the plan that moves every destination tensor's data from the source.
 
     `src`/`dst` are paths or loaded layouts. `args` sets args in both layouts
     (each takes the ones it declares; one that neither declares is an error);
     `src_args`/`dst_args` set one side only. `split=False` keeps every piece
     whole (`split_stage`: pieces are cut only when that balances the senders).
+    `wire="bf16"` sends every quantized destination bf16 (the v1 rule); "auto"
+    sends quantized data and scales where an op covers whole scale blocks
+    (compiler/wire.py, LANGUAGE.md 4.1).
     """
     from layoutlang.diagnostics import UsageError
 
     if selector not in SELECTORS:
         raise UsageError(f"selector {selector!r}: expected one of {', '.join(sorted(SELECTORS))}")
+    if wire not in WIRE_MODES:
+        raise UsageError(f"wire {wire!r}: expected one of {', '.join(WIRE_MODES)}")
     if ranks_per_node is not None and ranks_per_node < 1:
         raise UsageError(f"ranks_per_node {ranks_per_node}: expected a positive integer")
     common = dict(args or {})
@@ -831,4 +863,4 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
         progress("layouts", 2, 2)
     with gc_paused():
         return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, split=split,
-                    progress=progress)
+                    wire=wire, progress=progress)

@@ -56,6 +56,13 @@ def _report_shared_args(common: dict[str, int], src, dst, err: Console) -> None:
                   + ("" if len(took) == 2 else " (use --set-src / --set-dst for one side)"), markup=False)
 
 
+def _add_wire(p) -> None:
+    p.add_argument("--wire", choices=("auto", "bf16"), default="auto",
+                   help="auto (default): a quantized destination receives its own format (data and "
+                        "scales) where an op covers whole scale blocks; bf16: always bf16 "
+                        "(compile_plan(wire=...), LANGUAGE.md 4.1)")
+
+
 def _add_pair_sets(p) -> None:
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
                    help="override an `arg` in each layout that declares it (repeatable)")
@@ -239,7 +246,7 @@ class _Progress:
 def cmd_plan(ns, out: Console, err: Console) -> int:
     from layoutlang.compiler import compile_plan
     from layoutlang.compiler.select import SELECTORS
-    from layoutlang.report.render import check_rank, iter_json, render_dot, render_text, unused_warning
+    from layoutlang.report.render import check_rank, iter_json, render_dot, render_steps, render_text, unused_warning
 
     args, src_args, dst_args = _pair_args(ns)
     if ns.selector not in SELECTORS:
@@ -248,10 +255,14 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
         raise UsageError(f"--ranks-per-node {ns.ranks_per_node}: expected a positive integer")
     if ns.rank is not None and ns.format in ("dot", "html"):
         raise UsageError(f"--rank filters ops in text and json output; {ns.format} shows the whole plan")
+    if ns.steps and (ns.rank is None or ns.format != "text"):
+        raise UsageError("--steps lists one rank's steps as text", help="add --rank R (and no --format)")
+    if ns.budget is not None and ns.budget < 1:
+        raise UsageError(f"--budget {ns.budget}: expected a positive number of bytes")
     with _Progress(err, ns.quiet) as progress:
         plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
                             ranks_per_node=ns.ranks_per_node, selector=ns.selector, progress=progress,
-                            split=not ns.no_split)
+                            split=not ns.no_split, wire=ns.wire)
     _report_shared_args(args, plan.src, plan.dst, err)
     check_rank(plan, ns.rank)
     if ns.format == "json":
@@ -262,6 +273,8 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
         from layoutlang.report.html_page import render_html
 
         chunks = iter([render_html(plan)])
+    elif ns.steps:
+        chunks = iter([render_steps(plan, ns.rank, ns.budget)])
     else:
         chunks = iter([render_text(plan, ns.rank)])
     warning = unused_warning(plan)
@@ -300,7 +313,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
                          help=f"pass --max-nproc {ns.nproc} to allow it" if ns.nproc > limit else None)
     args, src_args, dst_args = _pair_args(ns)
     plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
-                        ranks_per_node=ns.ranks_per_node)
+                        ranks_per_node=ns.ranks_per_node, wire=ns.wire)
     _report_shared_args(args, plan.src, plan.dst, err)
     if ns.nproc < plan.world:
         raise UsageError(f"--nproc {ns.nproc}: the plan spans {plan.world} ranks",
@@ -308,7 +321,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
     job = {"src": os.path.abspath(ns.src), "dst": os.path.abspath(ns.dst), "args": args,
            "src_args": src_args, "dst_args": dst_args,
            "verify": ns.verify, "budget": ns.budget, "steps": ns.steps, "timeout": ns.timeout,
-           "ranks_per_node": ns.ranks_per_node}
+           "ranks_per_node": ns.ranks_per_node, "wire": ns.wire}
     out.print(f"refit {ns.src} -> {ns.dst}: {plan.stats['tensors']} tensors, {plan.stats['ops']} ops, "
               f"{human_bytes(plan.stats['bytes'])} on {ns.nproc} gloo processes", markup=False)
     start = time.perf_counter()
@@ -464,6 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-split", action="store_true",
                       help="keep every piece whole: never cut a piece among idle replicas to balance the "
                            "senders (compile_plan(split=False))")
+    _add_wire(plan)
+    plan.add_argument("--steps", action="store_true",
+                      help="with --rank R: the steps rank R executes, bucket by bucket, one line each "
+                           "(what the runtime walks)")
+    plan.add_argument("--budget", type=int, default=None, metavar="BYTES",
+                      help="with --steps: the staging budget per rank that cuts the buckets (as `layoutc run "
+                           "--budget`)")
     plan.add_argument("--selector", default="balanced", metavar="NAME",
                       help="how a sender is chosen among the replicas: balanced (default) or "
                            "round_robin")
@@ -490,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=int, default=60, metavar="SECONDS",
                      help="how long any rank waits for its peers")
     run.add_argument("--ranks-per-node", type=int, default=None, metavar="N")
+    _add_wire(run)
     run.set_defaults(run=cmd_run)
     from .bridges.families import CONVENTIONS, FAMILIES
 

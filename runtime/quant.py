@@ -261,16 +261,18 @@ def _quantize_mxfp4(x: torch.Tensor, value: MXFP4Tensor) -> None:
     _bytes(value.scales).copy_(torch.where(finite, exp + E8M0_BIAS, E8M0_NAN).to(torch.uint8))
 
 
-def _quantize_nvfp4(x: torch.Tensor, value: NVFP4Tensor) -> None:
+def _quantize_nvfp4(x: torch.Tensor, value: NVFP4Tensor, amax: torch.Tensor | None = None) -> None:
     """NVIDIA's two-level scheme, in fp32 step by step (ModelOpt's NVFP4QTensor order):
     g = amax / 2688 (1 for an all-zero tensor); per 16, s = e4m3(bamax / (6 g)), 0 -> 1, at least
     2^-9; element RNE_e2m1(V / (s g)) saturated (0 of V's sign where s g underflows to 0). A tensor
-    holding NaN or +-Inf gets a NaN global scale, NaN block scales (0x7F) and zero codes."""
+    holding NaN or +-Inf gets a NaN global scale, NaN block scales (0x7F) and zero codes. `amax`: the
+    whole tensor's, agreed beforehand when `x` is only a block of it (quantized wire)."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
     finite = torch.isfinite(x).all() if x.numel() else torch.tensor(True, device=x.device)
     clean = torch.where(finite, blocks, 0.0)
-    amax = clean.abs().amax() if x.numel() else torch.tensor(0.0, device=x.device)
-    g = torch.where(amax > 0, amax / NVFP4_GLOBAL, 1.0)
+    if amax is None:
+        amax = clean.abs().amax() if x.numel() else torch.tensor(0.0, device=x.device)
+    g = tensor_scale("nvfp4", amax)
     raw = clean.abs().amax(dim=-1) / (6.0 * g) if x.numel() else torch.zeros(blocks.shape[:-1], device=x.device)
     raw = torch.where(raw == 0, 1.0, raw).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX)
     s = raw.to(torch.float8_e4m3fn)
@@ -302,13 +304,32 @@ def _quantize_fp8_b128(x: torch.Tensor, value: Fp8BlockTensor) -> None:
     value.scales.copy_(torch.where(finite, scale, torch.nan).to(value.scales.dtype))
 
 
-def quantize_into(src: torch.Tensor, value, dtype: str) -> None:
-    """Quantize `src` (bf16, the whole local tensor) once into value's storage, in place."""
+def tensor_scale(dtype: str, amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale (fp32) a format derives from the local tensor's amax (fp32 of bf16 values):
+    fp8_e4m3/e5m2's multiplier amax / max, nvfp4's global scale amax / 2688; 1 for an all-zero tensor."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    top = NVFP4_GLOBAL if dtype == "nvfp4" else torch.finfo(FP8_DTYPES[dtype]).max
+    return torch.where(amax > 0, amax / top, 1.0)
+
+
+def has_tensor_scale(dtype: str) -> bool:
+    """Does the format keep one scale for the whole local tensor (its amax must be agreed first
+    when senders quantize blocks of it)?"""
+    return any(not g.block for g in DTYPE[dtype].scales)
+
+
+def quantize_into(src: torch.Tensor, value, dtype: str, amax: torch.Tensor | None = None) -> None:
+    """Quantize `src` (bf16) once into value's storage, in place.
+
+    `src` is the whole local tensor, or (quantized wire) whole scale blocks of it with
+    `amax` the whole tensor's, agreed beforehand, for formats with a per-tensor scale:
+    quantization is then block-local, so the bytes equal quantizing the whole tensor's.
+    """
     x = src.to(torch.float32)
     if dtype == "mxfp4":
         return _quantize_mxfp4(x, value)
     if dtype == "nvfp4":
-        return _quantize_nvfp4(x, value)
+        return _quantize_nvfp4(x, value, amax)
     if dtype == "fp8_b128":
         return _quantize_fp8_b128(x, value)
     fp8 = FP8_DTYPES[dtype]
@@ -324,8 +345,9 @@ def quantize_into(src: torch.Tensor, value, dtype: str) -> None:
         value.data.copy_(scaled.clamp(-fmax, fmax).reshape(x.shape).to(fp8))
         _scale_bytes(value.scales).copy_((exp + E8M0_BIAS).to(torch.uint8))
         return
-    amax = x.abs().max() if x.numel() else torch.tensor(0.0)
-    scale = (amax / fmax) if amax > 0 else torch.tensor(1.0)
+    if amax is None:
+        amax = x.abs().max() if x.numel() else torch.tensor(0.0)
+    scale = tensor_scale(dtype, amax).to(x.device)
     value.data.copy_((x / scale).clamp(-fmax, fmax).to(fp8))
     value.scale.copy_(scale.to(value.scale.dtype).reshape(value.scale.shape))
 
@@ -347,5 +369,5 @@ def quantize(src: torch.Tensor, dtype: str):
     return out
 
 
-__all__ = ["Fp8Tensor", "MXFP8Tensor", "Fp8BlockTensor", "MXFP4Tensor", "NVFP4Tensor", "FORMATS", "as_quantized",
+__all__ = ["tensor_scale", "has_tensor_scale", "Fp8Tensor", "MXFP8Tensor", "Fp8BlockTensor", "MXFP4Tensor", "NVFP4Tensor", "FORMATS", "as_quantized",
            "tensors_of", "storage_problem", "dequantize", "quantize_into", "quantize", "empty"]

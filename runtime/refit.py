@@ -1,12 +1,16 @@
 """Execute a compiled plan on torch.distributed: the refit step.
 
 `Refitter` makes no planning decisions: it walks the compiler's buckets in
-order and, per bucket, posts this rank's sends and receives as one
+order and, in each, the steps the compiler made for this rank
+(compiler/steps.py: which tensors are assembled, which transfers are staged
+or carry quantized bytes, which round of point-to-point messages each is
+posted in), one handler per step kind (`_BucketRun`). A round is one
 `batch_isend_irecv` (deadlock-free on gloo and NCCL: every rank posts its
-ops in canonical op order), does local copies without the network, then
-assembles, zeroes padding and quantizes. Before a byte moves, every rank
-checks that all ranks hold the same plan and that every local tensor has the
-layout's shape and dtype.
+messages in canonical op order); local copies run while the network works;
+then staged receives land, assemblies are quantized once and quantized
+blocks are unpacked. Before a byte moves, every rank checks that all ranks
+hold the same plan and that every local tensor has the layout's shape and
+dtype.
 
 Every wait has a deadline (`timeout`): ranks meet in the process group's
 store (runtime/rendezvous.py), never in a collective, so a stalled or dead
@@ -16,7 +20,6 @@ rank is named instead of hanging everyone, and every failure is a
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import re
 import time
@@ -27,12 +30,14 @@ import torch
 import torch.distributed as dist
 
 from layoutlang.compiler import Plan
-from layoutlang.compiler.graph import Bucket, buckets
+from layoutlang.compiler.steps import Schedule, Step, schedule
 from layoutlang.ir import QUANTIZED, TensorIR
 from layoutlang.modes import PadRun
 
 from .errors import RefitError
 from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storage_problem, tensors_of
+from .wire import landed, pack, unpack_into, write_tensor_scale
+from .wire import wire_bytes as packed_bytes
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
 
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,15 +79,6 @@ class RefitHooks:
 
     def on_send(self, buf: torch.Tensor, op) -> torch.Tensor:
         return buf
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """This rank's share of one bucketing of the plan."""
-
-    buckets: tuple[Bucket, ...]
-    ops: tuple[tuple, ...]                      # per bucket: this rank's ops
-    dst: tuple[tuple[TensorIR, ...], ...]       # per bucket: destination tensors it completes here
 
 
 def _slices(sl) -> tuple[slice, ...]:
@@ -152,20 +148,10 @@ class Refitter:
         return self._broken is None
 
     def schedule(self, strided: bool) -> Schedule:
-        """The buckets this rank walks; `strided` when some rank's tensors are not contiguous."""
+        """The buckets and steps this rank walks (compiler/steps.py); `strided` when some rank's
+        tensors are not contiguous."""
         if strided not in self._schedules:
-            bucket_list = buckets(self.plan, self.budget_bytes, strided)
-            stops = [b.stop_op for b in bucket_list]
-            ops: list[list] = [[] for _ in bucket_list]
-            for op in self.ops:
-                ops[bisect.bisect_right(stops, op.id)].append(op)
-            dst: list[list[TensorIR]] = [[] for _ in bucket_list]
-            for b in bucket_list:
-                for i in range(b.first_instance, b.stop_instance):
-                    t = self.plan.matches[i].dst
-                    if self.dst_held.get(t.name) is t and (not dst[b.index] or dst[b.index][-1] is not t):
-                        dst[b.index].append(t)  # once per stored tensor, however many keys it holds
-            self._schedules[strided] = Schedule(bucket_list, tuple(map(tuple, ops)), tuple(map(tuple, dst)))
+            self._schedules[strided] = schedule(self.plan, self.rank, self.budget_bytes, strided)
         return self._schedules[strided]
 
     def _rendezvous(self) -> Rendezvous:
@@ -341,75 +327,13 @@ class Refitter:
 
     # ---- one bucket -----------------------------------------------------------------
     def _bucket(self, schedule: Schedule, b: int, src, dst, device) -> list[str]:
-        me, entry = self.rank, self.entry
-        ops = schedule.ops[b]
-        dequantized: dict[str, torch.Tensor] = {}
-        assembly: dict[str, torch.Tensor] = {}
-        for t in schedule.dst[b]:
-            if t.dtype in QUANTIZED:
-                assembly[t.name] = self.meter.alloc(torch.zeros(t.local_shape_at(me), dtype=torch.bfloat16,
-                                                                 device=device))
-            else:
-                _zero_padding(dst[t.name], t, me)
-
-        def source_view(op) -> torch.Tensor:
-            """The source block, in the RECEIVER's order (a transposed key is turned here)."""
-            held = self.src_held[op.src_name]
-            value = src[op.src_name]
-            if held.dtype in QUANTIZED:
-                if op.src_name not in dequantized:
-                    dequantized[op.src_name] = self.meter.alloc(dequantize(value, held.dtype))
-                value = dequantized[op.src_name]
-            block = value[_slices(op.src_slice)]
-            if op.transpose is not None:
-                block = block.reshape(op.transpose).t().reshape([b - a for a, b in op.dst_slice])
-            return block
-
-        def target(op):
-            """(tensor to receive into, view to copy it to afterwards or None)."""
-            held = self.dst_held[op.dst_name]
-            base = assembly[op.dst_name] if held.dtype in QUANTIZED else dst[op.dst_name]
-            view = base[_slices(op.dst_slice)]
-            if view.is_contiguous() and view.dtype == _wire(entry[op.key]):
-                return view, None
-            return self.meter.alloc(torch.empty(view.shape, dtype=_wire(entry[op.key]), device=device)), view
-
-        p2p, pending, local = [], [], []
-        for op in ops:
-            if op.local:
-                local.append(op)
-                continue
-            if op.src_rank == me:
-                view = source_view(op)
-                wire = _wire(entry[op.key])
-                if view.dtype != wire or not view.is_contiguous():
-                    buf = self.meter.alloc(torch.empty(view.shape, dtype=wire, device=device))
-                    buf.copy_(view)
-                else:
-                    buf = view
-                buf = self.hooks.on_send(buf, op)
-                p2p.append((dist.P2POp(dist.isend, buf, self._peer(op.dst_rank), self.group), op))
-                self.sent_bytes += op.bytes
-            else:
-                buf, view = target(op)
-                p2p.append((dist.P2POp(dist.irecv, buf, self._peer(op.src_rank), self.group), op))
-                pending.append((buf, view))
-                self.received_bytes += op.bytes
-        works = self._post([p for p, _ in p2p], "transfers")
-        for op in local:  # while the network works
-            target_view = (assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name])[
-                _slices(op.dst_slice)]
-            # a stacked side's block carries its extent-1 expert dim: same elements, same order
-            target_view.copy_(source_view(op).reshape(target_view.shape))
-            self.local_bytes += op.bytes
-        self._wait(works, [op for _, op in p2p], "transfer")
-        for buf, view in pending:
-            if view is not None:
-                view.copy_(buf)
-        mismatches = self._bucket_checksums(ops, dst, assembly, source_view, device) if self.verify else []
-        for t in schedule.dst[b]:
-            if t.dtype in QUANTIZED:
-                quantize_into(assembly[t.name], dst[t.name], t.dtype)
+        """Walk one bucket's steps (compiler/steps.py: the compiler decided every buffer and
+        round; each kind has one handler here)."""
+        run = _BucketRun(self, schedule.ops[b], src, dst, device)
+        for step in schedule.steps[b]:
+            run.do(step)
+        mismatches = self._bucket_checksums(schedule.ops[b], dst, run.assembly, run.source_view, run.packed,
+                                            device) if self.verify else []
         self.meter.reset_bucket()
         return mismatches
 
@@ -462,14 +386,15 @@ class Refitter:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     # ---- verification ---------------------------------------------------------------
-    def _bucket_checksums(self, ops, dst, assembly, source_view, device) -> list[str]:
-        """Per op: the sender's checksum of what it sent vs the receiver's of what landed."""
+    def _bucket_checksums(self, ops, dst, assembly, source_view, packed, device) -> list[str]:
+        """Per op: the sender's checksum of what it sent vs the receiver's of what landed
+        (a quantized-wire op: of the bytes, as packed and as stored)."""
         me, entry = self.rank, self.entry
         mismatches = []
         outgoing, incoming = [], []
         for op in ops:
             if op.src_rank == me:
-                mine = _checksum(source_view(op).to(_wire(entry[op.key])))
+                mine = _checksum(packed(op) if op.wire else source_view(op).to(_wire(entry[op.key])))
                 if op.local:
                     got = _checksum(self._landed(op, dst, assembly))
                     if not torch.allclose(mine, got, rtol=1e-9, atol=0.0):
@@ -488,6 +413,9 @@ class Refitter:
         return mismatches
 
     def _landed(self, op, dst, assembly) -> torch.Tensor:
+        if op.wire:
+            return landed(dst[op.dst_name], op.wire, op.dst_slice,
+                          tuple(self.dst_held[op.dst_name].local_shape_at(self.rank)))
         base = assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name]
         return base[_slices(op.dst_slice)]
 
@@ -508,6 +436,171 @@ class Refitter:
         bad = [n for n in self._read_notes(step, "verify") if n and n != "1"]
         raise RefitError.at(self.rank, step, "verification", "verification failed: destination contents differ "
                             "from the source: " + "; ".join(bad), reusable=True)
+
+
+class _BucketRun:
+    """The state of one bucket while its steps run: buffers by op, assemblies, dequantized
+    sources, the point-to-point messages of each round, agreed amaxes."""
+
+    def __init__(self, refitter: Refitter, ops, src, dst, device):
+        self.r, self.src, self.dst, self.device = refitter, src, dst, device
+        self.me = refitter.rank
+        self.assembly: dict[str, torch.Tensor] = {}
+        self.dequantized: dict[str, torch.Tensor] = {}
+        self.bufs: dict[int, torch.Tensor] = {}            # op id -> its send, receive or packed buffer
+        self.landing: dict[int, torch.Tensor] = {}         # op id -> destination view of a staged receive
+        self.rounds: dict[int, list] = {}                  # round -> [(P2POp, op)]
+        self.works: dict[int, list] = {}
+        self.amax: dict[int, torch.Tensor] = {}            # op id -> an amax received (block's or agreed)
+        self.agreed: dict[str, torch.Tensor] = {}          # destination name -> its tensor's agreed amax
+        self.into: dict[str, list] = {}                    # destination name -> quantized-wire ops into it
+        for op in ops:
+            if op.wire and op.dst_rank == self.me:
+                self.into.setdefault(op.dst_name, []).append(op)
+
+    def do(self, step: Step) -> None:
+        getattr(self, "_" + step.kind.replace("-", "_"))(step)
+
+    # ---- views ---------------------------------------------------------------------
+    def source_view(self, op) -> torch.Tensor:
+        """The source block, in the RECEIVER's order (a transposed key is turned here)."""
+        value = self.dequantized.get(op.src_name)
+        if value is None:
+            value = self.src[op.src_name]
+        block = value[_slices(op.src_slice)]
+        if op.transpose is not None:
+            block = block.reshape(op.transpose).t().reshape([b - a for a, b in op.dst_slice])
+        return block
+
+    def block_of(self, op) -> torch.Tensor:
+        """What a quantized-wire op quantizes: the bf16 values the receiver would assemble."""
+        return self.source_view(op).to(torch.bfloat16).reshape([b - a for a, b in op.dst_slice])
+
+    def dst_view(self, op) -> torch.Tensor:
+        base = self.assembly.get(op.dst_name)
+        return (base if base is not None else self.dst[op.dst_name])[_slices(op.dst_slice)]
+
+    def packed(self, op) -> torch.Tensor:
+        amax = self.amax[op.id].reshape(()) if op.id in self.amax else self.agreed.get(op.dst_name)
+        return self.r.meter.alloc(pack(self.block_of(op), op.wire, amax))
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.r.dst_held[name].local_shape_at(self.me))
+
+    def _message(self, step: Step, buf: torch.Tensor, sending: bool) -> None:
+        """Queue a message of the step's round: to/from the op's other end (a reply goes back
+        from the op's receiver to its sender)."""
+        op, r = step.op, self.r
+        peer = r._peer(op.src_rank if op.dst_rank == self.me else op.dst_rank)
+        self.rounds.setdefault(step.round, []).append((dist.P2POp(dist.isend if sending else dist.irecv, buf, peer,
+                                                                  r.group), op))
+
+    # ---- preparing ---------------------------------------------------------------
+    def _zero(self, step: Step) -> None:
+        _zero_padding(self.dst[step.tensor], self.r.dst_held[step.tensor], self.me)
+
+    def _assemble(self, step: Step) -> None:
+        self.assembly[step.tensor] = self.r.meter.alloc(torch.zeros(self.local_shape(step.tensor),
+                                                                    dtype=torch.bfloat16, device=self.device))
+
+    def _dequantize(self, step: Step) -> None:
+        held = self.r.src_held[step.tensor]
+        self.dequantized[step.tensor] = self.r.meter.alloc(dequantize(self.src[step.tensor], held.dtype))
+
+    def _pack(self, step: Step) -> None:
+        self.bufs[step.op.id] = self.packed(step.op)
+
+    # ---- transfers ---------------------------------------------------------------
+    def _send(self, step: Step) -> None:
+        op, r = step.op, self.r
+        if op.wire:
+            buf = self.bufs.pop(op.id)
+        else:
+            view = self.source_view(op)
+            wire = _wire(r.entry[op.key])
+            if step.staged:
+                buf = r.meter.alloc(torch.empty(view.shape, dtype=wire, device=self.device))
+                buf.copy_(view)
+            else:
+                buf = view
+        self._message(step, r.hooks.on_send(buf, op), True)
+        r.sent_bytes += op.bytes
+
+    def _recv(self, step: Step) -> None:
+        op, r = step.op, self.r
+        if op.wire:
+            buf = self.bufs[op.id] = r.meter.alloc(torch.empty(
+                packed_bytes(op.wire, op.dst_slice, self.local_shape(op.dst_name)), dtype=torch.uint8,
+                device=self.device))
+        else:
+            view = self.dst_view(op)
+            if step.staged:
+                buf = self.bufs[op.id] = r.meter.alloc(torch.empty(view.shape, dtype=_wire(r.entry[op.key]),
+                                                                   device=self.device))
+                self.landing[op.id] = view
+            else:
+                buf = view
+        self._message(step, buf, False)
+        r.received_bytes += op.bytes
+
+    def _amax_send(self, step: Step) -> None:
+        amax = self.r.meter.alloc(self.block_of(step.op).to(torch.float32).abs().amax().reshape(1))
+        self._message(step, amax, True)
+
+    def _amax_recv(self, step: Step) -> None:
+        self.amax[step.op.id] = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._message(step, self.amax[step.op.id], False)
+
+    def _reply_send(self, step: Step) -> None:
+        self._message(step, self.agreed[step.op.dst_name].reshape(1).clone(), True)
+
+    def _reply_recv(self, step: Step) -> None:
+        self.amax[step.op.id] = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._message(step, self.amax[step.op.id], False)
+
+    def _post(self, step: Step) -> None:
+        self.works[step.round] = self.r._post([p for p, _ in self.rounds.get(step.round, [])],
+                                              "transfers" if step.round == 0 else f"round {step.round} messages")
+
+    def _wait(self, step: Step) -> None:
+        self.r._wait(self.works.pop(step.round, []), [op for _, op in self.rounds.pop(step.round, [])], "transfer")
+
+    # ---- completing ----------------------------------------------------------------
+    def _copy(self, step: Step) -> None:
+        op = step.op
+        view = self.dst_view(op)
+        # a stacked side's block carries its extent-1 expert dim: same elements, same order
+        view.copy_(self.source_view(op).reshape(view.shape))
+        self.r.local_bytes += op.bytes
+
+    def _land(self, step: Step) -> None:
+        self.landing.pop(step.op.id).copy_(self.bufs.pop(step.op.id))
+
+    def _agree(self, step: Step) -> None:
+        """The destination tensor's amax: its senders' blocks, its local blocks, its bf16 assembly."""
+        found = []
+        for op in self.into.get(step.tensor, ()):
+            if op.local:
+                found.append(self.block_of(op).to(torch.float32).abs().amax())
+            else:
+                found.append(self.amax.pop(op.id).reshape(()))
+        if step.tensor in self.assembly:
+            found.append(self.assembly[step.tensor].to(torch.float32).abs().amax())
+        self.agreed[step.tensor] = torch.stack(found).amax() if found else torch.zeros((), device=self.device)
+
+    def _quantize(self, step: Step) -> None:
+        t = self.r.dst_held[step.tensor]
+        quantize_into(self.assembly[t.name], self.dst[t.name], t.dtype, self.agreed.get(t.name))
+
+    def _scale(self, step: Step) -> None:
+        t = self.r.dst_held[step.tensor]
+        write_tensor_scale(self.dst[t.name], t.dtype, self.agreed[t.name])
+
+    def _unpack(self, step: Step) -> None:
+        op = step.op
+        unpack_into(self.bufs.pop(op.id), self.dst[op.dst_name], op.wire, op.dst_slice, self.local_shape(op.dst_name))
+        if op.local:
+            self.r.local_bytes += op.bytes
 
 
 def _default_store():

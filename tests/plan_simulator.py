@@ -65,6 +65,7 @@ with warnings.catch_warnings():  # torch warns when numpy is absent; we never us
 # (one small pair: 1.6 s with 2 threads, 0.09 s with 1, on a 2-core machine).
 torch.set_num_threads(1)
 
+from wire_rule import op_wire
 from reference_enumerator import Dim, LayoutSpec, MeshSpec, dim_local, instances, logical_extent
 
 SENTINEL = -1e30
@@ -479,10 +480,13 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             problem(f"{where}: slice extents differ: {extents} vs {[b - a for a, b in op.dst_slice]}")
             continue
         elements = math.prod(extents)
-        want_bytes = elements * wire_size(d.tensor.dtype)
+        packed, want_bytes = op_wire(op.dst_slice, d.tensor.dtype, tuple(d.values.shape), getattr(plan, "wire", "auto"))
+        if (getattr(op, "wire", None) is not None) != packed:
+            problem(f"{where}: wire {getattr(op, 'wire', None)}, expected "
+                    f"{d.tensor.dtype if packed else 'the bf16 path'} (wire_rule.py)")
         if op.bytes != want_bytes:
-            problem(f"{where}: bytes {op.bytes}, expected {elements} elements x "
-                    f"{wire_size(d.tensor.dtype)} B ({d.tensor.dtype} destination) = {want_bytes}")
+            problem(f"{where}: bytes {op.bytes}, expected {want_bytes} ({d.tensor.dtype} destination, "
+                    f"{'quantized' if packed else 'plain'} wire, wire_rule.py)")
         src_region, dst_region = _region(op.src_slice), _region(op.dst_slice)
         hit = _first(s.pad[src_region])
         if hit is not None:

@@ -172,7 +172,8 @@ def test_cuts_sit_on_mxfp8_blocks():
     # scales 32 consecutive elements of its last dim (LANGUAGE.md 4.1), and 262368 / 8 is
     # not a multiple of 32, so even eighths would cut blocks. 524736 B on the wire (bf16):
     # 8 parts of at least 64 KiB at most.
-    plan = pair("mesh m (dp=8)\ntensor w [1, 262368]\n", "mesh e (r=1) at 8\ntensor w [1, 262368] mxfp8\n")
+    plan = pair("mesh m (dp=8)\ntensor w [1, 262368]\n", "mesh e (r=1) at 8\ntensor w [1, 262368] mxfp8\n",
+                wire="bf16")
     spans = sorted(op.dst_slice[1] for op in plan.ops)
     assert len(spans) == 8 and all(op.dst_slice[0] == (0, 1) for op in plan.ops)
     assert spans[0][0] == 0 and spans[-1][1] == 262368
@@ -180,6 +181,13 @@ def test_cuts_sit_on_mxfp8_blocks():
     assert all(b % 32 == 0 for _, b in spans[:-1])
     assert len({op.src_rank for op in plan.ops}) == 8
     exact(plan)
+    # the quantized wire moves 262368 + 262368 / 32 = 270567 B: parts of at least 64 KiB make 4;
+    # on whole blocks, every part travels quantized
+    packed = pair("mesh m (dp=8)\ntensor w [1, 262368]\n", "mesh e (r=1) at 8\ntensor w [1, 262368] mxfp8\n")
+    spans = sorted(op.dst_slice[1] for op in packed.ops)
+    assert len(spans) == 4 and all(b % 32 == 0 for _, b in spans[:-1]) and spans[-1][1] == 262368
+    assert all(op.wire == "mxfp8" for op in packed.ops) and sum(op.bytes for op in packed.ops) == 270567
+    exact(packed)
 
 
 # ---- plans where splitting does not help stay as they were ------------------------------
@@ -217,7 +225,8 @@ L, H, F, Q, KV, D, V = 32, 4096, 14336, 32, 8, 128, 128_256  # llama3_8b_*.layou
 
 
 def _mid(at: int, **kw):
-    return compile_plan(TRAIN, INFER, src_args={"DP": DP_TRAIN}, dst_args={**ENGINE, "AT": at}, **kw)
+    # the bf16 wire: the floor below is counted in bf16 bytes by hand
+    return compile_plan(TRAIN, INFER, src_args={"DP": DP_TRAIN}, dst_args={**ENGINE, "AT": at}, wire="bf16", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -325,10 +334,10 @@ def test_runtime_executes_a_split_plan_on_gloo(tmp_path):
 
     (tmp_path / "src.layout").write_text("mesh m (dp=4)\ntensor w [8, 32768]\n")
     (tmp_path / "dst.layout").write_text("mesh e (r=1) at 4\ntensor w [8, 32768] mxfp8\n")
-    plan = compile_plan(tmp_path / "src.layout", tmp_path / "dst.layout")
+    plan = compile_plan(tmp_path / "src.layout", tmp_path / "dst.layout", wire="bf16")
     assert [(op.src_rank, op.dst_slice) for op in plan.ops] == [(i, ((2 * i, 2 * i + 2), (0, 32768))) for i in range(4)]
-    results = launch({"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "verify": True},
-                     5, timeout=150)
+    results = launch({"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "verify": True,
+                      "wire": "bf16"}, 5, timeout=150)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')}"
     assert [r.result["sent_bytes"] for r in results] == [128 * KIB] * 4 + [0]

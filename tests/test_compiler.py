@@ -5,7 +5,7 @@ import pytest
 
 from layoutlang import loads
 from layoutlang.compiler import PlanError, compile_plan
-from layoutlang.compiler.graph import buckets, contiguous, rank_graph, staging_per_bucket
+from layoutlang.compiler.graph import buckets, contiguous, instance_staging, rank_graph, staging_per_bucket
 from layoutlang.compiler.verify import check_tiling
 from layoutlang.modes import PadRun, Run
 
@@ -141,7 +141,7 @@ def test_contiguous_slices():
 def test_buckets_bound_staging_and_graph_is_acyclic():
     src = "mesh m (tp=4)\nfor l in 0..6 { tensor w{l} [64 over tp, 32] }"
     dst = "mesh m (tp=2) at 4\nfor l in 0..6 { tensor w{l} [64 over tp, 32] mxfp8 }"
-    plan = pair(src, dst)
+    plan = pair(src, dst, wire="bf16")  # bf16 path: every mxfp8 tensor assembled whole
     budget = 4096 * 2  # bf16 assembly of one local [32, 32] tensor is 2048 B
     bs = buckets(plan, budget)
     assert len(bs) > 1 and bs[0].first_op == 0 and bs[-1].stop_op == len(plan.ops)
@@ -152,9 +152,28 @@ def test_buckets_bound_staging_and_graph_is_acyclic():
     for r in range(plan.world):
         g = rank_graph(plan, r, budget)
         assert nx.is_directed_acyclic_graph(g)
-        kinds = {n[0] for n in g.nodes}
+        kinds = {g.nodes[n]["kind"] for n in g.nodes}
         assert "barrier" in kinds
         if r >= 4:
             assert {"recv", "assemble", "quantize", "done"} <= kinds
         else:
             assert "send" in kinds
+
+
+def test_quantized_wire_ops_bytes_and_staging_by_hand():
+    """TP4 [64 over tp, 32] bf16 -> TP2 mxfp8: each engine rank gets two [16, 32] blocks. Whole
+    32-element blocks, so each op carries 512 e4m3 bytes + 16 E8M0 scales = 528 B (bf16: 1024 B),
+    is packed by its sender (a 528 B buffer) and lands in one 528 B buffer; no bf16 assembly."""
+    src = "mesh m (tp=4)\ntensor w [64 over tp, 32]"
+    dst = "mesh m (tp=2) at 4\ntensor w [64 over tp, 32] mxfp8"
+    plan = pair(src, dst)
+    assert [(op.wire, op.bytes) for op in plan.ops] == [("mxfp8", 528)] * 4
+    assert plan.stats["bytes"] == 4 * 528
+    assert instance_staging(plan, 0) == {0: 528, 1: 528, 2: 528, 3: 528, 4: 1056, 5: 1056}
+    bf16 = pair(src, dst, wire="bf16")
+    assert [(op.wire, op.bytes) for op in bf16.ops] == [(None, 1024)] * 4
+    # the bf16 path assembles each [32, 32] local tensor whole: 2048 B; the ops land in it directly
+    assert instance_staging(bf16, 0) == {4: 2048, 5: 2048}
+    # a cut inside a block travels bf16: TP4 over columns -> [8-column slices of 32-element rows]
+    cols = pair("mesh m (tp=4)\ntensor w [64, 32 over tp]", "mesh m (tp=2) at 4\ntensor w [64 over tp, 32] mxfp8")
+    assert {(op.wire, op.bytes) for op in cols.ops} == {(None, 32 * 8 * 2)}

@@ -38,7 +38,8 @@ import pytest
 
 import layoutlang
 from layoutlang.compiler import compile_plan
-from plan_simulator import RunsView, check_plan_views, check_stats, simulate, wire_size
+from plan_simulator import RunsView, check_plan_views, check_stats, simulate
+from wire_rule import op_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -133,22 +134,26 @@ def test_different_models_stay_apart():
 
 
 @functools.cache
-def received_bytes(name: str) -> dict[int, int]:
-    """Per destination rank, from the layout alone: its data elements x the wire size."""
+def received_elements(name: str) -> dict[int, int]:
+    """Per destination rank, from the layout alone: its data elements."""
     out: dict[int, int] = {}
     for t in layout(name).tensors:
         for rank in t.ranks():
             data = math.prod(sum(r.length for r in runs if isinstance(r, layoutlang.Run)) for runs in t.runs(rank))
-            out[rank] = out.get(rank, 0) + data * wire_size(t.dtype)
+            out[rank] = out.get(rank, 0) + data
     return out
 
 
 def _check_totals(plan, dst: str) -> None:
+    """Every destination rank receives its data elements; every op's bytes follow the wire rule."""
     assert plan.unused_keys == []
     got: dict[int, int] = {}
+    held = {t.name: t for t in plan.dst.tensors}
     for op in plan.ops:
-        got[op.dst_rank] = got.get(op.dst_rank, 0) + op.bytes
-    assert got == received_bytes(dst)
+        got[op.dst_rank] = got.get(op.dst_rank, 0) + math.prod(b - a for a, b in op.dst_slice)
+        t = held[op.dst_name]
+        assert (op.wire is not None, op.bytes) == op_wire(op.dst_slice, t.dtype, tuple(t.local_shape_at(op.dst_rank)))
+    assert got == received_elements(dst)
 
 
 @pytest.mark.timeout(120)

@@ -65,7 +65,8 @@ import pytest
 
 import layoutlang
 from layoutlang.compiler import compile_plan
-from plan_simulator import RunsView, check_plan_views, check_stats, simulate, wire_size
+from plan_simulator import RunsView, check_plan_views, check_stats, simulate
+from wire_rule import op_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -127,14 +128,14 @@ def test_examples_use_the_sizes_assumed_here():
 # Real size
 
 
-def _expected_bytes(dst: layoutlang.Layout) -> dict[int, int]:
-    """Per destination rank: its logical (non-padding) elements x wire size."""
+def _expected_elements(dst: layoutlang.Layout) -> dict[int, int]:
+    """Per destination rank: its logical (non-padding) elements."""
     out: dict[int, int] = {}
     for t in dst.tensors:
         for rank in t.ranks():
             data = math.prod(sum(r.length for r in runs if isinstance(r, layoutlang.Run))
                              for runs in t.runs(rank))
-            out[rank] = out.get(rank, 0) + data * wire_size(t.dtype)
+            out[rank] = out.get(rank, 0) + data
     return out
 
 
@@ -147,12 +148,14 @@ def test_real_pair_is_balanced_and_complete(real_plans, name):
     check_stats(plan)
     check_plan_views(plan, range(plan.world))
     # every destination rank receives exactly its logical bytes
-    want = _expected_bytes(plan.dst)
     got: dict[int, int] = {}
-    for op in plan.ops:
-        got[op.dst_rank] = got.get(op.dst_rank, 0) + op.bytes
-    assert got == want
-    assert stats["bytes"] == sum(want.values())
+    dst = {t.name: t for t in plan.dst.tensors}
+    for op in plan.ops:  # each op's bytes by the wire rule (tests/wire_rule.py)
+        got[op.dst_rank] = got.get(op.dst_rank, 0) + math.prod(b - a for a, b in op.dst_slice)
+        t = dst[op.dst_name]
+        assert (op.wire is not None, op.bytes) == op_wire(op.dst_slice, t.dtype, tuple(t.local_shape_at(op.dst_rank)))
+    assert got == _expected_elements(plan.dst)
+    assert stats["bytes"] == sum(op.bytes for op in plan.ops)
     assert {op.src_rank for op in plan.ops} <= set(range(64))
     if name == "offset":
         assert stats["local_bytes"] == 0 and {op.dst_rank for op in plan.ops} == {64, 65, 66, 67}
@@ -229,7 +232,8 @@ def test_gtp_tp8_to_tp2_plain_weight(real_plans, name, weight, cols):
             gtp, tp8 = r0 // rows, 4 * tp2 + c0 // width
             assert op.src_slice == ((0, rows), (0, width)), "each source shard is sent whole"
             assert op.src_rank % 16 == gtp * 8 + tp8, f"rank {op.src_rank} holds another shard"
-            assert op.bytes == rows * width * 2  # MXFP8 destination: bf16 on the wire
+            # MXFP8 destination, whole 32-element blocks: e4m3 data and one E8M0 scale per 32 travel
+            assert op.wire == "mxfp8" and op.bytes == rows * width + rows * (width // 32)
 
 
 @pytest.mark.parametrize("path", [p for p in sorted(EXAMPLES.glob("*.layout"))
@@ -242,8 +246,8 @@ def test_example_planned_onto_itself_is_all_local(path):
     assert all(op.src_rank == op.dst_rank for op in plan.ops)
     got: dict[int, int] = {}
     for op in plan.ops:
-        got[op.dst_rank] = got.get(op.dst_rank, 0) + op.bytes
-    assert got == _expected_bytes(plan.dst)
+        got[op.dst_rank] = got.get(op.dst_rank, 0) + math.prod(b - a for a, b in op.dst_slice)
+    assert got == _expected_elements(plan.dst)
 
 
 # ---------------------------------------------------------------------------

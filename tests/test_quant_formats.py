@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 import layoutlang
 import reference_quant as ref
+from wire_rule import op_wire
 from layoutlang.compiler import compile_plan
 from layoutlang.ir import storage_bytes
 from layoutlang.modes import Run
@@ -482,23 +483,37 @@ def _launch_and_check(job: dict, nproc: int, plan) -> list:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("at, strided", [(0, False), (2, True)], ids=["collocated", "at2-strided-views"])
-def test_trainer_into_each_new_dtype(tmp_path, at, strided):
+@pytest.mark.parametrize("at, strided, wire", [(0, False, "auto"), (2, True, "auto"), (0, False, "bf16")],
+                         ids=["collocated", "at2-strided-views", "collocated-bf16-wire"])
+def test_trainer_into_each_new_dtype(tmp_path, at, strided, wire):
     """bf16 trainer (dp2 x tp2) -> an engine with fp8_b128 (padded rows, 3 x 2 partial blocks per
     rank), mxfp4 (part keys; a transposed key: blocks along the storage last dim), nvfp4 (stacked
     experts sharing a global scale; padded rows). The workers check every element: padding zero,
     the bytes equal quantizing the expected tensor once, storage written in place; with strided
     views, data and scales are every other element of bigger buffers whose other elements must
-    keep their guard values."""
+    keep their guard values. With the quantized wire (default) and with `wire="bf16"`: the same
+    bytes land either way, and the bytes moved follow the rule (bf16 path: 2 per element)."""
     paths = _write(tmp_path, train=TRAIN, engine=ENGINE)
-    plan = compile_plan(paths["train"], paths["engine"], dst_args={"AT": at})
+    plan = compile_plan(paths["train"], paths["engine"], dst_args={"AT": at}, wire=wire)
     assert {t.dtype for t in plan.dst.tensors} == {"fp8_b128", "mxfp4", "nvfp4", "fp32"}
     assert tuple(next(t for t in plan.dst.tensors if t.name == "dense").local_shape) == (320, 136)
     results = _launch_and_check({"src": paths["train"], "dst": paths["engine"], "dst_args": {"AT": at},
-                                 "strided": strided}, 4, plan)
-    # every destination data element arrived once, in bf16 (quantized) or fp32: counted from the layout
-    want = sum(_data_elements(t, r) * (4 if t.dtype == "fp32" else 2) for t in plan.dst.tensors for r in t.ranks())
-    assert sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results) == want
+                                 "strided": strided, "wire": wire}, 4, plan)
+    moved = sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results)
+    if wire == "bf16":  # every destination data element arrived once, in bf16 (quantized) or fp32
+        want = sum(_data_elements(t, r) * (4 if t.dtype == "fp32" else 2) for t in plan.dst.tensors
+                   for r in t.ranks())
+        assert moved == want
+        return
+    dst = {t.name: t for t in plan.dst.tensors}
+    rule = [op_wire(op.dst_slice, dst[op.dst_name].dtype, tuple(dst[op.dst_name].local_shape_at(op.dst_rank)))
+            for op in plan.ops]
+    assert [op.wire is not None for op in plan.ops] == [packed for packed, _ in rule]
+    assert moved == sum(n for _, n in rule) == plan.stats["bytes"]
+    # by hand: dense's rows arrive cut at 150 (the trainer's tp), not on 128-row blocks: bf16;
+    # mxfp4's and nvfp4's blocks run along whole last dims: every op of theirs is quantized
+    assert {dst[op.dst_name].dtype for op in plan.ops if op.wire} == {"mxfp4", "nvfp4"}
+    assert all(op.wire for op in plan.ops if dst[op.dst_name].dtype in ("mxfp4", "nvfp4"))
 
 
 QUANTIZED_SRC = """

@@ -281,7 +281,7 @@ def test_text_golden_says_what_the_proven_plan_does(name):
         mine = [op for op in ops if rank in (op["src_rank"], op["dst_rank"])]
         want.append(f"rank {rank}: {len(mine)} ops\n")
         want += [f"  op {op['id']} {op['key']}: rank {op['src_rank']} {op['src_name']}{_sl(op['src_slice'])} -> "
-                 f"rank {op['dst_rank']} {op['dst_name']}{_sl(op['dst_slice'])} ({op['bytes']} B)\n" for op in mine]
+                 f"rank {op['dst_rank']} {op['dst_name']}{_sl(op['dst_slice'])} ({op['bytes']} B{' ' + op['wire'] if 'wire' in op else ''})\n" for op in mine]
     missing = [w for w in want if w not in text]
     assert not missing, "the golden does not say:\n" + "".join(missing)
 

@@ -13,9 +13,10 @@ import pytest
 from layoutlang.elaborate import load
 from layoutlang.ir import QUANTIZED
 from layoutlang.modes import Run
+from layoutlang.compiler import compile_plan
 from layoutlang.runtime.launch import launch
+from wire_rule import op_wire
 
-WIRE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # quantized destinations travel as bf16
 
 TRAIN = """
 mesh train (dp=2, gtp=2, tp=2)
@@ -53,26 +54,29 @@ def _assert_all_ok(results):
         assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')}"
 
 
-def _destination_bytes(path: str, args=None) -> int:
-    """From the layout alone: every data (non-padding) element of every destination instance, once."""
-    layout = load(path, args=args)
-    total = 0
-    for t in layout.tensors:
-        wire = 2 if t.dtype in QUANTIZED else WIRE_BYTES[t.dtype]
-        for rank in range(layout.ranks):
-            if t.holds(rank):
-                total += wire * prod(sum(r.length for r in runs if isinstance(r, Run)) for runs in t.runs(rank))
-    return total
+def _destination_bytes(src: str, dst: str, wire: str = "auto") -> int:
+    """Every data (non-padding) element of every destination instance, once (counted from the
+    layout), in the bytes the wire rule gives each op (tests/wire_rule.py)."""
+    layout = load(dst)
+    data = sum(prod(sum(r.length for r in runs if isinstance(r, Run)) for runs in t.runs(rank))
+               for t in layout.tensors for rank in range(layout.ranks) if t.holds(rank))
+    plan = compile_plan(src, dst, wire=wire)
+    assert sum(prod(b - a for a, b in op.dst_slice) for op in plan.ops) == data
+    held = {t.name: t for t in layout.tensors}
+    rule = [op_wire(op.dst_slice, held[op.dst_name].dtype, tuple(held[op.dst_name].local_shape_at(op.dst_rank)), wire)
+            for op in plan.ops]
+    assert [op.wire is not None for op in plan.ops] == [packed for packed, _ in rule]
+    return sum(n for _, n in rule)
 
 
 @pytest.mark.timeout(180)
 def test_collocated_quantized_padded_gtp_with_buckets_and_verify(pair):
     src, dst = pair
-    budget = 4096
+    budget = 1024  # several buckets, also with the quantized wire (4096: one)
     results = launch({"src": src, "dst": dst, "verify": True, "budget": budget, "steps": 3}, 8, timeout=150)
     _assert_all_ok(results)
     received = sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results)
-    assert received == _destination_bytes(dst)  # every destination element arrived exactly once per step
+    assert received == _destination_bytes(src, dst)  # every destination element arrived exactly once per step
     for r in results:  # staging stays under the budget plus the largest tensor
         assert r.result["staging_peak"] <= budget + r.result["largest_tensor_bytes"]
 
@@ -99,7 +103,7 @@ def test_strided_views_of_bigger_buffers_are_written_in_place_and_nothing_else(p
     (every other element of a bigger buffer, quantized data and scales included); the
     elements between must keep their guard values, staging stays within budget + largest."""
     src, dst = pair
-    budget = 4096
+    budget = 1024  # several buckets, also with the quantized wire (4096: one)
     results = launch({"src": src, "dst": dst, "verify": True, "budget": budget, "strided": True}, 8, timeout=150)
     _assert_all_ok(results)
     assert sum(r.result["checked_tensors"] for r in results) == 2 * 8  # emb, norm, 2 x 3 per layer on 2 ranks
@@ -132,8 +136,9 @@ def test_killed_peer_fails_every_survivor_naming_it(pair):
     src, dst = pair
     # linger: rank 0 hosts the store; had it exited at once, a slower survivor would meet a dead
     # store (a RefitError too, tested in test_runtime_faults.py) instead of the reason
+    # the bf16 wire at 4096 B: buckets in which every survivor meets rank 1 by bucket 1
     results = launch({"src": src, "dst": dst, "budget": 4096, "timeout": 10, "die": {"rank": 1, "bucket": 1},
-                      "dst_args": {"AT": 8}, "linger": 3}, 10, timeout=150)
+                      "dst_args": {"AT": 8}, "linger": 3, "wire": "bf16"}, 10, timeout=150)
     assert results[1].returncode == 3
     for r in results:
         if r.rank == 1:

@@ -100,6 +100,8 @@ def _op_json(op: Op) -> str:
         "bytes": op.bytes}
     if op.transpose is not None:  # LANGUAGE.md 8.4: the receiver's slice is in its storage order
         fields["transposed"] = True
+    if op.wire is not None:  # LANGUAGE.md 4.1: quantized data and scales cross the link
+        fields["wire"] = op.wire
     return json.dumps(fields)
 
 
@@ -179,6 +181,22 @@ def _per_key(ops: Iterable[Op]) -> dict[str, list[int]]:
         entry[0] += 1
         entry[1] += op.bytes
     return out
+
+
+def render_steps(plan: Plan, rank: int, budget_bytes: int | None = None) -> str:
+    """The steps `rank` executes (compiler/steps.py), bucket by bucket, one line each."""
+    from layoutlang.compiler.steps import schedule
+
+    check_rank(plan, rank)
+    sched = schedule(plan, rank, budget_bytes)
+    budget = "no budget" if budget_bytes is None else f"budget {budget_bytes} B"
+    lines = [f"rank {rank}: {len(sched.buckets)} buckets ({budget}), "
+             f"{sum(map(len, sched.steps))} steps"]
+    for b, steps in zip(sched.buckets, sched.steps):
+        lines.append(f"bucket {b.index}: destination instances {b.first_instance}..{b.stop_instance - 1}, "
+                     f"ops {b.first_op}..{b.stop_op - 1}")
+        lines += [f"  {st}" for st in steps]
+    return "\n".join(lines) + "\n"
 
 
 def render_text(plan: Plan, rank: int | None = None, top: int = 8, max_ops: int = 32) -> str:
