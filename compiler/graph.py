@@ -11,12 +11,16 @@ A rank's graph (networkx.DiGraph), per bucket::
 
     dequantize(src) -> send(op) / copy(op)
     recv(op) / copy(op) -> assemble(dst) [-> quantize(dst)] -> done(dst)
+    recv(op) / copy(op) -> send(relay)          a relay waits for the op in its `after`
     ... every node of bucket k -> barrier(k) -> the roots of bucket k+1
 
 Staging a rank needs (what the budget limits): a quantized destination is
 assembled whole in bf16; a quantized source is dequantized whole to bf16; a
 slice that is not contiguous in local storage, or whose dtype changes on the
-wire, goes through a buffer of its own size.
+wire, goes through a buffer of its own size. A relay (compiler/relay.py) sends
+from the forwarding rank's destination tensor (a quantized one: its bf16
+assembly buffer), staged only when that slice is not contiguous. A relay is in
+the same destination instance as the op it waits for, hence in its bucket.
 """
 
 from __future__ import annotations
@@ -58,16 +62,21 @@ def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, in
     if t.sender == t.dst_rank:
         return 0, 0  # a local copy casts in place of its destination view
     m = plan.matches[t.instance]
+    if t.after:  # a relay reads the sender's destination (a quantized one: its bf16 assembly buffer)
+        send = 0 if not strided and contiguous(t.piece.dst_slice, m.dst.local_shape_at(t.sender)) else t.bytes
+        return send, _recv_staging(m, t, strided)
     src_inst = m.src[t.source.instance]
     src_region = m.src_region(t.source.instance)
     turned = (m.region is not None and m.region.transposed) != (src_region is not None and src_region.transposed)
     send = 0 if (not strided and not turned and contiguous(t.source.src_slice, src_inst.local_shape_at(t.sender))
                  and src_inst.dtype == wire_dtype(m.dst.dtype)) else t.bytes
-    recv = 0 if (not strided and m.dst.dtype not in QUANTIZED
-                 and contiguous(t.piece.dst_slice, m.dst.local_shape_at(t.dst_rank))) else t.bytes
+    return send, _recv_staging(m, t, strided)
+
+
+def _recv_staging(m, t: Transfer, strided: bool) -> int:
     if m.dst.dtype in QUANTIZED:
-        recv = 0  # lands in the whole-tensor bf16 assembly buffer, counted per instance
-    return send, recv
+        return 0  # lands in the whole-tensor bf16 assembly buffer, counted per instance
+    return 0 if not strided and contiguous(t.piece.dst_slice, m.dst.local_shape_at(t.dst_rank)) else t.bytes
 
 
 def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int]:
@@ -82,8 +91,8 @@ def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int
     dequantized: set[tuple[int, int]] = set()
     for t in transfers:
         send, recv = _op_staging(plan, t, strided)
-        src = m.src[t.source.instance]
-        if src.dtype in QUANTIZED and (t.sender, id(src)) not in dequantized:
+        src = None if t.after else m.src[t.source.instance]  # a relay sends from its destination
+        if src is not None and src.dtype in QUANTIZED and (t.sender, id(src)) not in dequantized:
             dequantized.add((t.sender, id(src)))
             send += prod(src.local_shape_at(t.sender)) * 2
         if send:
@@ -138,6 +147,7 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None) -> nx.DiG
         return bisect.bisect_right(stops, op.id)
 
     prev_barrier = None
+    by_id = {op.id: op for op in ops}
     by_bucket: dict[int, list[Op]] = {}
     for op in ops:
         by_bucket.setdefault(bucket_of(op), []).append(op)
@@ -167,7 +177,9 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None) -> nx.DiG
                 step = ("copy", op.id) if op.local else ("send", op.id)
                 g.add_node(step, bucket=b, op=op)
                 nodes.append(step)
-                if e.src_dtype in QUANTIZED:
+                for k in op.after:  # a relay forwards what op k delivered here
+                    g.add_edge(("copy", k) if by_id[k].local else ("recv", k), step)
+                if e.src_dtype in QUANTIZED and not op.after:
                     deq = ("dequantize", op.src_name, b)
                     g.add_node(deq, bucket=b)
                     g.add_edge(deq, step)

@@ -4,7 +4,8 @@
 order and, per bucket, posts this rank's sends and receives as one
 `batch_isend_irecv` (deadlock-free on gloo and NCCL: every rank posts its
 ops in canonical op order), does local copies without the network, then
-assembles, zeroes padding and quantizes. Before a byte moves, every rank
+assembles, zeroes padding and quantizes. A plan with relays posts one batch
+per relay depth (round), each after the previous one landed. Before a byte moves, every rank
 checks that all ranks hold the same plan and that every local tensor has the
 layout's shape and dtype.
 
@@ -354,6 +355,9 @@ class Refitter:
 
         def source_view(op) -> torch.Tensor:
             """The source block, in the RECEIVER's order (a transposed key is turned here)."""
+            if op.after:  # a relay forwards this rank's own copy (a quantized one: before quantizing)
+                return (assembly[op.src_name] if op.src_name in assembly else dst[op.src_name])[
+                    _slices(op.src_slice)]
             held = self.src_held[op.src_name]
             value = src[op.src_name]
             if held.dtype in QUANTIZED:
@@ -374,38 +378,46 @@ class Refitter:
                 return view, None
             return self.meter.alloc(torch.empty(view.shape, dtype=_wire(entry[op.key]), device=device)), view
 
-        p2p, pending, local = [], [], []
+        # relay rounds: round d posts the ops at relay depth d (the plan's, the same on every rank,
+        # so sends and receives pair up); a relay's piece landed here in an earlier round
+        depth = self.plan.relay_depths
+        rounds: dict[int, list] = {}
+        local = []
         for op in ops:
             if op.local:
                 local.append(op)
-                continue
-            if op.src_rank == me:
-                view = source_view(op)
-                wire = _wire(entry[op.key])
-                if view.dtype != wire or not view.is_contiguous():
-                    buf = self.meter.alloc(torch.empty(view.shape, dtype=wire, device=device))
-                    buf.copy_(view)
-                else:
-                    buf = view
-                buf = self.hooks.on_send(buf, op)
-                p2p.append((dist.P2POp(dist.isend, buf, self._peer(op.dst_rank), self.group), op))
-                self.sent_bytes += op.bytes
             else:
-                buf, view = target(op)
-                p2p.append((dist.P2POp(dist.irecv, buf, self._peer(op.src_rank), self.group), op))
-                pending.append((buf, view))
-                self.received_bytes += op.bytes
-        works = self._post([p for p, _ in p2p], "transfers")
-        for op in local:  # while the network works
-            target_view = (assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name])[
-                _slices(op.dst_slice)]
-            # a stacked side's block carries its extent-1 expert dim: same elements, same order
-            target_view.copy_(source_view(op).reshape(target_view.shape))
-            self.local_bytes += op.bytes
-        self._wait(works, [op for _, op in p2p], "transfer")
-        for buf, view in pending:
-            if view is not None:
-                view.copy_(buf)
+                rounds.setdefault(depth.get(op.id, 0), []).append(op)
+        for d in range(max(rounds, default=0) + 1):
+            p2p, pending = [], []
+            for op in rounds.get(d, ()):
+                if op.src_rank == me:
+                    view = source_view(op)
+                    wire = _wire(entry[op.key])
+                    if view.dtype != wire or not view.is_contiguous():
+                        buf = self.meter.alloc(torch.empty(view.shape, dtype=wire, device=device))
+                        buf.copy_(view)
+                    else:
+                        buf = view
+                    buf = self.hooks.on_send(buf, op)
+                    p2p.append((dist.P2POp(dist.isend, buf, self._peer(op.dst_rank), self.group), op))
+                    self.sent_bytes += op.bytes
+                else:
+                    buf, view = target(op)
+                    p2p.append((dist.P2POp(dist.irecv, buf, self._peer(op.src_rank), self.group), op))
+                    pending.append((buf, view))
+                    self.received_bytes += op.bytes
+            works = self._post([p for p, _ in p2p], "transfers")
+            for op in local if d == 0 else ():  # while the network works (relays never copy locally)
+                target_view = (assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name])[
+                    _slices(op.dst_slice)]
+                # a stacked side's block carries its extent-1 expert dim: same elements, same order
+                target_view.copy_(source_view(op).reshape(target_view.shape))
+                self.local_bytes += op.bytes
+            self._wait(works, [op for _, op in p2p], "transfer")
+            for buf, view in pending:
+                if view is not None:
+                    view.copy_(buf)
         mismatches = self._bucket_checksums(ops, dst, assembly, source_view, device) if self.verify else []
         for t in schedule.dst[b]:
             if t.dtype in QUANTIZED:

@@ -100,6 +100,8 @@ def _op_json(op: Op) -> str:
         "bytes": op.bytes}
     if op.transpose is not None:  # LANGUAGE.md 8.4: the receiver's slice is in its storage order
         fields["transposed"] = True
+    if op.after:  # LANGUAGE.md 5: a relay waits for the op that delivered the piece to its sender
+        fields["after"] = list(op.after)
     return json.dumps(fields)
 
 
