@@ -53,6 +53,8 @@ def relay_stage(plan) -> None:
     """Route pieces through destination replicas when that lowers the busiest link (module doc)."""
     if not plan.relay or plan.selector_name != "balanced" or not plan.templates:
         return
+    if not any(plan.send_load):
+        return  # nothing crosses the network
     recv = _received(plan)
     if max(plan.send_load) <= max(recv):
         return  # the busiest link is a receiver: relays cannot lower it
