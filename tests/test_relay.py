@@ -209,3 +209,24 @@ def test_gloo_refit_with_relays_is_exact(tmp_path, at, budget):
     if budget is not None:
         for r in results:
             assert r.result["staging_peak"] <= budget + r.result["largest_tensor_bytes"]
+
+
+def test_staging_and_step_graph_count_relays():
+    """Rank 0-1 hold column halves of w; ranks 2-5 want all of w (replicas). Every piece is a
+    [64, 32] column block: contiguous on the trainer (its whole local tensor), not inside a
+    replica's [64, 64], so each network receive and each relay send is staged at 64*32*2 B."""
+    from layoutlang.compiler.graph import instance_staging, rank_graph
+
+    plan = _plan("mesh m (tp=2)\ntensor w [64, 64 over tp]\n", "mesh m (dp=4) at 2\ntensor w [64, 64]\n")
+    relays = [op for op in plan.ops if op.after]
+    assert relays and all(op.src_rank >= 2 for op in relays)
+    block = 64 * 32 * 2
+    want: dict[int, int] = {}
+    for op in plan.ops:
+        want[op.dst_rank] = want.get(op.dst_rank, 0) + block
+        if op.after:
+            want[op.src_rank] = want.get(op.src_rank, 0) + block
+    assert instance_staging(plan, 0) == want
+    for op in relays:  # the forwarding rank sends only after the op it waits for landed
+        g = rank_graph(plan, op.src_rank)
+        assert g.has_edge(("recv", op.after[0]), ("send", op.id))
