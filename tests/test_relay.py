@@ -50,7 +50,8 @@ def test_one_source_rank_to_four_replicas_by_hand():
     (destination rank); a relay names the op that delivered w to its sender.
     """
     direct = _plan(SRC1, DST4, relay=False)
-    assert [(op.src_rank, op.dst_rank, op.after) for op in direct.ops] == [(0, 1, ()), (0, 2, ()), (0, 3, ()), (0, 4, ())]
+    assert [(op.src_rank, op.dst_rank, op.after) for op in direct.ops] == [(0, 1, ()), (0, 2, ()), (0, 3, ()),
+                                                                           (0, 4, ())]
     assert direct.stats["busiest_link_bytes"] == 4 * W
     plan = _plan(SRC1, DST4)
     assert [(op.src_rank, op.dst_rank, op.after) for op in plan.ops] == [(0, 1, ()), (0, 2, ()), (1, 3, (0,)),
