@@ -140,7 +140,7 @@ def test_relay_plans_are_exactly_once_against_the_reference(pair):
     link, was = plan.stats["busiest_link_bytes"], direct.stats["busiest_link_bytes"]
     if plan.stats["relays"]:
         event("relays")
-        assert link < was * 0.99  # kept only when they lower the busiest link by 1 %
+        assert link < was * 0.9  # kept only when they lower the busiest link by 10 % (compiler/relay.py)
         assert link >= plan.stats["link_floor_bytes"]
     else:
         assert plan.ops == direct.ops
