@@ -54,6 +54,13 @@ def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, in
     on the receiver (a local one: one buffer).
     """
     m = plan.matches[t.instance]
+    if t.after:  # a relay forwards the sender's copy: its landed packed buffer, or its destination view
+        if t.wire:
+            return 0, t.bytes
+        send = t.bytes if recv_staged(t.piece.dst_slice, tuple(m.dst.local_shape_at(t.sender)), m.dst.dtype,
+                                      strided) else 0
+        return send, t.bytes if recv_staged(t.piece.dst_slice, tuple(m.dst.local_shape_at(t.dst_rank)),
+                                            m.dst.dtype, strided) else 0
     src_inst = m.src[t.source.instance]
     src_region = m.src_region(t.source.instance)
     turned = (m.region is not None and m.region.transposed) != (src_region is not None and src_region.transposed)
@@ -102,8 +109,8 @@ def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int
     dequantized: set[tuple[int, int]] = set()
     for t in transfers:
         send, recv = _op_staging(plan, t, strided)
-        src = m.src[t.source.instance]
-        if src.dtype in QUANTIZED and (t.sender, id(src)) not in dequantized:
+        src = None if t.after else m.src[t.source.instance]  # a relay sends from its destination
+        if src is not None and src.dtype in QUANTIZED and (t.sender, id(src)) not in dequantized:
             dequantized.add((t.sender, id(src)))
             send += prod(src.local_shape_at(t.sender)) * 2
         if send:
@@ -179,13 +186,17 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: 
                 last[("tensor", st.tensor)] = n
             elif st.kind == "pack":
                 dep(("tensor", o.src_name))
-                dep(("wait", 1))
+                dep(("agree", o.dst_name))
                 last[("pack", o.id)] = n
+                if o.local:
+                    last[("landed", o.id)] = n
             elif st.kind in MESSAGES:
                 dep(("pack", o.id) if st.kind == "send" else ("tensor", o.src_name if MESSAGES[st.kind][1] else
                                                              o.dst_name))
                 if st.kind == "reply-send":
                     dep(("agree", o.dst_name))
+                if st.kind == "send" and o.after:  # a relay forwards what the op it waits for delivered
+                    dep(("landed", o.after[0]))
                 last.setdefault(("round", st.round), [])
                 last[("round", st.round)].append(n)
                 last[("op", o.id)] = n
@@ -196,14 +207,18 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: 
             elif st.kind == "wait":
                 dep(("post", st.round))
                 last[("wait", st.round)] = n
+                for m in last.get(("round", st.round), []):
+                    if g.nodes[m]["kind"] == "recv":
+                        last[("landed", g.nodes[m]["step"].op.id)] = n
             elif st.kind == "copy":
                 dep(("tensor", o.src_name))
                 dep(("tensor", o.dst_name))
                 writes.setdefault(o.dst_name, []).append(n)
+                last[("landed", o.id)] = n
             elif st.kind == "land":
-                dep(("wait", 0))
-                dep(("op", o.id))
+                dep(("landed", o.id))
                 writes.setdefault(o.dst_name, []).append(n)
+                last[("landed", o.id)] = n
             elif st.kind == "agree":
                 dep(("wait", 0))
                 for w in writes.get(st.tensor, []):

@@ -9,6 +9,8 @@ Pipeline (each stage a pure function of the previous one)::
     select     a sender per request, batched over a template's members (select.py)
     split      when whole pieces leave the busiest sender far above the floor, cut
                the requests that overload it along their outer dim and select again
+    relay      when destination replicas outnumber the senders, replicas that received
+               a piece forward it to the others (relay.py), if that lowers the busiest link
     emit       ops in canonical order: dst instance, dst rank, piece
 
 Identical layers and experts share a template, so planning costs grow with
@@ -35,6 +37,7 @@ from layoutlang.vocabulary import DTYPE
 from .match import Match, PlanError, match
 from .pieces import Piece, Slice, Source, pieces, split_piece
 from .ranks import RankSet
+from .relay import needed_recv, relay_stage
 from .select import SELECTORS, SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER
 from .shards import Placement, Shard, placement_of, shards
 from .verify import check_split, check_tiling
@@ -62,6 +65,9 @@ class Op:
     # the destination's quantized format when the op carries data and scales (compiler/wire.py);
     # None: the bf16-path wire dtype (`wire_dtype`)
     wire: str | None = None
+    # a relay (LANGUAGE.md 5): src_rank forwards what these ops delivered to it, reading its own
+    # destination tensor (src_name is then a destination tensor, src_slice its local slice)
+    after: tuple[int, ...] = ()
 
     @property
     def local(self) -> bool:
@@ -70,8 +76,9 @@ class Op:
     def __str__(self) -> str:
         sl = lambda s: "[" + ", ".join(f"{a}:{b}" for a, b in s) + "]"
         wire = f" {self.wire}" if self.wire else ""
+        waits = f" after {', '.join(map(str, self.after))}" if self.after else ""
         return (f"op {self.id} {self.key}: rank {self.src_rank} {self.src_name}{sl(self.src_slice)} -> "
-                f"rank {self.dst_rank} {self.dst_name}{sl(self.dst_slice)} ({self.bytes} B{wire})")
+                f"rank {self.dst_rank} {self.dst_name}{sl(self.dst_slice)} ({self.bytes} B{wire}){waits}")
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,8 @@ class Geometry:
 
     def request(self, rank: int, k: int, piece: Piece, senders: RankSet) -> Request:
         """The request of `rank` for piece k, with its wire format and bytes (compiler/wire.py)."""
-        local = self._local_of.get(rank, ())
-        wire, nbytes = op_wire(piece.dst_slice, local, self.dst_dtype, self.wire_mode) if local else \
+        local = self._local_of.get(rank)  # None: a plain destination (a 0-dim one's shape is ())
+        wire, nbytes = op_wire(piece.dst_slice, local, self.dst_dtype, self.wire_mode) if local is not None else \
             (None, piece.elements * self.wire_bytes)
         return Request(rank, k, nbytes, senders, wire)
 
@@ -165,6 +172,11 @@ class Transfer:
     bytes: int
     senders: RankSet     # every rank that could have sent it
     wire: str | None = None  # the op's quantized wire format, None: the bf16 path
+    after: tuple[int, ...] = ()  # a relay: the op that delivered the piece to `sender` (source: RELAYED)
+
+
+# A relay's source (Transfer.source): the sender's own destination tensor, at the piece's dst_slice.
+RELAYED = -1
 
 
 class PlanCache:
@@ -382,12 +394,17 @@ class Plan:
     """
 
     def __init__(self, src: Layout, dst: Layout, *, ranks_per_node: int | None = None,
-                 selector: str = "balanced", split: bool = True, wire: str = "auto", progress=None):
+                 selector: str = "balanced", split: bool = True, wire: str = "auto", relay: bool = True,
+                 progress=None):
         self.src, self.dst = src, dst
         self.ranks_per_node = ranks_per_node
         self.selector_name = selector
         self.split = split
         self.wire = wire  # "auto": quantized wire where blocks are whole (compiler/wire.py); "bf16": never
+        self.relay = relay
+        # per template: None, or per request None or per member the request it is relayed after (-1: none)
+        self._after: tuple | None = None
+        self.relays = 0  # ops that are relays (`relay_stage`)
         self.splits = 0  # whole requests (instances x template requests) cut into parts by `split_stage`
         self.world = max(src.ranks, dst.ranks)
         self._progress = progress or (lambda stage, done, total: None)
@@ -422,40 +439,78 @@ class Plan:
     # ---- the public door ----------------------------------------------------------
     def transfers(self, *, rank: int | None = None, instance: int | None = None):
         """Every op as a Transfer, in canonical order; only `rank`'s (sent or received), or one instance's."""
-        for op_id, i, g, req, sender in self._rows(rank, instance):
-            yield Transfer(op_id, i, req.rank, g.pieces[req.piece], sender, g.source_for(req.piece, sender),
-                           req.bytes, req.senders, req.wire)
+        for op_id, i, g, req, sender, after in self._rows(rank, instance):
+            piece = g.pieces[req.piece]
+            if after is None:
+                yield Transfer(op_id, i, req.rank, piece, sender, g.source_for(req.piece, sender),
+                               req.bytes, req.senders, req.wire)
+            else:
+                yield Transfer(op_id, i, req.rank, piece, sender, Source(RELAYED, RELAYED, piece.dst_slice),
+                               req.bytes, req.senders, req.wire, (after,))
 
     def _rows(self, rank: int | None, instance: int | None):
-        """(op id, instance, geometry, request, sender) in canonical order: what ops and transfers share."""
+        """(op id, instance, geometry, request, sender, op id it is relayed after or None) in canonical
+        order: what ops and transfers share."""
         instances = range(len(self.matches)) if instance is None else (instance,)
         offsets, templates, picks_of, where = self._offsets, self.templates, self._picks, self._instance
+        after_of = self._after or ()
         for i in instances:
             ti, member = where[i]
             g = templates[ti].geometry
             picks = picks_of[ti]
             base = offsets[i]
+            waits = after_of[ti] if ti < len(after_of) else None
             for j, req in enumerate(g.requests):
                 sender = picks[j][member]
                 if rank is None or req.rank == rank or sender == rank:
-                    yield base + j, i, g, req, sender
+                    k = waits[j][member] if waits is not None and waits[j] is not None else -1
+                    yield base + j, i, g, req, sender, (None if k < 0 else base + k)
 
     def _ops(self, rank: int | None) -> tuple[Op, ...]:
         matches = self.matches
         out = []
-        for op_id, i, g, req, sender in self._rows(rank, None):
+        for op_id, i, g, req, sender, after in self._rows(rank, None):
             m = matches[i]
+            dst_slice = g.pieces[req.piece].dst_slice
+            if after is not None:  # the sender forwards its own copy: same tensor, same local slice
+                out.append(Op(op_id, m.key, sender, req.rank, m.dst.name, m.dst.name, dst_slice, dst_slice,
+                              req.bytes, None, req.wire, (after,)))
+                continue
             src = g.source_for(req.piece, sender)
             out.append(Op(op_id, m.key, sender, req.rank, m.src[src.instance].name, m.dst.name,
-                          src.src_slice, g.pieces[req.piece].dst_slice, req.bytes,
+                          src.src_slice, dst_slice, req.bytes,
                           _transpose(m, src) if g.dst_box or g.src_boxes else None, req.wire))
         return tuple(out)
 
     def op(self, t: Transfer) -> Op:
         """The op a transfer becomes (named by the layouts' tensors)."""
         m = self.matches[t.instance]
+        if t.after:
+            return Op(t.op_id, m.key, t.sender, t.dst_rank, m.dst.name, m.dst.name, t.piece.dst_slice,
+                      t.piece.dst_slice, t.bytes, None, t.wire, t.after)
         return Op(t.op_id, m.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
                   t.source.src_slice, t.piece.dst_slice, t.bytes, _transpose(m, t.source), t.wire)
+
+    @cached_property
+    def relay_depths(self) -> dict[int, int]:
+        """Op id -> relay depth, for relays only (an op not listed has depth 0): 1 + the depth of
+        the op it waits for. Every rank computes the same depths, so the runtime's rounds pair up."""
+        out: dict[int, int] = {}
+        if not self._after:
+            return out
+        for i, (ti, member) in enumerate(self._instance):
+            waits = self._after[ti]
+            if waits is None:
+                continue
+            base = self._offsets[i]
+            for j in range(len(waits)):
+                depth, k = 0, j
+                while waits[k] is not None and waits[k][member] >= 0:
+                    k = waits[k][member]
+                    depth += 1
+                if depth:
+                    out[base + j] = depth
+        return out
 
     @property
     def op_count(self) -> int:
@@ -502,6 +557,8 @@ class Plan:
         busiest = max(range(self.world), key=lambda r: (self.send_load[r], -r)) if self.world else 0
         receiver = max(range(self.world), key=lambda r: (recv[r], -r)) if self.world else 0
         dst_floor = total / max(1, len(receivers))  # like the send floor: all bytes, evenly
+        link = max(range(self.world), key=lambda r: (max(self.send_load[r], recv[r]), -r)) if self.world else 0
+        must = needed_recv(self.templates, self.world)
         return {
             "ops": self.op_count, "bytes": total,
             "max_send_bytes": self.send_load[busiest] if self.world else 0,
@@ -513,6 +570,10 @@ class Plan:
             "local_bytes": local, "intra_node_bytes": intra if rpn else None,
             "inter_node_bytes": inter if rpn else None, "network_bytes": intra + inter,
             "templates": len(self.templates), "tensors": len(self.matches),
+            # the busiest link (LANGUAGE.md 5, relays): per rank the larger of network bytes sent
+            # and received; its floor: the most network bytes one rank must receive, whatever sends
+            "busiest_link_bytes": max(self.send_load[link], recv[link]) if self.world else 0,
+            "busiest_link_rank": link, "link_floor_bytes": max(must, default=0), "relays": self.relays,
         }
 
     @cached_property
@@ -537,6 +598,8 @@ class Plan:
             inputs += (("split", False),)
         if self.wire != "auto":
             inputs += (("wire", self.wire),)
+        if not self.relay:
+            inputs += (("relay", False),)
         return hashlib.sha256(repr(inputs).encode("utf-8")).hexdigest()
 
     def one_line(self) -> str:
@@ -810,7 +873,7 @@ def _offsets(instances: list[tuple[int, int]], templates: tuple[Template, ...]) 
 
 
 PIPELINE = (("match", match_stage), ("templates", template_stage), ("senders", select_stage),
-            ("split", split_stage))
+            ("split", split_stage), ("relay", relay_stage))
 
 
 def _as_layout(x, args) -> Layout:
@@ -822,13 +885,15 @@ def _as_layout(x, args) -> Layout:
 def compile_plan(src, dst, *, args: dict[str, int] | None = None,
                  src_args: dict[str, int] | None = None, dst_args: dict[str, int] | None = None,
                  ranks_per_node: int | None = None, selector: str = "balanced", split: bool = True,
-                 wire: str = "auto", progress=None) -> Plan:
+                 wire: str = "auto", relay: bool = True, progress=None) -> Plan:
     """Compile the plan that moves every destination tensor's data from the source.
 
     `src`/`dst` are paths or loaded layouts. `args` sets args in both layouts
     (each takes the ones it declares; one that neither declares is an error);
     `src_args`/`dst_args` set one side only. `split=False` keeps every piece
-    whole (`split_stage`: pieces are cut only when that balances the senders).
+    whole (`split_stage`: pieces are cut only when that balances the senders);
+    `relay=False` has every op leave a source rank (`relay_stage`: replicas forward
+    pieces only when that lowers the busiest link).
     `wire="bf16"` sends every quantized destination bf16 (the v1 rule); "auto"
     sends quantized data and scales where an op covers whole scale blocks
     (compiler/wire.py, LANGUAGE.md 4.1).
@@ -863,4 +928,4 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
         progress("layouts", 2, 2)
     with gc_paused():
         return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, split=split,
-                    wire=wire, progress=progress)
+                    wire=wire, relay=relay, progress=progress)

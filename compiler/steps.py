@@ -35,10 +35,9 @@ from math import prod
 
 from layoutlang.ir import QUANTIZED, TensorIR
 from layoutlang.modes import Run
-from layoutlang.vocabulary import DTYPE
 
 from .plan import Op, Plan
-from .wire import wire_dtype
+from .wire import tensor_scaled, wire_dtype
 
 ROUNDS = 3  # 0: transfers and amaxes; 1: agreed amaxes back; 2: per-tensor-scale blocks
 # the kinds that post a point-to-point message: (what it says, whether this rank sends it)
@@ -52,11 +51,6 @@ def contiguous(sl: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
     while k < len(sl) and sl[k][1] - sl[k][0] == 1:
         k += 1  # leading dims of extent one
     return all(sl[i] == (0, shape[i]) for i in range(k + 1, len(sl)))
-
-
-def tensor_scaled(dtype: str) -> bool:
-    """Does `dtype` keep one scale per local tensor (agreed before senders quantize blocks)?"""
-    return any(not g.block for g in DTYPE[dtype].scales)
 
 
 @dataclass(frozen=True)
@@ -115,10 +109,13 @@ def recv_staged(dst_slice, dst_local: tuple[int, ...], dst_dtype: str, strided: 
 
 def bucket_steps(rank: int, index: int, ops: tuple[Op, ...], completes: tuple[TensorIR, ...],
                  src_of: dict[str, TensorIR], dst_of: dict[str, TensorIR], dtype_of: dict[str, str],
-                 strided: bool = False) -> tuple[Step, ...]:
+                 strided: bool = False, depth_of: dict[int, int] | None = None, depth: int = 0) -> tuple[Step, ...]:
     """The steps of one bucket on `rank`: `ops` are its ops there (canonical order), `completes`
     the destination tensors it completes there; `src_of`/`dst_of`: the tensors `rank` holds, by
-    name; `dtype_of`: each key's destination dtype."""
+    name; `dtype_of`: each key's destination dtype; `depth_of`: relay depths (plan.relay_depths),
+    `depth` the plan's deepest. Round d carries the transfers of relay depth d; the per-tensor
+    scale exchange takes rounds depth + 1 and depth + 2: numbers every rank gives the same
+    message, and every rank walks them in increasing order, so no round waits on a later one."""
     out: list[Step] = []
     add = lambda kind, **kw: out.append(Step(kind, index, **kw))  # noqa: E731
     plain_into = {op.dst_name for op in ops if op.dst_rank == rank and not op.wire}
@@ -133,56 +130,74 @@ def bucket_steps(rank: int, index: int, ops: tuple[Op, ...], completes: tuple[Te
             add("assemble", tensor=t.name, bytes=prod(t.local_shape_at(rank)) * 2)
     seen = set()
     for op in ops:
-        if op.src_rank != rank or op.src_name in seen:
-            continue
+        if op.src_rank != rank or op.after or op.src_name in seen:
+            continue  # (a relay reads this rank's destination copy)
         s = src_of[op.src_name]
         if s.dtype in QUANTIZED:
             seen.add(op.src_name)
             add("dequantize", tensor=op.src_name, bytes=prod(s.local_shape_at(rank)) * 2)
+    depth_of = depth_of or {}
     exchange = [op for op in ops if op.wire and tensor_scaled(op.wire) and not op.local]
-    for op in ops:  # round 0
-        if op.local or op in exchange:
-            if op in exchange:
-                add("amax-send" if op.src_rank == rank else "amax-recv", op=op, bytes=4)
-            continue
-        if op.src_rank == rank:
-            if op.wire:
-                add("pack", op=op, bytes=op.bytes)
-                add("send", op=op, bytes=op.bytes, staged=True)
-            else:
-                s = src_of[op.src_name]
-                add("send", op=op, bytes=op.bytes, staged=send_staged(
-                    op.src_slice, tuple(s.local_shape_at(rank)), s.dtype, wire_dtype(dtype_of[op.key]),
-                    op.transpose is not None, strided))
-        else:
-            d = dst_of[op.dst_name]
-            add("recv", op=op, bytes=op.bytes, staged=bool(op.wire) or recv_staged(
-                op.dst_slice, tuple(d.local_shape_at(rank)), d.dtype, strided))
-    add("post", round=0)
+    scaled_ops = set(op.id for op in exchange)
+    by_round: dict[int, list[Op]] = {}
     for op in ops:
-        if op.local and not op.wire:
-            add("copy", op=op, bytes=op.bytes)
-    add("wait", round=0)
-    for st in list(out):
-        if st.kind == "recv" and st.staged and not st.op.wire:
-            add("land", op=st.op, bytes=st.bytes)
+        if not op.local and op.id not in scaled_ops:
+            by_round.setdefault(depth_of.get(op.id, 0), []).append(op)
+    lands: set[int] = set()  # staged bf16 receives: copied into their view after their round
+    for op in ops:  # a local quantized-wire block a relay may forward: packed before any round
+        if op.local and op.wire and not tensor_scaled(op.wire):
+            add("pack", op=op, bytes=op.bytes)
+    for d in range(depth + 1):
+        if d == 0:
+            for op in exchange:
+                add("amax-send" if op.src_rank == rank else "amax-recv", op=op, bytes=4)
+        for op in by_round.get(d, ()):
+            if op.src_rank == rank:
+                if op.after:  # a relay forwards this rank's copy: its landed packed bytes, or its view
+                    staged = not op.wire and recv_staged(op.src_slice, tuple(dst_of[op.src_name].local_shape_at(rank)),
+                                                         dst_of[op.src_name].dtype, strided)
+                    add("send", op=op, bytes=op.bytes, staged=staged, round=d)
+                elif op.wire:
+                    add("pack", op=op, bytes=op.bytes)
+                    add("send", op=op, bytes=op.bytes, staged=True, round=d)
+                else:
+                    s = src_of[op.src_name]
+                    add("send", op=op, bytes=op.bytes, round=d, staged=send_staged(
+                        op.src_slice, tuple(s.local_shape_at(rank)), s.dtype, wire_dtype(dtype_of[op.key]),
+                        op.transpose is not None, strided))
+            else:
+                d_ = dst_of[op.dst_name]
+                staged = bool(op.wire) or recv_staged(op.dst_slice, tuple(d_.local_shape_at(rank)), d_.dtype, strided)
+                add("recv", op=op, bytes=op.bytes, round=d, staged=staged)
+                if staged and not op.wire:
+                    lands.add(op.id)
+        if d == 0 or d in by_round:
+            add("post", round=d)
+            if d == 0:
+                for op in ops:
+                    if op.local and not op.wire:
+                        add("copy", op=op, bytes=op.bytes)
+            add("wait", round=d)
+            for op in by_round.get(d, ()):
+                if op.id in lands:
+                    add("land", op=op, bytes=op.bytes)
     scaled = sorted({op.dst_name for op in ops if op.dst_rank == rank and op.wire and tensor_scaled(op.wire)})
     if exchange or scaled:
         for name in scaled:
             add("agree", tensor=name)
         if exchange:
             for op in exchange:
-                add("reply-recv" if op.src_rank == rank else "reply-send", op=op, bytes=4, round=1)
-            add("post", round=1)
-            add("wait", round=1)
+                add("reply-recv" if op.src_rank == rank else "reply-send", op=op, bytes=4, round=depth + 1)
+            add("post", round=depth + 1)
+            add("wait", round=depth + 1)
             for op in exchange:
                 if op.src_rank == rank:
                     add("pack", op=op, bytes=op.bytes)
-                    add("send", op=op, bytes=op.bytes, staged=True, round=2)
+                    add("send", op=op, bytes=op.bytes, staged=True, round=depth + 2)
                 else:
-                    add("recv", op=op, bytes=op.bytes, staged=True, round=2)
-            add("post", round=2)
-            add("wait", round=2)
+                    add("recv", op=op, bytes=op.bytes, staged=True, round=depth + 2)
+            add("post", round=depth + 2)
+            add("wait", round=depth + 2)
     for t in completes:
         if t.name in assembled:
             add("quantize", tensor=t.name)
@@ -190,10 +205,11 @@ def bucket_steps(rank: int, index: int, ops: tuple[Op, ...], completes: tuple[Te
             add("scale", tensor=t.name)
     for op in ops:
         if op.wire and op.dst_rank == rank:
-            if op.local:
-                add("pack", op=op, bytes=op.bytes)
+            if op.local and tensor_scaled(op.wire):
+                add("pack", op=op, bytes=op.bytes)  # with the agreed amax
             add("unpack", op=op, bytes=op.bytes)
     return tuple(out)
+
 
 
 @dataclass(frozen=True)
@@ -226,6 +242,8 @@ def schedule(plan: Plan, rank: int, budget_bytes: int | None, strided: bool = Fa
                 dst[b.index].append(t)  # once per stored tensor, however many keys it holds
     src_of = {t.name: t for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dtype_of = {e.key: e.dst_dtype for e in plan.tensors}
+    depth_of = plan.relay_depths
+    depth = max(depth_of.values(), default=0)
     steps = tuple(bucket_steps(rank, b.index, tuple(ops[b.index]), tuple(dst[b.index]), src_of, held, dtype_of,
-                               strided) for b in bucket_list)
+                               strided, depth_of, depth) for b in bucket_list)
     return Schedule(tuple(bucket_list), tuple(map(tuple, ops)), tuple(map(tuple, dst)), steps)

@@ -34,6 +34,11 @@ def wire_dtype(dst_dtype: str) -> str:
     return "bf16" if dst_dtype in QUANTIZED else dst_dtype
 
 
+def tensor_scaled(dtype: str) -> bool:
+    """Does `dtype` keep one scale per local tensor (agreed before senders quantize blocks)?"""
+    return any(not g.block for g in DTYPE[dtype].scales)
+
+
 def covers_whole_blocks(dst_slice, local: tuple[int, ...], dtype: str) -> bool:
     """Does `dst_slice` (local storage coordinates) cover only whole scale blocks of `dtype`?
 

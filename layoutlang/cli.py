@@ -262,7 +262,7 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
     with _Progress(err, ns.quiet) as progress:
         plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
                             ranks_per_node=ns.ranks_per_node, selector=ns.selector, progress=progress,
-                            split=not ns.no_split, wire=ns.wire)
+                            split=not ns.no_split, wire=ns.wire, relay=not ns.no_relay)
     _report_shared_args(args, plan.src, plan.dst, err)
     check_rank(plan, ns.rank)
     if ns.format == "json":
@@ -313,7 +313,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
                          help=f"pass --max-nproc {ns.nproc} to allow it" if ns.nproc > limit else None)
     args, src_args, dst_args = _pair_args(ns)
     plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
-                        ranks_per_node=ns.ranks_per_node, wire=ns.wire)
+                        ranks_per_node=ns.ranks_per_node, wire=ns.wire, relay=not ns.no_relay)
     _report_shared_args(args, plan.src, plan.dst, err)
     if ns.nproc < plan.world:
         raise UsageError(f"--nproc {ns.nproc}: the plan spans {plan.world} ranks",
@@ -321,7 +321,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
     job = {"src": os.path.abspath(ns.src), "dst": os.path.abspath(ns.dst), "args": args,
            "src_args": src_args, "dst_args": dst_args,
            "verify": ns.verify, "budget": ns.budget, "steps": ns.steps, "timeout": ns.timeout,
-           "ranks_per_node": ns.ranks_per_node, "wire": ns.wire}
+           "ranks_per_node": ns.ranks_per_node, "wire": ns.wire, "relay": not ns.no_relay}
     out.print(f"refit {ns.src} -> {ns.dst}: {plan.stats['tensors']} tensors, {plan.stats['ops']} ops, "
               f"{human_bytes(plan.stats['bytes'])} on {ns.nproc} gloo processes", markup=False)
     start = time.perf_counter()
@@ -484,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", type=int, default=None, metavar="BYTES",
                       help="with --steps: the staging budget per rank that cuts the buckets (as `layoutc run "
                            "--budget`)")
+    plan.add_argument("--no-relay", action="store_true",
+                      help="every op leaves a source rank: never forward a piece through a destination "
+                           "replica that received it (compile_plan(relay=False))")
     plan.add_argument("--selector", default="balanced", metavar="NAME",
                       help="how a sender is chosen among the replicas: balanced (default) or "
                            "round_robin")
@@ -504,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pair_sets(run)
     run.add_argument("--verify", action="store_true", help="also compare checksums of every transfer")
     run.add_argument("--budget", type=int, default=None, metavar="BYTES", help="staging budget per rank")
+    run.add_argument("--no-relay", action="store_true",
+                     help="plan without relays (as `layoutc plan --no-relay`)")
     run.add_argument("--steps", type=int, default=1, help="refit this many times (time the best)")
     run.add_argument("--max-nproc", type=int, default=None, metavar="N",
                      help="allow more than 64 local processes")

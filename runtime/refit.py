@@ -394,7 +394,12 @@ class Refitter:
         outgoing, incoming = [], []
         for op in ops:
             if op.src_rank == me:
-                mine = _checksum(packed(op) if op.wire else source_view(op).to(_wire(entry[op.key])))
+                if op.wire and op.after:  # a relay sent the bytes its own copy holds
+                    sent = landed(dst[op.src_name], op.wire, op.src_slice,
+                                  tuple(self.dst_held[op.src_name].local_shape_at(me)))
+                else:
+                    sent = packed(op) if op.wire else source_view(op).to(_wire(entry[op.key]))
+                mine = _checksum(sent)
                 if op.local:
                     got = _checksum(self._landed(op, dst, assembly))
                     if not torch.allclose(mine, got, rtol=1e-9, atol=0.0):
@@ -463,7 +468,11 @@ class _BucketRun:
 
     # ---- views ---------------------------------------------------------------------
     def source_view(self, op) -> torch.Tensor:
-        """The source block, in the RECEIVER's order (a transposed key is turned here)."""
+        """The source block, in the RECEIVER's order (a transposed key is turned here); a relay's:
+        this rank's destination copy (a quantized one: its bf16 assembly)."""
+        if op.after:
+            base = self.assembly.get(op.src_name)
+            return (base if base is not None else self.dst[op.src_name])[_slices(op.src_slice)]
         value = self.dequantized.get(op.src_name)
         if value is None:
             value = self.src[op.src_name]
@@ -513,7 +522,9 @@ class _BucketRun:
     # ---- transfers ---------------------------------------------------------------
     def _send(self, step: Step) -> None:
         op, r = step.op, self.r
-        if op.wire:
+        if op.wire and op.after:  # a relay forwards the packed bytes it received (or packed locally)
+            buf = self.bufs[op.after[0]]
+        elif op.wire:
             buf = self.bufs.pop(op.id)
         else:
             view = self.source_view(op)

@@ -109,7 +109,8 @@ def run(job: dict, rank: int, group=None) -> dict:
     if odd and odd["rank"] == rank:
         dst_args = {**(dst_args or {}), **odd["dst_args"]}
     plan = compile_plan(job["src"], job["dst"], args=job.get("args"), src_args=job.get("src_args"),
-                        dst_args=dst_args, ranks_per_node=job.get("ranks_per_node"), wire=job.get("wire", "auto"))
+                        dst_args=dst_args, ranks_per_node=job.get("ranks_per_node"), wire=job.get("wire", "auto"),
+                        relay=job.get("relay", True))
     refitter = Refitter(plan, group=group, budget_bytes=job.get("budget"),
                         timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
                         hooks=FaultHooks(job, rank))

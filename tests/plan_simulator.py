@@ -438,17 +438,26 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
     dst_store = store(dst_view, True)
     report.src_pad_elements = sum(int(x.pad.sum()) for x in src_store.values())
 
-    # Apply every op in order.
-    for position, op in enumerate(plan.ops):
+    # Apply every op, each relay after the ops it waits for (LANGUAGE.md 5), reading the
+    # forwarding rank's destination as it stands then.
+    ops = list(plan.ops)
+    for position, op in enumerate(ops):
+        if op.id != position:
+            problem(f"op {op.id}: id {op.id} at position {position}")
+    for op in _after_order(ops, problem):
         report.ops += 1
         where = f"op {op.id} ({op.key}: rank {op.src_rank} {op.src_name}{_fmt_slice(op.src_slice)} -> " \
                 f"rank {op.dst_rank} {op.dst_name}{_fmt_slice(op.dst_slice)})"
-        if op.id != position:
-            problem(f"{where}: id {op.id} at position {position}")
-        s = src_store.get((op.src_rank, op.src_name))
+        after = tuple(getattr(op, "after", ()))
+        s = (dst_store if after else src_store).get((op.src_rank, op.src_name))
         d = dst_store.get((op.dst_rank, op.dst_name))
         if s is None:
-            problem(f"{where}: source rank {op.src_rank} holds no tensor named {op.src_name}")
+            problem(f"{where}: {'relay' if after else 'source'} rank {op.src_rank} holds no "
+                    f"{'destination ' if after else ''}tensor named {op.src_name}")
+            continue
+        if after and any(ops[k].dst_rank != op.src_rank or ops[k].dst_name != op.src_name for k in after):
+            problem(f"{where}: waits for ops {list(after)}, which do not deliver to rank {op.src_rank} "
+                    f"{op.src_name}")
             continue
         if d is None:
             problem(f"{where}: destination rank {op.dst_rank} holds no tensor named {op.dst_name}")
@@ -493,6 +502,8 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             index = tuple(a + i for (a, _), i in zip(op.src_slice, hit))
             problem(f"{where}: the source slice covers padding at local index {index} of "
                     f"{op.src_name} on rank {op.src_rank}")
+        if after and bool((s.writes[src_region] != 1)[~s.pad[src_region]].any()):
+            problem(f"{where}: relays data that rank {op.src_rank} has not received exactly once yet")
         block = s.values[src_region]
         if getattr(op, "transpose", None) is not None:  # one side stores the key transposed
             block = block.reshape(op.transpose).t()
@@ -531,6 +542,25 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             problem(f"{head}: wrong value at local index {hit} (logical {d.logical_of(hit)}): "
                     f"expected {float(d.expected[hit]):.0f}, got {_describe_value(got, base, shapes)}; "
                     f"{int(wrong.sum())} wrong elements")
+
+
+def _after_order(ops, problem) -> list:
+    """The ops in id order, except that an op with `after` comes after every op it names."""
+    done: set[int] = set()
+    out, waiting = [], list(ops)
+    while waiting:
+        later = []
+        for op in waiting:
+            if all(k in done for k in getattr(op, "after", ())):
+                out.append(op)
+                done.add(op.id)
+            else:
+                later.append(op)
+        if len(later) == len(waiting):
+            problem(f"ops {[op.id for op in later[:8]]} wait for ops that never run (a cycle or a missing id)")
+            break
+        waiting = later
+    return out
 
 
 def _describe_value(v: float, base: dict[str, int], shapes: dict[str, tuple[int, ...]]) -> str:
@@ -586,6 +616,10 @@ def check_stats(plan, report: SimReport | None = None) -> None:
         f"max_recv_bytes {stats['max_recv_bytes']}, network bytes received per rank {received}"
     assert stats["local_bytes"] == local, (stats["local_bytes"], local)
     assert stats["network_bytes"] == total - local, (stats["network_bytes"], total - local)
+    if "busiest_link_bytes" in stats:  # per rank the larger of network bytes sent and received
+        link = max((max(sent.get(r, 0), received.get(r, 0)) for r in set(sent) | set(received)), default=0)
+        assert stats["busiest_link_bytes"] == link, (stats["busiest_link_bytes"], link)
+        assert stats["relays"] == sum(1 for op in ops if getattr(op, "after", ())), stats["relays"]
     rpn = getattr(plan, "ranks_per_node", None)
     if rpn:
         inter = sum(op.bytes for op in ops if op.src_rank // rpn != op.dst_rank // rpn)

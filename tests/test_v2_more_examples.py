@@ -131,7 +131,7 @@ def test_gptoss_every_pair_moves_every_element_once(src, dst):
     hf = "gptoss_hf" in (src, dst)
     for op in plan.ops:
         two_d = op.key.endswith(".weight") and ".experts." in op.key
-        assert (op.transpose is not None) == (hf and two_d), op
+        assert (op.transpose is not None) == (hf and two_d and not op.after), op  # a relay: dst to dst
 
 
 def test_gptoss_vllm_expert_tp_cuts_interleaved_pairs():
@@ -151,8 +151,9 @@ def test_gptoss_vllm_expert_tp_cuts_interleaved_pairs():
 def test_gptoss_hf_to_megatron_row_of_a_gate_by_hand():
     """Gate row 40 of expert 1, layer 0: HF stores it as column 2*40 = 80 of gate_up_proj[1]
     ([E, H, 2I] transposed); Megatron (edp, ep, etp) = (2, 2, 2) keeps experts 0, 1 on ep 0 and
-    gate rows 32..64 on etp 1, local fc1 row 40 - 32 = 8: ranks 1 and 5 (both edp replicas)."""
-    plan = compile_plan(_small("gptoss_hf"), _small("gptoss_megatron"))
+    gate rows 32..64 on etp 1, local fc1 row 40 - 32 = 8: ranks 1 and 5 (both edp replicas).
+    Without relays, so that both come from the HF rank."""
+    plan = compile_plan(_small("gptoss_hf"), _small("gptoss_megatron"), relay=False)
     key = "model.layers.0.mlp.experts.1.gate_proj.weight"
     ops = [op for op in plan.ops if op.key == key and op.src_slice[2] == (80, 81)]
     assert sorted(op.dst_rank for op in ops) == [1, 5]
@@ -169,8 +170,9 @@ def test_gptoss_hf_to_megatron_row_of_a_gate_by_hand():
 
 def test_gptoss_down_proj_is_one_transposed_block_per_expert_half():
     """down_proj [E, I, H] transposed holds key [H, I]; Megatron's fc2 [H, I over etp]: etp rank 1
-    takes key columns 32..64 = stored rows 32..64 of expert e, one block, turned on the way."""
-    plan = compile_plan(_small("gptoss_hf"), _small("gptoss_megatron"))
+    takes key columns 32..64 = stored rows 32..64 of expert e, one block, turned on the way (without
+    relays: a replica may forward it otherwise)."""
+    plan = compile_plan(_small("gptoss_hf"), _small("gptoss_megatron"), relay=False)
     ops = [op for op in plan.ops if op.key == "model.layers.1.mlp.experts.2.down_proj.weight" and op.dst_rank == 3]
     # expert 2 is local expert 0 of ep 1; rank 3 = (edp 0, ep 1, etp 1)
     assert [(op.dst_name, op.src_slice, op.dst_slice, op.transpose is not None) for op in ops] == [

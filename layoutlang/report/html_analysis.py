@@ -161,6 +161,12 @@ class KeyBlock:
     src: tuple[int, ...]       # the sender of each receiver, same order
     elements: int
     src_logical: tuple[tuple[int, int], ...]
+    relayed: tuple[bool, ...] = ()  # per receiver: its sender is a replica forwarding it (an op with `after`)
+
+    def sent(self) -> tuple[tuple[int, int], ...]:
+        """(sender, receiver) of the sends that leave a source rank (relays left out)."""
+        flags = self.relayed or (False,) * len(self.dst)
+        return tuple((s, r) for s, r, relay in zip(self.src, self.dst, flags) if not relay)
 
 
 def _in_stored(logical, region) -> tuple[tuple[int, int], ...]:
@@ -201,11 +207,13 @@ def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
             hit = found.get(logical)
             if hit is None:
                 hit = found[logical] = (tuple(t.senders), [], [], t.piece.elements,
-                                        _in_stored(t.piece.logical, m.src_region(0)))
+                                        _in_stored(t.piece.logical, m.src_region(0)), [])
             hit[1].append(t.dst_rank)
             hit[2].append(t.sender)
-    return tuple(KeyBlock(logical, holders, tuple(dst), tuple(src), elements, src_logical)
-                 for logical, (holders, dst, src, elements, src_logical) in found.items())
+            hit[5].append(bool(t.after))
+    return tuple(KeyBlock(logical, holders, tuple(dst), tuple(src), elements, src_logical,
+                          tuple(relayed) if any(relayed) else ())
+                 for logical, (holders, dst, src, elements, src_logical, relayed) in found.items())
 
 
 @dataclass(frozen=True)

@@ -434,18 +434,22 @@ def _block(side: str, d: KeyBlock, geo: Geometry, dims, fill: str) -> Block:
     where = ", ".join(f"{a}:{b}" for a, b in logical)
     parts = _part_names(dims, logical)
     parts = f" ({parts})" if parts else ""
+    # the source side draws what leaves source ranks; relays (a replica forwarding) only the other side
+    src, dst = zip(*d.sent()) if side == "src" and d.relayed else (d.src, d.dst)
     if side == "src":
         text = rank_ranges(d.holders, 24)
         title = (f"[{where}]{parts}: held by {ranks_word(d.holders)}; sent "
-                 + "; ".join(f"{s} -> {r}" for s, r in list(zip(d.src, d.dst))[:8])
-                 + (" ..." if len(d.dst) > 8 else ""))
+                 + "; ".join(f"{s} -> {r}" for s, r in list(zip(src, dst))[:8])
+                 + (" ..." if len(dst) > 8 else ""))
     else:
+        relays = sum(d.relayed)
         text = rank_ranges(d.dst, 24)
         title = (f"[{where}]{parts}: received by {ranks_word(d.dst)}, "
-                 f"{counted(len(d.dst), 'op')} from {ranks_word(sorted(set(d.src)))}")
+                 f"{counted(len(d.dst), 'op')} from {ranks_word(sorted(set(d.src)))}"
+                 + (f" ({counted(relays, 'relay')} from replicas)" if relays else ""))
     label = text if (w >= 5.6 * len(text) + 4 and h >= 11) else ""
-    return Block(x, y, w, h, fill, ",".join(f"{a}:{b}" for a, b in logical), " ".join(map(str, d.dst)),
-                 " ".join(map(str, d.src)), " ".join(map(str, d.holders)), label, title)
+    return Block(x, y, w, h, fill, ",".join(f"{a}:{b}" for a, b in logical), " ".join(map(str, dst)),
+                 " ".join(map(str, src)), " ".join(map(str, d.holders)), label, title)
 
 
 def pictures(group: TensorGroup) -> tuple[Picture, ...]:

@@ -102,6 +102,8 @@ def _op_json(op: Op) -> str:
         fields["transposed"] = True
     if op.wire is not None:  # LANGUAGE.md 4.1: quantized data and scales cross the link
         fields["wire"] = op.wire
+    if op.after:  # LANGUAGE.md 5: a relay waits for the op that delivered the piece to its sender
+        fields["after"] = list(op.after)
     return json.dumps(fields)
 
 
