@@ -34,6 +34,8 @@ from layoutlang.modes import PadRun
 from .errors import RefitError
 from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storage_problem, tensors_of
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
+from .views import shape as _shape
+from .views import view as _view
 
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOTE_CHARS = 4000   # what one rank tells the others about its tensors, at most
@@ -360,16 +362,16 @@ class Refitter:
                 if op.src_name not in dequantized:
                     dequantized[op.src_name] = self.meter.alloc(dequantize(value, held.dtype))
                 value = dequantized[op.src_name]
-            block = value[_slices(op.src_slice)]
+            block = _view(value, op.src_slice)  # strided slices too (runtime/views.py)
             if op.transpose is not None:
-                block = block.reshape(op.transpose).t().reshape([b - a for a, b in op.dst_slice])
+                block = block.reshape(op.transpose).t().reshape(_shape(op.dst_slice))
             return block
 
         def target(op):
             """(tensor to receive into, view to copy it to afterwards or None)."""
             held = self.dst_held[op.dst_name]
             base = assembly[op.dst_name] if held.dtype in QUANTIZED else dst[op.dst_name]
-            view = base[_slices(op.dst_slice)]
+            view = _view(base, op.dst_slice)
             if view.is_contiguous() and view.dtype == _wire(entry[op.key]):
                 return view, None
             return self.meter.alloc(torch.empty(view.shape, dtype=_wire(entry[op.key]), device=device)), view
@@ -397,8 +399,8 @@ class Refitter:
                 self.received_bytes += op.bytes
         works = self._post([p for p, _ in p2p], "transfers")
         for op in local:  # while the network works
-            target_view = (assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name])[
-                _slices(op.dst_slice)]
+            target_view = _view(assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name],
+                                op.dst_slice)
             # a stacked side's block carries its extent-1 expert dim: same elements, same order
             target_view.copy_(source_view(op).reshape(target_view.shape))
             self.local_bytes += op.bytes
@@ -489,10 +491,10 @@ class Refitter:
 
     def _landed(self, op, dst, assembly) -> torch.Tensor:
         base = assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name]
-        return base[_slices(op.dst_slice)]
+        return _view(base, op.dst_slice)
 
     def _mismatch(self, op) -> str:
-        return (f"`{op.key}` ({op.dst_name}[{', '.join(f'{a}:{b}' for a, b in op.dst_slice)}] on rank "
+        return (f"`{op.key}` ({op.dst_name}[{', '.join(':'.join(map(str, e)) for e in op.dst_slice)}] on rank "
                 f"{op.dst_rank}, from rank {op.src_rank}, op {op.id})")
 
     def _verify_result(self, step: int, mismatches: list[str]) -> None:
