@@ -52,6 +52,8 @@ GROUPS = {
     "small expert block": ["small/v2/moe_*"],
     "small uneven-PP Llama": ["small/pp_*"],
     "small Nemotron-H": ["small/mamba_*"],
+    "Llama-2-13B": ["v2/llama2_13b_*"],
+    "small Llama-2": ["small/v2/llama2_*"],
 }
 # By hand: the files each group holds at least (a pattern that matches less is a mistake).
 MEMBERS = {
@@ -64,6 +66,8 @@ MEMBERS = {
     "small expert block": {"small/v2/moe_hf", "small/v2/moe_megatron", "small/v2/moe_vllm"},
     "small uneven-PP Llama": {"small/pp_train", "small/pp_infer"},
     "small Nemotron-H": {"small/mamba_train", "small/mamba_infer"},
+    "Llama-2-13B": {"v2/llama2_13b_meta", "v2/llama2_13b_hf"},  # interleaved vs split rotary rows
+    "small Llama-2": {"small/v2/llama2_meta", "small/v2/llama2_hf"},
 }
 
 
