@@ -245,15 +245,47 @@ class _Index:
 
     def locate(self, logical: Slice) -> Slice | None:
         """Local slice holding the logical box, if one run per dim holds all of it (a strided
-        logical entry: its hull; the local entry is then the logical one, shifted)."""
+        logical entry: its hull; the local entry is then the logical one, shifted) or, per dim,
+        the elements' local positions, in logical order, form one entry (a strided holder)."""
         out = []
         for (starts, data), e in zip(self.dims, logical):
             lo, hi = strides.hull(e)
             k = bisect.bisect_right(starts, lo) - 1
-            if k < 0 or data[k].logical_start + data[k].length < hi:
+            if k >= 0 and data[k].logical_start + data[k].length >= hi:
+                out.append(strides.shift(e, data[k].local_start - data[k].logical_start))
+                continue
+            found = _local_entry(starts, data, e)
+            if found is None:
                 return None
-            out.append(strides.shift(e, data[k].local_start - data[k].logical_start))
+            out.append(found)
         return tuple(out)
+
+
+def _local_entry(starts: list[int], data: list[Run], e: Entry, limit: int = 4096) -> Entry | None:
+    """The local entry whose elements are those of logical entry `e`, in the same order, or None
+    (an element no run holds, more than `limit` local segments, or positions no entry writes)."""
+    segs: list[tuple[int, int]] = []
+    for lo, hi in strides.blocks(e):
+        while lo < hi:
+            k = bisect.bisect_right(starts, lo) - 1
+            if k < 0 or data[k].logical_start + data[k].length <= lo:
+                return None
+            r = data[k]
+            end = min(hi, r.logical_start + r.length)
+            a = r.local_start + lo - r.logical_start
+            if segs and segs[-1][1] == a:
+                segs[-1] = (segs[-1][0], a + end - lo)
+            elif len(segs) < limit:
+                segs.append((a, a + end - lo))
+            else:
+                return None
+            lo = end
+    if len(segs) == 1:
+        return segs[0]
+    length, step = segs[0][1] - segs[0][0], segs[1][0] - segs[0][0]
+    if step < length or any(b - a != length or a != segs[0][0] + i * step for i, (a, b) in enumerate(segs)):
+        return None
+    return strides.entry(segs[0][0], len(segs), step, length)
 
 
 def _subtract(rect: tuple, cut: Slice) -> list[tuple]:

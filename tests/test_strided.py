@@ -173,3 +173,14 @@ def test_gloo_refit_of_the_small_llama2_pair(src, dst):
     results = launch({"src": str(SMALL / f"{src}.layout"), "dst": str(SMALL / f"{dst}.layout"),
                       "verify": True, "steps": 2}, 2, timeout=150)
     assert all(r.ok for r in results), [r.error for r in results]
+
+
+def test_a_strided_holder_is_an_alternative_source():
+    """t0 `(4, (x: 1 | y: 1))` declared on ranks 0 and 1, planned onto itself: x is rows 0, 2, 4, 6
+    (logical 0..3), y rows 1, 3, 5, 7 on both; rank 1's copy comes from its own tensor (a local
+    op), found by walking the logical rows through rank 1's runs (each one row long)."""
+    text = ("mesh m (a=2)\ntensor t0 [(4, (x: 1 | y: 1))] at a=0\n"
+            "tensor t0_1 as t0 [(4, (x: 1 | y: 1))] at a=1\n")
+    _, ops = _ops(text, text)
+    assert ops == [(0, ((0, 7, 2),), 0, ((0, 7, 2),), 8), (0, ((1, 8, 2),), 0, ((1, 8, 2),), 8),
+                   (1, ((0, 7, 2),), 1, ((0, 7, 2),), 8), (1, ((1, 8, 2),), 1, ((1, 8, 2),), 8)]
