@@ -10,6 +10,14 @@ feed it instead.
 Preserves: per dim, segments are maximal (adjacent ones are merged when both
 the destination and the source continue), so a replicated tensor copied whole
 is one piece and a TP4 -> TP2 shard is two.
+
+Strided pieces (docs/compiler.md): per dim, segments whose destination, source
+and logical starts all form regular progressions (equal lengths, constant
+steps, at one or two levels) become one *group*, a strided entry on each side
+(compiler/strides.py), so Meta's interleaved rotary rows against HF's split
+halves are one piece per part and source shard, not one per row. A group is
+formed only where it replaces at least STRIDE_MIN_RUNS segments; fewer stay
+plain pieces, as before.
 """
 
 from __future__ import annotations
@@ -20,7 +28,14 @@ from dataclasses import dataclass
 
 from layoutlang.modes import Run, RunLike
 
-Slice = tuple[tuple[int, int], ...]
+from . import strides
+from .strides import Entry
+
+Slice = tuple[Entry, ...]  # per dim: (start, stop), or a strided entry (compiler/strides.py)
+
+# A dim's segments become one strided group only when it replaces at least this many of them:
+# two or three parts of a concatenation stay plain pieces (a strided copy packs on both ends).
+STRIDE_MIN_RUNS = 4
 
 
 @dataclass(frozen=True)
@@ -48,10 +63,7 @@ class Piece:
 
     @property
     def elements(self) -> int:
-        n = 1
-        for a, b in self.dst_slice:
-            n *= b - a
-        return n
+        return strides.elements(self.dst_slice)
 
 
 def data_runs(runs: tuple[RunLike, ...]) -> list[Run]:
@@ -87,6 +99,141 @@ def overlap(dst: tuple[RunLike, ...], src: tuple[RunLike, ...]) -> list[Segment]
     return merged
 
 
+# ---- strided groups -----------------------------------------------------------------
+# An item is a set of segments of one dim seen on each side (destination, source,
+# logical) as (start, count, step, block): `count` blocks of `block` elements, `step`
+# apart (count 1: step == block). A chain of items with the same shape whose starts
+# step by S on every side is one item again, where each side stays representable.
+
+def _repeats(side, step: int) -> bool:
+    """Whether copies of `side` = (start, count, step, block), `step` apart, are one entry:
+    a single block repeats at any step from its length on (step == block: contiguous); a
+    strided set only where the copies continue its own step."""
+    _, c, s, b = side
+    return step >= b if c == 1 else step == c * s
+
+
+def _chain(chain: list) -> tuple:
+    """The item a chain of n same-shaped items makes (each side checked by `_extends`)."""
+    n = len(chain)
+    first, second = chain[0], chain[1]
+    sides = []
+    for x in range(3):
+        start, c, s, b = first[0][x]
+        step = second[0][x][0] - start
+        if c == 1:
+            sides.append((start, 1, n * b, n * b) if step == b else (start, n, step, b))
+        else:
+            sides.append((start, n * c, s, b))
+    return (tuple(sides), tuple(m for it in chain for m in it[1]))
+
+
+def _extends(chain: list, item) -> bool:
+    first = chain[0]
+    for x in range(3):
+        (s0, c, s, b), (s1, c1, st1, b1) = first[0][x], item[0][x]
+        if (c, s, b) != (c1, st1, b1):
+            return False
+        if len(chain) == 1:
+            if not _repeats(first[0][x], s1 - s0):
+                return False
+        else:
+            step = chain[1][0][x][0] - s0
+            if s1 != s0 + len(chain) * step:
+                return False
+    return True
+
+
+def _pass(items: list, order: int) -> list:
+    """One greedy pass: items sorted by their start on side `order`, adjacent ones chained."""
+    items = sorted(items, key=lambda it: it[0][order][0])
+    out, chain = [], []
+    for it in items:
+        if chain and _extends(chain, it):
+            chain.append(it)
+            continue
+        if chain:
+            out.append(chain[0] if len(chain) == 1 else _chain(chain))
+        chain = [it]
+    if chain:
+        out.append(chain[0] if len(chain) == 1 else _chain(chain))
+    return out
+
+
+@dataclass(frozen=True)
+class Group:
+    """Segments of one dim that form one strided entry on every side."""
+
+    dst: Entry
+    src: Entry
+    logical: Entry
+    members: tuple[Segment, ...]
+
+
+def groups(segs: list[Segment]) -> list[Group]:
+    """A dim's segments as strided groups (one group per segment where nothing is regular).
+
+    Greedy passes, repeated while they shrink the list (a second pass chains the
+    groups of the first: the two levels of a rotary pair), in the order of each
+    side's starts; the order that leaves the fewest groups wins (ties: the
+    destination's). Deterministic: a pure function of the segments.
+    """
+    def plain(s: Segment) -> Group:
+        return Group((s.dst, s.dst + s.length), (s.src, s.src + s.length),
+                     (s.logical, s.logical + s.length), (s,))
+
+    if len(segs) < STRIDE_MIN_RUNS:
+        return [plain(s) for s in segs]
+    best = None
+    for order in range(3):
+        items = [(((s.dst, 1, s.length, s.length), (s.src, 1, s.length, s.length),
+                   (s.logical, 1, s.length, s.length)), (s,)) for s in segs]
+        while True:
+            nxt = _pass(items, order)
+            if len(nxt) == len(items):
+                break
+            items = nxt
+        if best is None or len(items) < len(best):
+            best = items
+    if len(best) == len(segs):
+        return [plain(s) for s in segs]
+    out = []
+    for sides, members in best:
+        if len(members) < STRIDE_MIN_RUNS:
+            out.extend(plain(m) for m in members)
+        else:
+            ent = [strides.entry(*side) for side in sides]
+            out.append(Group(ent[0], ent[1], ent[2], members))
+    out.sort(key=lambda g: g.dst)
+    return out
+
+
+def _meets(a: Slice, b: Slice) -> bool:
+    """Whether two destination slices share an element (strided entries block by block)."""
+    for ea, eb in zip(a, b):
+        (a0, a1), (b0, b1) = strides.hull(ea), strides.hull(eb)
+        if a1 <= b0 or b1 <= a0:
+            return False
+        if len(ea) > 2 or len(eb) > 2:
+            x, y = strides.blocks(ea), strides.blocks(eb)
+            i = j = 0
+            while i < len(x) and j < len(y):
+                if x[i][1] <= y[j][0]:
+                    i += 1
+                elif y[j][1] <= x[i][0]:
+                    j += 1
+                else:
+                    break
+            else:
+                return False
+    return True
+
+
+def _plain_boxes(sl: Slice) -> list[Slice]:
+    """A slice as plain boxes: one per combination of its blocks."""
+    return [tuple(box) for box in itertools.product(*(strides.blocks(e) for e in sl))]
+
+
 class _Index:
     """A shard's data runs per dim, sorted by logical start, for containment queries."""
 
@@ -97,15 +244,48 @@ class _Index:
             self.dims.append(([r.logical_start for r in data], data))
 
     def locate(self, logical: Slice) -> Slice | None:
-        """Local slice holding the logical box, if one run per dim holds all of it."""
+        """Local slice holding the logical box, if one run per dim holds all of it (a strided
+        logical entry: its hull; the local entry is then the logical one, shifted) or, per dim,
+        the elements' local positions, in logical order, form one entry (a strided holder)."""
         out = []
-        for (starts, data), (lo, hi) in zip(self.dims, logical):
+        for (starts, data), e in zip(self.dims, logical):
+            lo, hi = strides.hull(e)
             k = bisect.bisect_right(starts, lo) - 1
-            if k < 0 or data[k].logical_start + data[k].length < hi:
+            if k >= 0 and data[k].logical_start + data[k].length >= hi:
+                out.append(strides.shift(e, data[k].local_start - data[k].logical_start))
+                continue
+            found = _local_entry(starts, data, e)
+            if found is None:
                 return None
-            a = data[k].local_start + lo - data[k].logical_start
-            out.append((a, a + hi - lo))
+            out.append(found)
         return tuple(out)
+
+
+def _local_entry(starts: list[int], data: list[Run], e: Entry, limit: int = 4096) -> Entry | None:
+    """The local entry whose elements are those of logical entry `e`, in the same order, or None
+    (an element no run holds, more than `limit` local segments, or positions no entry writes)."""
+    segs: list[tuple[int, int]] = []
+    for lo, hi in strides.blocks(e):
+        while lo < hi:
+            k = bisect.bisect_right(starts, lo) - 1
+            if k < 0 or data[k].logical_start + data[k].length <= lo:
+                return None
+            r = data[k]
+            end = min(hi, r.logical_start + r.length)
+            a = r.local_start + lo - r.logical_start
+            if segs and segs[-1][1] == a:
+                segs[-1] = (segs[-1][0], a + end - lo)
+            elif len(segs) < limit:
+                segs.append((a, a + end - lo))
+            else:
+                return None
+            lo = end
+    if len(segs) == 1:
+        return segs[0]
+    length, step = segs[0][1] - segs[0][0], segs[1][0] - segs[0][0]
+    if step < length or any(b - a != length or a != segs[0][0] + i * step for i, (a, b) in enumerate(segs)):
+        return None
+    return strides.entry(segs[0][0], len(segs), step, length)
 
 
 def _subtract(rect: tuple, cut: Slice) -> list[tuple]:
@@ -148,14 +328,20 @@ def pieces(dst_runs: tuple[tuple[RunLike, ...], ...],
         per_dim = [overlap(d, s) for d, s in zip(dst_runs, shard.runs)]
         if any(not segs for segs in per_dim):
             continue
-        for rect in itertools.product(*per_dim):
-            fresh = [(tuple((s.dst, s.dst + s.length) for s in rect),
-                      tuple((s.logical, s.logical + s.length) for s in rect),
-                      tuple((s.src, s.src + s.length) for s in rect))]
-            for (covered, _, _), _ in tiles:
-                fresh = [part for f in fresh for part in _subtract(f, covered)]
-                if not fresh:
-                    break
+        for rect in itertools.product(*(groups(segs) for segs in per_dim)):
+            dst = tuple(g.dst for g in rect)
+            fresh = [(dst, tuple(g.logical for g in rect), tuple(g.src for g in rect))]
+            hits = [covered for (covered, _, _), _ in tiles if _meets(dst, covered)]
+            if hits:  # shards overlap here (a replicated part): subtract segment by segment
+                fresh = [(tuple((s.dst, s.dst + s.length) for s in segs),
+                          tuple((s.logical, s.logical + s.length) for s in segs),
+                          tuple((s.src, s.src + s.length) for s in segs))
+                         for segs in itertools.product(*(g.members for g in rect))]
+                for covered in hits:
+                    for box in _plain_boxes(covered):
+                        fresh = [part for f in fresh for part in _subtract(f, box)]
+                        if not fresh:
+                            break
             tiles.extend((f, shard_index) for f in fresh)
     indexes = [[_Index(s) for s in shard_list] for shard_list in src_shards]
     out: list[Piece] = []

@@ -38,6 +38,7 @@ from .match import Match, PlanError, match
 from .pieces import Piece, Slice, Source, pieces, split_piece
 from .ranks import RankSet
 from .relay import needed_recv, relay_stage
+from . import strides
 from .select import SELECTORS, SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER
 from .shards import Placement, Shard, placement_of, shards
 from .verify import check_split, check_tiling
@@ -56,7 +57,7 @@ class Op:
     dst_rank: int
     src_name: str
     dst_name: str
-    src_slice: Slice
+    src_slice: Slice  # per dim (start, stop), or strided: (start, stop, step[, block]) (strides.py)
     dst_slice: Slice
     bytes: int
     # a key stored transposed on one side only (LANGUAGE.md 8.3): the source block is (p, q) in
@@ -74,7 +75,7 @@ class Op:
         return self.src_rank == self.dst_rank
 
     def __str__(self) -> str:
-        sl = lambda s: "[" + ", ".join(f"{a}:{b}" for a, b in s) + "]"
+        sl = strides.slice_text  # a strided dim reads start:stop:step[:block]
         wire = f" {self.wire}" if self.wire else ""
         waits = f" after {', '.join(map(str, self.after))}" if self.after else ""
         return (f"op {self.id} {self.key}: rank {self.src_rank} {self.src_name}{sl(self.src_slice)} -> "
@@ -614,7 +615,7 @@ def _transpose(m: Match, src: Source) -> tuple[int, int] | None:
     if (r is not None and r.transposed) == (s is not None and s.transposed):
         return None
     stacked = s.stacked if s is not None else ()
-    p, q = (b - a for d, (a, b) in enumerate(src.src_slice) if d not in stacked)
+    p, q = (strides.extent(e) for d, e in enumerate(src.src_slice) if d not in stacked)
     return p, q
 
 
@@ -775,7 +776,7 @@ def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: floa
                 continue
             req = g.requests[k]
             parts = selector.parts(req.rank, req.senders, req.bytes, line, grain)
-            if parts > 1 and _cuts(g.pieces[req.piece], parts, quanta[i]):
+            if parts > 1 and _cuts(g, g.pieces[req.piece], parts, quanta[i]):
                 marks[i][k] = parts
                 new = True
         if new:
@@ -797,15 +798,27 @@ def _split_quanta(plan: Plan, t: Template) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _outer(p: Piece) -> int | None:
-    """The piece's first destination dim of extent > 1 (its outer dim in the receiver's storage)."""
-    return next((d for d, (a, b) in enumerate(p.dst_slice) if b - a > 1), None)
+def _outer(g: Geometry, p: Piece) -> int | None:
+    """The piece's first destination dim of extent > 1 (its outer dim in the receiver's storage)
+    that is contiguous on every side (destination, logical, every source): a strided dim
+    (compiler/strides.py) is never cut, the next dim is."""
+    kd = _key_dims(g.dst_box, len(p.dst_slice))
+    for d, e in enumerate(p.dst_slice):
+        if len(e) > 2 or e[1] - e[0] <= 1:
+            continue
+        q = kd.index(d)
+        if len(p.logical[q]) > 2 or any(
+                len(s.src_slice[_key_dims(g.src_boxes[s.instance] if g.src_boxes else None,
+                                          len(s.src_slice))[q]]) > 2 for s in p.sources):
+            continue
+        return d
+    return None
 
 
-def _cuts(p: Piece, parts: int, quanta: tuple[int, ...]) -> tuple[int, ...]:
+def _cuts(g: Geometry, p: Piece, parts: int, quanta: tuple[int, ...]) -> tuple[int, ...]:
     """Where to cut p along its outer dim into about `parts` even parts: local destination
     positions strictly inside it, each a multiple of the dim's quantum."""
-    d = _outer(p)
+    d = _outer(g, p)
     if d is None or parts < 2:
         return ()
     a, b = p.dst_slice[d]
@@ -843,11 +856,11 @@ def split_geometry(g: Geometry, marks: dict[int, int],
         key = (req.piece, marks[k])
         if key not in made:
             piece = g.pieces[req.piece]
-            d = _outer(piece)
+            d = _outer(g, piece)
             q = _key_dims(g.dst_box, len(piece.dst_slice)).index(d)
             src_dims = tuple(_key_dims(g.src_boxes[i] if g.src_boxes else None, len(src.dims))[q]
                              for i, src in enumerate(g.src))
-            parts = split_piece(piece, _cuts(piece, marks[k], quanta), d, q, src_dims)
+            parts = split_piece(piece, _cuts(g, piece, marks[k], quanta), d, q, src_dims)
             fault = check_split(piece.dst_slice, [p.dst_slice for p in parts])
             if fault is not None:
                 raise AssertionError(f"split of {piece.dst_slice}: {fault}")

@@ -46,11 +46,12 @@ MESSAGES = {"send": ("send", True), "recv": ("recv", False), "amax-send": ("amax
 
 
 def contiguous(sl: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
-    """Is this slice one contiguous block of a row-major tensor of `shape`?"""
+    """Is this slice one contiguous block of a row-major tensor of `shape`? (A strided dim never is.)"""
     k = 0
     while k < len(sl) and sl[k][1] - sl[k][0] == 1:
         k += 1  # leading dims of extent one
-    return all(sl[i] == (0, shape[i]) for i in range(k + 1, len(sl)))
+    # a strided dim (compiler/strides.py: [start, stop, step(, block)]) never is
+    return (k == len(sl) or len(sl[k]) == 2) and all(sl[i] == (0, shape[i]) for i in range(k + 1, len(sl)))
 
 
 @dataclass(frozen=True)

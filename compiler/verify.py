@@ -4,7 +4,9 @@ No element-by-element pass: a sweep over dim 0's breakpoints splits the
 rectangles into slabs, and each slab is checked recursively on the remaining
 dims; in the last dim, sorted intervals must meet end to start and cover the
 data runs exactly. Padding is data-free, so a piece that touches padding is an
-overlap with nothing — reported as well.
+overlap with nothing — reported as well. A strided entry (compiler/strides.py)
+takes part with each of its blocks: a piece is inside a slab when one of its
+blocks along that dim covers it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 
 from layoutlang.modes import Run, RunLike
 
-Slice = tuple[tuple[int, int], ...]
+from .strides import blocks, hull
+
+Slice = tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,21 @@ def _check(rects: list[Slice], expected: list[list[tuple[int, int]]], dim: int,
         return CoverageFault("gap" if not rects else "overlap", prefix)
     want = expected[dim]
     if dim == len(expected) - 1:
-        return _check_1d(sorted(r[dim] for r in rects), want, prefix)
-    # sweep: breakpoints of the rectangles and of the data along this dim
-    points = sorted({p for r in rects for p in r[dim]} | {p for iv in want for p in iv})
+        return _check_1d(sorted(b for r in rects for b in blocks(r[dim])), want, prefix)
+    # sweep: breakpoints of the rectangles' blocks and of the data along this dim
+    spans = sorted((a, b, i) for i, r in enumerate(rects) for a, b in blocks(r[dim]))
+    points = sorted({p for a, b, _ in spans for p in (a, b)} | {p for iv in want for p in iv})
+    active: list[tuple[int, int]] = []  # (end, rect index) of the blocks started so far
+    k = 0
     for lo, hi in zip(points, points[1:]):
-        inside = [r for r in rects if r[dim][0] <= lo and hi <= r[dim][1]]
+        while k < len(spans) and spans[k][0] <= lo:
+            active.append((spans[k][1], spans[k][2]))
+            k += 1
+        active = [x for x in active if x[0] > lo]
+        inside = [rects[i] for _, i in sorted(active, key=lambda x: x[1])]
         if not any(a <= lo and hi <= b for a, b in want):
             if inside:
-                return CoverageFault("padding", prefix + ((lo, hi),) + tuple(inside[0][dim + 1:]))
+                return CoverageFault("padding", prefix + ((lo, hi),) + tuple(hull(e) for e in inside[0][dim + 1:]))
             continue
         fault = _check(inside, expected, dim + 1, prefix + ((lo, hi),))
         if fault:
@@ -91,4 +102,4 @@ def _check_1d(spans: list[tuple[int, int]], want: list[tuple[int, int]],
 def check_split(parent: Slice, parts: list[Slice]) -> CoverageFault | None:
     """None if `parts` tile the rectangle `parent` exactly once (a split piece, compiler/plan.py):
     with the parent proven to tile its shard, every destination element is still received once."""
-    return check_tiling(parts, tuple((Run(a, a, b - a),) for a, b in parent))
+    return check_tiling(parts, tuple(tuple(Run(a, a, b - a) for a, b in blocks(e)) for e in parent))

@@ -10,8 +10,8 @@ destination receives, per op:
   path's (quantization is block-local once the per-tensor scale, if the
   format has one, is agreed: fp8_e4m3/e5m2 and nvfp4's global scale come from
   the destination tensor's amax, agreed in one small exchange per bucket);
-- bf16 otherwise (a block shared by two ops, or a block holding padding: the
-  receiver assembles those in bf16 and quantizes them once).
+- bf16 otherwise (a block shared by two ops, a block holding padding, or a
+  strided op: the receiver assembles those in bf16 and quantizes them once).
 
 `compile_plan(..., wire="bf16")` forces bf16 for every quantized destination
 (the v1 rule). The rule is a function of the op's slice, the destination's
@@ -24,6 +24,8 @@ from math import prod
 
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED
 from layoutlang.vocabulary import DTYPE
+
+from . import strides
 
 WIRE_MODES = ("auto", "bf16")
 SCALE_EXCHANGE_BYTES = 8  # a per-tensor scale: the sender's fp32 amax one way, the agreed fp32 scale back
@@ -52,7 +54,11 @@ def covers_whole_blocks(dst_slice, local: tuple[int, ...], dtype: str) -> bool:
     False
     >>> covers_whole_blocks(((128, 300),), (300,), "fp8_b128")
     True
+    >>> covers_whole_blocks(((0, 4, 2), (0, 64)), (4, 64), "mxfp8")  # strided: bf16
+    False
     """
+    if any(len(d) != 2 for d in dst_slice):
+        return False  # a strided op (compiler/strides.py) travels bf16: its blocks are not one box
     ndim = len(local)
     for grid in DTYPE[dtype].scales:
         block = grid.block[len(grid.block) - min(len(grid.block), ndim):]
@@ -69,6 +75,8 @@ def scale_slice(dst_slice, local: tuple[int, ...], grid) -> tuple[tuple[int, int
     per-tensor scale).
 
     >>> from layoutlang.vocabulary import DTYPE
+
+from . import strides
     >>> scale_slice(((1, 3), (32, 96)), (4, 96), DTYPE["mxfp8"].scales[0])
     ((1, 3), (1, 3))
     """
@@ -115,4 +123,4 @@ def op_wire(dst_slice, local: tuple[int, ...], dst_dtype: str, mode: str = "auto
     """(quantized wire format or None, bytes on the wire) of an op into a destination of `dst_dtype`."""
     if dst_dtype in QUANTIZED and mode == "auto" and covers_whole_blocks(dst_slice, local, dst_dtype):
         return dst_dtype, quantized_bytes(dst_slice, local, dst_dtype)
-    return None, prod(b - a for a, b in dst_slice) * ELEMENT_BYTES[wire_dtype(dst_dtype)]
+    return None, strides.elements(dst_slice) * ELEMENT_BYTES[wire_dtype(dst_dtype)]

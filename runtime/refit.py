@@ -39,6 +39,8 @@ from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storag
 from .wire import landed, pack, unpack_into, write_tensor_scale
 from .wire import wire_bytes as packed_bytes
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
+from .views import shape as _shape
+from .views import view as _view
 
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOTE_CHARS = 4000   # what one rank tells the others about its tensors, at most
@@ -422,10 +424,10 @@ class Refitter:
             return landed(dst[op.dst_name], op.wire, op.dst_slice,
                           tuple(self.dst_held[op.dst_name].local_shape_at(self.rank)))
         base = assembly[op.dst_name] if op.dst_name in assembly else dst[op.dst_name]
-        return base[_slices(op.dst_slice)]
+        return _view(base, op.dst_slice)
 
     def _mismatch(self, op) -> str:
-        return (f"`{op.key}` ({op.dst_name}[{', '.join(f'{a}:{b}' for a, b in op.dst_slice)}] on rank "
+        return (f"`{op.key}` ({op.dst_name}[{', '.join(':'.join(map(str, e)) for e in op.dst_slice)}] on rank "
                 f"{op.dst_rank}, from rank {op.src_rank}, op {op.id})")
 
     def _verify_result(self, step: int, mismatches: list[str]) -> None:
@@ -472,13 +474,13 @@ class _BucketRun:
         this rank's destination copy (a quantized one: its bf16 assembly)."""
         if op.after:
             base = self.assembly.get(op.src_name)
-            return (base if base is not None else self.dst[op.src_name])[_slices(op.src_slice)]
+            return _view(base if base is not None else self.dst[op.src_name], op.src_slice)
         value = self.dequantized.get(op.src_name)
         if value is None:
             value = self.src[op.src_name]
-        block = value[_slices(op.src_slice)]
+        block = _view(value, op.src_slice)  # strided slices too (runtime/views.py)
         if op.transpose is not None:
-            block = block.reshape(op.transpose).t().reshape([b - a for a, b in op.dst_slice])
+            block = block.reshape(op.transpose).t().reshape(_shape(op.dst_slice))
         return block
 
     def block_of(self, op) -> torch.Tensor:
@@ -487,7 +489,7 @@ class _BucketRun:
 
     def dst_view(self, op) -> torch.Tensor:
         base = self.assembly.get(op.dst_name)
-        return (base if base is not None else self.dst[op.dst_name])[_slices(op.dst_slice)]
+        return _view(base if base is not None else self.dst[op.dst_name], op.dst_slice)
 
     def packed(self, op) -> torch.Tensor:
         amax = self.amax[op.id].reshape(()) if op.id in self.amax else self.agreed.get(op.dst_name)

@@ -270,6 +270,23 @@ def modes(draw, s: int, budget: int, depth: int = MAX_DEPTH) -> Mode:
     return Product(1, Plain(draw(st.integers(1, budget))))
 
 
+@st.composite
+def interleaved(draw, s: int, budget: int) -> Mode:
+    """`(N, (M, (x: B | y: B)))`: two parts interleaved inside products, like Meta's
+    rotary rows (N heads, M pairs, one row of each half), splitting over s; its
+    distributed spelling `(N, (x: (M, B) | y: (M, B)))` (HF's split halves) names the
+    same logical tensor, and a pair of the two moves regular progressions of runs:
+    strided pieces (docs/compiler.md). Falls back to `modes` when it does not fit."""
+    b = draw(st.sampled_from([1, 1, 2]))
+    m = draw(st.sampled_from([2, 3, 4]))
+    ks = [k for k in (1, 2) if s * k * m * 2 * b <= budget]
+    if not ks:
+        return draw(modes(s, budget))
+    n = s * draw(st.sampled_from(ks))
+    x, y = draw(st.permutations(PART_NAMES))[:2]
+    return Product(n, Product(m, Concat(((x, Plain(b)), (y, Plain(b))))))
+
+
 # ---------------------------------------------------------------------------
 # Dims, tensors, layouts
 

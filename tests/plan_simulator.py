@@ -10,6 +10,9 @@ looks at every destination element.
               every PADDING element holds NaN
     dest      every element starts as SENTINEL, with a write counter of 0
     ops       dst[dst_slice] = src[src_slice]; counter[dst_slice] += 1
+              (a strided dim, LANGUAGE.md 6 and docs/compiler.md: `(start, stop, step)`
+              is range(start, stop, step); `(start, stop, step, block)` is `block`
+              elements from each k in that range; written out here as index lists)
     then      every destination DATA element (every rank that holds the
               tensor, replicas included) was written exactly once and equals
               the value of its logical index; every PADDING element was never
@@ -297,12 +300,33 @@ def _first(mask: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(int(v) for v in hits[0]) if len(hits) else None
 
 
-def _region(sl: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in sl)
+def _indices(e: Sequence[int]) -> list[int]:
+    """The local indices one dim of a slice names, in the op's element order."""
+    if len(e) == 2:
+        return list(range(e[0], e[1]))
+    block = e[3] if len(e) == 4 else 1
+    return [k + i for k in range(e[0], e[1], e[2]) for i in range(block)]
+
+
+def _well_formed(e: Sequence[int]) -> bool:
+    """A slice entry whose indices are distinct and increasing: a step >= its block."""
+    if len(e) == 2:
+        return True
+    block = e[3] if len(e) == 4 else 1
+    return len(e) in (3, 4) and block >= 1 and e[2] >= block
+
+
+def _region(sl: Sequence[Sequence[int]]):
+    """An index for tensor[...]: slices, or per-dim index lists broadcast against each other."""
+    if all(len(e) == 2 for e in sl):
+        return tuple(slice(a, b) for a, b in sl)
+    n = len(sl)
+    return tuple(torch.tensor(_indices(e)).reshape([-1 if i == d else 1 for i in range(n)])
+                 for d, e in enumerate(sl))
 
 
 def _fmt_slice(sl) -> str:
-    return "[" + ", ".join(f"{a}:{b}" for a, b in sl) + "]"
+    return "[" + ", ".join(":".join(str(x) for x in e) for e in sl) + "]"
 
 
 # ---------------------------------------------------------------------------
@@ -468,14 +492,14 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
             continue
         bad = False
         for what, sl, local in (("src_slice", op.src_slice, s), ("dst_slice", op.dst_slice, d)):
-            if len(sl) != len(local.shape) or any(
-                    not 0 <= a < b <= n for (a, b), n in zip(sl, local.shape)):
+            if len(sl) != len(local.shape) or not all(map(_well_formed, sl)) or any(
+                    not ix or not 0 <= ix[0] <= ix[-1] < n for ix, n in zip(map(_indices, sl), local.shape)):
                 problem(f"{where}: {what} {_fmt_slice(sl)} is empty or outside local shape "
                         f"{local.shape} of {local.tensor.name} on rank {local.rank}")
                 bad = True
         if bad:
             continue
-        extents = [b - a for a, b in op.src_slice]
+        extents = [len(_indices(e)) for e in op.src_slice]
         # a stacked dim (LANGUAGE.md 8.2) is an extent-1 slice on one side only: compare the rest;
         # a key stored transposed on one side (8.3) arrives as the transpose of the (p, q) block
         want = [n for n in extents if n != 1]
@@ -485,8 +509,9 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
                 problem(f"{where}: transpose block {turned} does not hold the source slice's elements")
                 continue
             want = [n for n in turned[::-1] if n != 1]
-        if want != [b - a for a, b in op.dst_slice if b - a != 1]:
-            problem(f"{where}: slice extents differ: {extents} vs {[b - a for a, b in op.dst_slice]}")
+        dst_extents = [len(_indices(e)) for e in op.dst_slice]
+        if want != [n for n in dst_extents if n != 1]:
+            problem(f"{where}: slice extents differ: {extents} vs {dst_extents}")
             continue
         elements = math.prod(extents)
         packed, want_bytes = op_wire(op.dst_slice, d.tensor.dtype, tuple(d.values.shape), getattr(plan, "wire", "auto"))
@@ -499,7 +524,7 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
         src_region, dst_region = _region(op.src_slice), _region(op.dst_slice)
         hit = _first(s.pad[src_region])
         if hit is not None:
-            index = tuple(a + i for (a, _), i in zip(op.src_slice, hit))
+            index = tuple(_indices(e)[i] for e, i in zip(op.src_slice, hit))
             problem(f"{where}: the source slice covers padding at local index {index} of "
                     f"{op.src_name} on rank {op.src_rank}")
         if after and bool((s.writes[src_region] != 1)[~s.pad[src_region]].any()):

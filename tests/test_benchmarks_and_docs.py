@@ -98,6 +98,16 @@ def test_stacked_scale_quick():
 
 
 @pytest.mark.timeout(300)
+def test_strided_scale_quick():
+    proc = _run("benchmarks/strided_scale.py", "--quick", "--repeat", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(r"\n   per-row: \d+ ops \(0 strided\)", out), out
+    assert re.search(r"\n   strided: \d+ ops \([1-9]\d* strided\)", out), out
+    assert "WRONG" not in out and out.rstrip().endswith("result: ok")
+
+
+@pytest.mark.timeout(300)
 def test_plan_scale_quick():
     proc = _run("benchmarks/plan_scale.py", "--quick", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -39,7 +39,7 @@ import pytest
 import layoutlang
 from layoutlang.compiler import compile_plan
 from plan_simulator import RunsView, check_plan_views, check_stats, simulate
-from wire_rule import op_wire
+from wire_rule import op_wire, slice_elements
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -53,6 +53,8 @@ GROUPS = {
     "small expert block": ["small/v2/moe_*"],
     "small uneven-PP Llama": ["small/pp_*"],
     "small Nemotron-H": ["small/mamba_*"],
+    "Llama-2-13B": ["v2/llama2_13b_*"],
+    "small Llama-2": ["small/v2/llama2_*"],
 }
 # By hand: the files each group holds at least (a pattern that matches less is a mistake).
 MEMBERS = {
@@ -65,6 +67,8 @@ MEMBERS = {
     "small expert block": {"small/v2/moe_hf", "small/v2/moe_megatron", "small/v2/moe_vllm"},
     "small uneven-PP Llama": {"small/pp_train", "small/pp_infer"},
     "small Nemotron-H": {"small/mamba_train", "small/mamba_infer"},
+    "Llama-2-13B": {"v2/llama2_13b_meta", "v2/llama2_13b_hf"},  # interleaved vs split rotary rows
+    "small Llama-2": {"small/v2/llama2_meta", "small/v2/llama2_hf"},
 }
 
 
@@ -150,7 +154,7 @@ def _check_totals(plan, dst: str) -> None:
     got: dict[int, int] = {}
     held = {t.name: t for t in plan.dst.tensors}
     for op in plan.ops:
-        got[op.dst_rank] = got.get(op.dst_rank, 0) + math.prod(b - a for a, b in op.dst_slice)
+        got[op.dst_rank] = got.get(op.dst_rank, 0) + slice_elements(op.dst_slice)
         t = held[op.dst_name]
         assert (op.wire is not None, op.bytes) == op_wire(op.dst_slice, t.dtype, tuple(t.local_shape_at(op.dst_rank)))
     assert got == received_elements(dst)

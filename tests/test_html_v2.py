@@ -42,13 +42,22 @@ def reports():
 
 
 def _stored_logical(layout, name: str, rank: int, local) -> str:
-    """A local slice of a stored tensor as `lo:hi` per dim of its logical tensor, through its runs."""
+    """A local slice of a stored tensor as `lo:hi` per dim of its logical tensor, through its runs;
+    a strided dim (LANGUAGE.md 6: `block` elements from each k in range(start, stop, step)) must
+    map to one logical range (its blocks' logical ranges meet end to start)."""
     tensor = next(t for t in layout.tensors if t.name == name and t.holds(rank))
     out = []
-    for runs, (a, b) in zip(tensor.runs(rank), local):
-        run = next(r for r in runs if isinstance(r, Run) and r.local_start <= a and b <= r.local_start + r.length)
-        lo = run.logical_start + a - run.local_start
-        out.append(f"{lo}:{lo + b - a}")
+    for runs, e in zip(tensor.runs(rank), local):
+        step, block = (e[2], e[3] if len(e) == 4 else 1) if len(e) > 2 else (1, e[1] - e[0])
+        spans = []
+        for a in range(e[0], e[1], step) if len(e) > 2 else (e[0],):
+            b = a + block
+            run = next(r for r in runs if isinstance(r, Run) and r.local_start <= a and b <= r.local_start + r.length)
+            lo = run.logical_start + a - run.local_start
+            spans.append((lo, lo + b - a))
+        spans.sort()
+        assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), spans
+        out.append(f"{spans[0][0]}:{spans[-1][1]}")
     return ",".join(out)
 
 
@@ -138,19 +147,21 @@ def test_stacked_w2_halves_by_hand(reports):
 def test_transposed_interleaved_key_is_a_band_of_columns(reports):
     """Megatron -> HF gpt-oss: the key gate_proj [I=64, H=64] of expert 1 lies in HF's
     gate_up_proj [E=4, H=64, 2I=128] (transposed, gate|up interleaved in storage, hoisted in the
-    logical tensor) as columns 0..64 of band 1: every key row j is the stored column j, drawn
-    one column wide, over the 64 rows of expert 1 (rows 64..128 of 256)."""
+    logical tensor) as columns 0..64 of band 1: key row j is the stored column j; the 64
+    interleaved columns (stored 0, 2, ..., 126) come in one strided op (docs/compiler.md) per
+    Megatron etp half (gate rows 0..32 on etp 0, 32..64 on etp 1): two blocks 32 columns wide,
+    over the 64 rows of expert 1 (rows 64..128 of 256)."""
     _, html = reports("gptoss_megatron", "gptoss_hf")
     svg = pictures(html, "dst")["model.layers.0.mlp.experts.1.gate_proj.weight"]
     fx, fy, fw, fh = _frame(svg)
     sx = fw / 128
     got = sorted(_rects(svg), key=lambda r: r[1])
-    assert [g[0] for g in got] == [f"1:2,0:64,{j}:{j + 1}" for j in range(64)]
-    for j, (_, x, y, w, h) in enumerate(got):
-        assert abs(x - (fx + j * sx)) <= 0.1 and abs(w - sx) <= 0.1
+    assert [g[0] for g in got] == ["1:2,0:64,0:32", "1:2,0:64,32:64"]
+    for k, (_, x, y, w, h) in enumerate(got):
+        assert abs(x - (fx + 32 * k * sx)) <= 0.1 and abs(w - 32 * sx) <= 0.1
         assert abs(y - (fy + fh / 4)) <= 0.1 and abs(h - fh / 4) <= 0.1
     assert {"gate", "up", "0", "3"} <= set(svg["texts"])
     # the source picture is Megatron's fc1 [2I, H] of local expert 1: the key's 64 gate rows
     src = pictures(html, "src")["model.layers.0.mlp.experts.1.gate_proj.weight"]
     assert "linear_fc1.weight1 [64, 64] local" in src["attrs"]["aria-label"]
-    assert {r[0] for r in _rects(src)} == {f"{j}:{j + 1},0:64" for j in range(64)}
+    assert {r[0] for r in _rects(src)} == {"0:32,0:64", "32:64,0:64"}

@@ -66,7 +66,7 @@ import pytest
 import layoutlang
 from layoutlang.compiler import compile_plan
 from plan_simulator import RunsView, check_plan_views, check_stats, simulate
-from wire_rule import op_wire
+from wire_rule import op_wire, slice_elements
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -151,7 +151,7 @@ def test_real_pair_is_balanced_and_complete(real_plans, name):
     got: dict[int, int] = {}
     dst = {t.name: t for t in plan.dst.tensors}
     for op in plan.ops:  # each op's bytes by the wire rule (tests/wire_rule.py)
-        got[op.dst_rank] = got.get(op.dst_rank, 0) + math.prod(b - a for a, b in op.dst_slice)
+        got[op.dst_rank] = got.get(op.dst_rank, 0) + slice_elements(op.dst_slice)
         t = dst[op.dst_name]
         assert (op.wire is not None, op.bytes) == op_wire(op.dst_slice, t.dtype, tuple(t.local_shape_at(op.dst_rank)))
     assert got == _expected_elements(plan.dst)
@@ -246,7 +246,7 @@ def test_example_planned_onto_itself_is_all_local(path):
     assert all(op.src_rank == op.dst_rank for op in plan.ops)
     got: dict[int, int] = {}
     for op in plan.ops:
-        got[op.dst_rank] = got.get(op.dst_rank, 0) + math.prod(b - a for a, b in op.dst_slice)
+        got[op.dst_rank] = got.get(op.dst_rank, 0) + slice_elements(op.dst_slice)
     assert got == _expected_elements(plan.dst)
 
 

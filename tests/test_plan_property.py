@@ -50,7 +50,7 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 import layoutlang
-from layout_strategies import PART_NAMES, Style, meshes, modes, render_layout
+from layout_strategies import PART_NAMES, Style, interleaved, meshes, modes, render_layout
 from layoutlang.compiler import PlanError, compile_plan
 from plan_simulator import ReferenceView, check_plan_views, check_stats, simulate
 from reference_enumerator import (
@@ -400,7 +400,11 @@ def pairs(draw, negative: bool = False) -> Pair:
             axes = draw(st.permutations([a for a, _ in mesh.axes]))
             k = draw(st.sampled_from([1, 0, 2]))
             s = math.prod(mesh.sizes[a] for a in axes[:k])
-            bases.append(draw(modes(s, DIM_BUDGET[ndims] if not mx else 8)))
+            budget = DIM_BUDGET[ndims] if not mx else 8
+            if draw(st.integers(0, 99)) < 15:  # interleaved parts: strided pieces against a respelling
+                bases.append(draw(interleaved(s, budget)))
+            else:
+                bases.append(draw(modes(s, budget)))
             prefer.append((side, tuple(axes[:k])))
         loop = None
         if draw(st.integers(0, 99)) < 20:
@@ -528,6 +532,8 @@ def test_plan_is_exactly_once_and_consistent(pair: Pair):
     """(a) simulator, (b) determinism, (c) ops_for_rank, (d) stats, plan.tensors, unused keys."""
     src, dst, src_view, dst_view = load_pair(pair)
     plan = compile_plan(src, dst)
+    if any(len(e) > 2 for op in plan.ops for e in op.src_slice + op.dst_slice):
+        event("strided ops")
     report = simulate(src_view, dst_view, plan)
     assert report.dst_data_elements == report.elements, "every data element is received once"
     # (b) the same inputs give the same ops, also from freshly parsed layouts

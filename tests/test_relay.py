@@ -29,7 +29,7 @@ from layoutlang.runtime.launch import launch
 from layout_strategies import Style, render_layout
 from plan_simulator import ReferenceView, check_plan_views, check_stats, simulate
 from reference_enumerator import MeshSpec
-from wire_rule import op_wire
+from wire_rule import op_wire, slice_elements
 from test_plan_property import DST_PATH, SRC_PATH, pairs
 
 SRC1 = "mesh m (dp=1)\ntensor w [64, 64]\n"
@@ -179,7 +179,7 @@ def _destination_bytes(path: str, plan, args=None) -> int:
     layout = load(path, args=args)
     data = sum(prod(sum(r.length for r in runs if isinstance(r, Run)) for runs in t.runs(rank))
                for t in layout.tensors for rank in range(layout.ranks) if t.holds(rank))
-    assert sum(prod(b - a for a, b in op.dst_slice) for op in plan.ops) == data
+    assert sum(slice_elements(op.dst_slice) for op in plan.ops) == data
     held = {t.name: t for t in layout.tensors}
     return sum(op_wire(op.dst_slice, held[op.dst_name].dtype, tuple(held[op.dst_name].local_shape_at(op.dst_rank)))[1]
                for op in plan.ops)

@@ -15,7 +15,7 @@ from layoutlang.ir import QUANTIZED
 from layoutlang.modes import Run
 from layoutlang.compiler import compile_plan
 from layoutlang.runtime.launch import launch
-from wire_rule import op_wire
+from wire_rule import op_wire, slice_elements
 
 
 TRAIN = """
@@ -61,7 +61,7 @@ def _destination_bytes(src: str, dst: str, wire: str = "auto") -> int:
     data = sum(prod(sum(r.length for r in runs if isinstance(r, Run)) for runs in t.runs(rank))
                for t in layout.tensors for rank in range(layout.ranks) if t.holds(rank))
     plan = compile_plan(src, dst, wire=wire)
-    assert sum(prod(b - a for a, b in op.dst_slice) for op in plan.ops) == data
+    assert sum(slice_elements(op.dst_slice) for op in plan.ops) == data
     held = {t.name: t for t in layout.tensors}
     rule = [op_wire(op.dst_slice, held[op.dst_name].dtype, tuple(held[op.dst_name].local_shape_at(op.dst_rank)), wire)
             for op in plan.ops]

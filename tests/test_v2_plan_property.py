@@ -54,7 +54,7 @@ def sides(draw, extents: list[int], offset_max: int):
     t = " transposed" if turned else ""
     if draw(st.booleans()):  # fused, parts carry keys
         order = draw(st.permutations(range(n)))
-        group = draw(st.sampled_from([1, 2]))
+        group = draw(st.sampled_from([1, 2, 4, 8, 8]))  # 4, 8 groups: a key's rows are strided blocks
         if any(extents[i] % group for i in order):
             group = 1
         parts = " | ".join(f"p{i}: {extents[i] // group} as k{i}" for i in order)
@@ -86,6 +86,8 @@ def test_random_decompositions_plan_exactly(pair):
     except LayoutError:
         return  # an indivisible split: the front end's diagnostics are tested elsewhere
     plan = compile_plan(src, dst)
+    if any(len(e) > 2 for op in plan.ops for e in op.src_slice + op.dst_slice):
+        event("strided ops")
     report = simulate(RunsView(plan.src), RunsView(plan.dst), plan)
     check_stats(plan, report)
     check_plan_views(plan, range(plan.world))

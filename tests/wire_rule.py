@@ -3,8 +3,9 @@ compiler/wire.py: what one op into a destination of a given dtype moves, in byte
 
 A plain destination receives its own dtype. A quantized one receives its own format (data bits
 per element, one scale per block it covers, 8 bytes of amax agreement for a per-tensor scale)
-when the op's local destination slice covers whole scale blocks (along each blocked trailing dim
-it starts on a block boundary and stops on one or at the local tensor's end), bf16 otherwise.
+when the op's local destination slice is one box (no strided dim: every dim `[start, stop]`)
+covering whole scale blocks (along each blocked trailing dim it starts on a block boundary and
+stops on one or at the local tensor's end), bf16 otherwise.
 """
 
 from math import prod
@@ -21,14 +22,28 @@ FORMATS = {
 }
 
 
+def _count(d) -> int:
+    """Elements of one dim of a slice: [start, stop], [start, stop, step] or [start, stop, step, block]."""
+    if len(d) == 2:
+        return d[1] - d[0]
+    start, stop, step = d[:3]
+    block = d[3] if len(d) > 3 else 1
+    return len(range(start, stop, step)) * block
+
+
+def slice_elements(sl) -> int:
+    """Elements of a slice (LANGUAGE.md 6: a dim may be strided)."""
+    return prod(_count(d) for d in sl)
+
+
 def op_wire(dst_slice, dtype: str, local: tuple[int, ...], wire: str = "auto") -> tuple[bool, int]:
     """(travels quantized, bytes) of an op writing `dst_slice` of a local tensor of shape `local`."""
-    n = prod(b - a for a, b in dst_slice)
+    n = prod(_count(d) for d in dst_slice)
     if dtype in PLAIN_BYTES:
         return False, n * PLAIN_BYTES[dtype]
     bits, grids, tensor_scale = FORMATS[dtype]
     ndim = len(local)
-    whole = wire == "auto" and all(
+    whole = wire == "auto" and all(len(d) == 2 for d in dst_slice) and all(
         dst_slice[ndim - len(block) + i][0] % b == 0
         and (dst_slice[ndim - len(block) + i][1] % b == 0 or dst_slice[ndim - len(block) + i][1] == local[ndim - len(block) + i])
         for block, _ in grids for i, b in enumerate(block))

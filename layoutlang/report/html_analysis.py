@@ -24,12 +24,14 @@ links to it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter, deque
 from dataclasses import dataclass
 
 from layoutlang.compiler.plan import Plan, TensorEntry
+from layoutlang.compiler.strides import blocks
 from layoutlang.ir import TensorIR
 
 from .render import covered_ranks
@@ -192,6 +194,14 @@ def _in_stored(logical, region) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _plain_boxes(logical) -> list[tuple[tuple[int, int], ...]]:
+    """A logical slice as boxes: itself when every dim is `(start, stop)`, else one box per
+    combination of its strided dims' blocks (compiler/strides.py)."""
+    if all(len(e) == 2 for e in logical):
+        return [tuple(logical)]
+    return [tuple(box) for box in itertools.product(*(blocks(e) for e in logical))]
+
+
 def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
     """The plan's ops for one key, merged per logical rectangle (replicas receive the same one).
 
@@ -203,14 +213,16 @@ def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
     for i in instances:
         m = plan.matches[i]
         for t in plan.transfers(instance=i):
-            logical = _in_stored(t.piece.logical, m.region)
-            hit = found.get(logical)
-            if hit is None:
-                hit = found[logical] = (tuple(t.senders), [], [], t.piece.elements,
-                                        _in_stored(t.piece.logical, m.src_region(0)), [])
-            hit[1].append(t.dst_rank)
-            hit[2].append(t.sender)
-            hit[5].append(bool(t.after))
+            # a strided piece (docs/compiler.md) whose logical set is not one box: one block per box
+            for box in _plain_boxes(t.piece.logical):
+                logical = _in_stored(box, m.region)
+                hit = found.get(logical)
+                if hit is None:
+                    hit = found[logical] = (tuple(t.senders), [], [], math.prod(b - a for a, b in box),
+                                            _in_stored(box, m.src_region(0)), [])
+                hit[1].append(t.dst_rank)
+                hit[2].append(t.sender)
+                hit[5].append(bool(t.after))
     return tuple(KeyBlock(logical, holders, tuple(dst), tuple(src), elements, src_logical,
                           tuple(relayed) if any(relayed) else ())
                  for logical, (holders, dst, src, elements, src_logical, relayed) in found.items())

@@ -96,8 +96,13 @@ def _op_json(op: Op) -> str:
     fields = {
         "id": op.id, "key": op.key, "src_rank": op.src_rank, "dst_rank": op.dst_rank,
         "src_name": op.src_name, "dst_name": op.dst_name,
-        "src_slice": [list(d) for d in op.src_slice], "dst_slice": [list(d) for d in op.dst_slice],
+        "src_slice": [list(d[:3]) for d in op.src_slice], "dst_slice": [list(d[:3]) for d in op.dst_slice],
         "bytes": op.bytes}
+    # LANGUAGE.md 6: a dim `[start, stop, step]` holds one element per step; where a dim holds
+    # blocks of several (compiler/strides.py), `src_block` / `dst_block` give each dim's block
+    for side, sl in (("src_block", op.src_slice), ("dst_block", op.dst_slice)):
+        if any(len(d) == 4 for d in sl):
+            fields[side] = [d[3] if len(d) == 4 else 1 for d in sl]
     if op.transpose is not None:  # LANGUAGE.md 8.4: the receiver's slice is in its storage order
         fields["transposed"] = True
     if op.wire is not None:  # LANGUAGE.md 4.1: quantized data and scales cross the link

@@ -66,9 +66,10 @@ def ranks_word(ranks: Iterable[int], limit: int = 60) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks, limit)}"
 
 
-def slice_text(slices: Iterable[tuple[int, int]]) -> str:
-    """A slice per dim, `[0:4, 8:16]`."""
-    return "[" + ", ".join(f"{a}:{b}" for a, b in slices) + "]"
+def slice_text(slices: Iterable[tuple[int, ...]]) -> str:
+    """A slice per dim, `[0:4, 8:16]`; a strided dim as `start:stop:step[:block]`
+    (compiler/strides.py), e.g. `[0:4993:128:64, 0:5120]`."""
+    return "[" + ", ".join(":".join(str(x) for x in e) for e in slices) + "]"
 
 
 __all__ = ["human_bytes", "rank_ranges", "counted", "ranks_word", "slice_text"]
