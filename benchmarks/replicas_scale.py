@@ -10,8 +10,10 @@ for a mesh axis), so the cost should grow with N (the requests), not with N x N.
 
 Printed per case: seconds and MiB at each N, and the growth ratio time(N) / time(4096)
 against the rank ratio N / 4096 (the baseline is the smallest size, same run).
-Targets (exit 1 when missed): the identity plan at N = 16384 in < 2 s and < 500 MiB;
-growth from 4096 to 65536 at most 2x the rank ratio (16x) in time, for both cases.
+Targets (exit 1 when missed, at the default sizes): the identity plan at N = 16384 in
+< 2 s and < 500 MiB; growth from 4096 to 65536 at most 2x the rank ratio (16x) in time,
+for both cases. At other sizes (`--sizes`, CI's quick run) the growth is printed, not
+enforced; wrong op counts or balance fail at any size.
 
     .venv/bin/python benchmarks/replicas_scale.py            # ~30 s
     .venv/bin/python benchmarks/replicas_scale.py --sizes 1024,4096   # quick
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4096,16384,65536", help="comma-separated N (default 4096,16384,65536)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
+    # timing targets hold at the default sizes; other sizes (CI's quick run, a busy machine) print
+    # them without enforcing them: correctness (ops, balance) is checked at every size
+    enforce = args.sizes == ap.get_default("sizes")
     failed = False
     for case in ("identity", "disjoint"):
         rows = {n: measure(n, case) for n in sizes}
@@ -78,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if last > first:
             growth = rows[last]["seconds"] / rows[first]["seconds"]
             if growth > 2 * last / first:
-                print(f"  MISSED: time grew {growth:.1f}x for {last / first:.0f}x the ranks (target <= "
-                      f"{2 * last / first:.0f}x)")
-                failed = True
+                print(f"  {'MISSED' if enforce else 'over target (not enforced at these sizes)'}: time grew "
+                      f"{growth:.1f}x for {last / first:.0f}x the ranks (target <= {2 * last / first:.0f}x)")
+                failed |= enforce
         if case == "identity" and 16384 in rows:
             r = rows[16384]
             if r["seconds"] >= 2.0 or r["mib"] >= 500:
