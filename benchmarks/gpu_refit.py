@@ -7,9 +7,12 @@ as a device-to-device slice copy (what `Refitter` does for a local copy; NCCL
 transfers need one rank per GPU), quantizes every MXFP8 destination once in place,
 checks a sample of destinations element by element (exit 1 if one is wrong), and
 prints GB/s of the copy phase and of the whole step (no target is stated: no
-number has been measured on a GPU yet). It models the bf16 wire without relays
-(`wire="bf16", relay=False`): the quantized wire and relays are exercised by the
-Refitter's gloo tests, not by this script yet. On CPU with small layouts it checks itself:
+number has been measured on a GPU yet). That first phase is a raw copy loop of the
+bf16 wire without relays (`wire="bf16", relay=False`), the baseline; the second runs
+the default plan's steps (quantized wire, relays) with the Refitter's own handlers
+for every rank in one process (runtime/loopback.py) and prints its step time
+against the raw loop's, then checks a sample again; `--small` adds a relay plan
+(the small Llama into 6 unsharded replicas). On CPU with small layouts it checks itself:
 
     .venv/bin/python benchmarks/gpu_refit.py --device cuda          # on a GPU (~100 GB)
     .venv/bin/python benchmarks/gpu_refit.py --device cpu --small   # anywhere, seconds
@@ -100,7 +103,59 @@ def main() -> int:
         print(f"WRONG: {error}", file=sys.stderr)
     print(f"checked {checked} destination tensors element by element: "
           + ("ok" if not errors else f"{len(errors)} WRONG"))
-    return 1 if errors else 0
+    wrong = bool(errors)
+    # the Refitter's own steps (quantized wire, relays, staging) with every rank in this process
+    wrong |= steps_phase(src_path, dst_path, dev, ns.steps, best_step)
+    if ns.small:  # and a plan with relays (a replica forwards what it received), at CPU size
+        relay_src = ROOT / "examples/small/llama_train.layout"
+        wrong |= steps_phase(relay_src, ROOT / "examples/small/llama_infer.layout", dev, ns.steps, None,
+                             dst_args={"TP": 1, "DP": 6, "AT": 8}, src_args={"GTP": 1, "DP": 1})
+    return 1 if wrong else 0
+
+
+def _host(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    return dataclasses.replace(value, **{f.name: getattr(value, f.name).cpu() for f in dataclasses.fields(value)})
+
+
+def steps_phase(src_path, dst_path, dev, steps: int, raw_step: float | None, **args) -> bool:
+    """Run the default plan's steps (compiler/steps.py) for every rank on one device through
+    runtime/loopback.py; print the step time against the raw copy loop above (same run) and check
+    a sample of destinations. Returns whether a destination is wrong."""
+    from layoutlang.runtime import loopback
+
+    plan = compile_plan(src_path, dst_path, **args)
+    packed = sum(1 for op in plan.ops if op.wire)
+    print(f"\nsteps (the Refitter's handlers, every rank in one process): {plan.one_line()}; "
+          f"{packed} ops on the quantized wire, {plan.stats.get('relays', 0)} relays")
+    src = {r: {t.name: source_tensor(t, r, dev) for t in plan.src.tensors if r < plan.src.ranks and t.holds(r)}
+           for r in range(plan.world)}
+    dst = {r: {t.name: empty_destination(t, dev, r) for t in plan.dst.tensors if r < plan.dst.ranks and t.holds(r)}
+           for r in range(plan.world)}
+    refitter = loopback.LoopbackRefitter(plan, device=dev)  # schedules made once, as the Refitter's
+    best = float("inf")
+    for _ in range(steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        refitter.refit(src, dst)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    total = plan.stats["bytes"]
+    line = f"whole step {best * 1e3:.1f} ms = {total / best / 1e9:.1f} GB/s of plan bytes (best of {steps})"
+    if raw_step:
+        line += f"; {best / raw_step:.2f}x the raw copy loop's step above"
+    print(line)
+    held = [(r, t) for r in dst for t in plan.dst.tensors if r < plan.dst.ranks and t.holds(r)]
+    errors = [e for e in (check_destination(t, r, _host(dst[r][t.name]), plan)
+                          for r, t in held[:: max(1, len(held) // 16)]) if e]
+    for error in errors[:5]:
+        print(f"WRONG: {error}", file=sys.stderr)
+    print(f"checked {len(held[:: max(1, len(held) // 16)])} destination tensors element by element: "
+          + ("ok" if not errors else f"{len(errors)} WRONG"))
+    return bool(errors)
 
 
 if __name__ == "__main__":

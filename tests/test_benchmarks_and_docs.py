@@ -108,6 +108,18 @@ def test_strided_scale_quick():
 
 
 @pytest.mark.timeout(300)
+def test_gpu_refit_selfcheck_on_cpu():
+    """The one-device script, at CPU size: the raw copy loop, the Refitter's steps in one process
+    (quantized wire) and a relay plan, each destination sample checked element by element."""
+    proc = _run("benchmarks/gpu_refit.py", "--device", "cpu", "--small", "--steps", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("destination tensors element by element: ok") == 3, out
+    assert re.search(r"; [1-9]\d* ops on the quantized wire, 0 relays", out), out
+    assert re.search(r"; [1-9]\d* ops on the quantized wire, [1-9]\d* relays", out), out
+
+
+@pytest.mark.timeout(300)
 def test_plan_scale_quick():
     proc = _run("benchmarks/plan_scale.py", "--quick", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,118 @@
+"""Every rank's steps in one process: a refit whose ranks share one device (or the CPU).
+
+The same steps the Refitter walks (compiler/steps.py), with the same handlers
+(`_BucketRun`), except that a message is a copy between two buffers of this
+process instead of a point-to-point transfer: a colocated trainer and engine on
+one accelerator, a one-device measurement of the data path (benchmarks/gpu_refit.py),
+and a check of the steps without a process group (tests/test_loopback.py).
+
+Ranks advance bucket by bucket; within a bucket, each rank runs its steps up to
+its next `wait`, and a wait completes once every message it receives has been
+posted by its sender (rounds increase on every rank, so some wait always can).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layoutlang.compiler import Plan
+from layoutlang.compiler.steps import MESSAGES, schedule
+
+from .quant import as_quantized
+from .refit import RefitHooks, StagingMeter, _BucketRun
+
+
+class _Rank:
+    """What a rank's `_BucketRun` reads of its Refitter, without a process group."""
+
+    def __init__(self, plan: Plan, rank: int):
+        self.plan, self.rank, self.group = plan, rank, None
+        self.src_held = {t.name: t for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
+        self.dst_held = {t.name: t for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
+        self.entry = {e.key: e for e in plan.tensors}
+        self.hooks = RefitHooks()
+        self.meter = StagingMeter()
+        self.sent_bytes = self.received_bytes = self.local_bytes = 0
+
+    def _peer(self, rank: int) -> int:
+        return rank
+
+
+class _LoopbackRun(_BucketRun):
+    """A rank's bucket whose messages go through the shared `mail` (keyed by op and message)."""
+
+    def __init__(self, rank: _Rank, ops, src, dst, device, mail: dict):
+        super().__init__(rank, ops, src, dst, device)
+        self.mail = mail
+        self.inbox: dict[int, list] = {}  # round -> [(key, buffer)] this rank receives
+
+    def _message(self, step, buf: torch.Tensor, sending: bool) -> None:
+        what = MESSAGES[step.kind][0]  # send/recv are one message ("send"); amax, reply
+        key = (step.op.id, "send" if what == "recv" else what, step.round)
+        if sending:
+            self.mail[key] = buf
+        else:
+            self.inbox.setdefault(step.round, []).append((key, buf))
+
+    def ready(self, round_: int) -> bool:
+        return all(key in self.mail for key, _ in self.inbox.get(round_, ()))
+
+    def _post(self, step) -> None:
+        pass
+
+    def _wait(self, step) -> None:
+        for key, buf in self.inbox.pop(step.round, ()):
+            buf.copy_(self.mail.pop(key).reshape(buf.shape))
+
+
+def _walk(run: _LoopbackRun, steps):
+    """Run the steps, pausing before each wait (yielding its round) until the driver says go."""
+    for step in steps:
+        if step.kind == "wait":
+            yield step.round
+        run.do(step)
+
+
+class LoopbackRefitter:
+    """`Refitter` for every rank at once, in this process: schedules made once, `refit` per step."""
+
+    def __init__(self, plan: Plan, *, device=None, budget_bytes: int | None = None):
+        self.plan = plan
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.ranks = {r: _Rank(plan, r) for r in range(plan.world)}
+        self.schedules = {r: schedule(plan, r, budget_bytes) for r in self.ranks}
+
+    def refit(self, src: dict[int, dict], dst: dict[int, dict]) -> dict[int, _Rank]:
+        """`src[rank]` / `dst[rank]`: the tensors each rank holds (as the Refitter takes them);
+        destinations are written in place. Returns each rank's counters (`sent_bytes`,
+        `received_bytes`, `local_bytes`, `meter`), accumulated over calls."""
+        ranks, plans = self.ranks, self.schedules
+        srcs = {r: {k: as_quantized(v, ranks[r].src_held[k].dtype) if k in ranks[r].src_held else v
+                    for k, v in (src.get(r) or {}).items()} for r in ranks}
+        dsts = {r: {k: as_quantized(v, ranks[r].dst_held[k].dtype) if k in ranks[r].dst_held else v
+                    for k, v in (dst.get(r) or {}).items()} for r in ranks}
+        for b in range(len(plans[0].buckets) if ranks else 0):
+            mail: dict = {}
+            runs = {r: _LoopbackRun(ranks[r], plans[r].ops[b], srcs[r], dsts[r], self.device, mail) for r in ranks}
+            walks = {r: _walk(runs[r], plans[r].steps[b]) for r in ranks}
+            at = {r: next(walks[r], None) for r in ranks}  # the round each rank waits for, None: done
+            while any(x is not None for x in at.values()):
+                go = [r for r, x in at.items() if x is not None and runs[r].ready(x)]
+                if not go:
+                    raise AssertionError(f"bucket {b}: no rank can finish its round: {at}")
+                for r in go:
+                    at[r] = next(walks[r], None)
+            if mail:
+                raise AssertionError(f"bucket {b}: messages never received: {sorted(mail)[:4]}")
+            for r in ranks:
+                ranks[r].meter.reset_bucket()
+        return ranks
+
+
+def refit(plan: Plan, src: dict[int, dict], dst: dict[int, dict], *, device=None,
+          budget_bytes: int | None = None) -> dict[int, _Rank]:
+    """One refit of every rank of `plan` in this process (`LoopbackRefitter(...).refit`)."""
+    return LoopbackRefitter(plan, device=device, budget_bytes=budget_bytes).refit(src, dst)
+
+
+__all__ = ["LoopbackRefitter", "refit"]
