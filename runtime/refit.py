@@ -64,6 +64,11 @@ class StagingMeter:
         self.per_bucket_peak.append(self.current)
         self.current = 0
 
+    def release(self, nbytes: int) -> None:
+        """A bucket's buffers are dropped (with overlap, the next bucket's may still be live)."""
+        self.per_bucket_peak.append(self.current)
+        self.current -= nbytes
+
 
 class RefitHooks:
     """Test seams of a refit (fault injection); the default changes nothing.
@@ -110,15 +115,21 @@ class Refitter:
     (ranks that hold neither model pass ``None, None``). Destination tensors are
     updated in place. Create Refitters in the same order on every rank: the
     n-th Refitter of a group on one rank meets the n-th on the others.
+    `overlap=True` finishes each bucket (land, quantize, unpack) while the next
+    bucket's transfers fly, with buckets cut at half the budget (every rank must
+    pass the same `budget_bytes` and `overlap`: they are part of the agreement).
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
                  timeout: timedelta | float = timedelta(seconds=60), verify: bool = False,
-                 hooks: RefitHooks | None = None):
+                 hooks: RefitHooks | None = None, overlap: bool = False):
         self.plan = plan
         self.group = group
         self.device = device
         self.budget_bytes = budget_bytes
+        # overlap: a bucket's last steps (land, quantize, unpack) run while the next bucket's
+        # transfers fly; buckets are then cut at half the budget, so two live at once stay within it
+        self.overlap = overlap
         # seconds or a timedelta (torch.distributed's own timeouts are timedeltas)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.verify = verify
@@ -136,7 +147,7 @@ class Refitter:
         self.buckets = self.schedule(False).buckets
         self.meter = StagingMeter()
         self.sent_bytes = self.received_bytes = self.local_bytes = 0
-        self._digest = hashlib.sha256(f"{plan.digest}/{budget_bytes}".encode()).hexdigest()[:16]
+        self._digest = hashlib.sha256(f"{plan.digest}/{budget_bytes}/{overlap}".encode()).hexdigest()[:16]
         self._rv = self._rendezvous()
         self._step = 0
         self._fence: str | None = None  # the step's one meeting after the buckets (its prefix)
@@ -153,7 +164,10 @@ class Refitter:
         """The buckets and steps this rank walks (compiler/steps.py); `strided` when some rank's
         tensors are not contiguous."""
         if strided not in self._schedules:
-            self._schedules[strided] = schedule(self.plan, self.rank, self.budget_bytes, strided)
+            budget = self.budget_bytes
+            if self.overlap and budget is not None:
+                budget = max(1, budget // 2)  # two buckets' buffers live at once
+            self._schedules[strided] = schedule(self.plan, self.rank, budget, strided)
         return self._schedules[strided]
 
     def _rendezvous(self) -> Rendezvous:
@@ -219,11 +233,14 @@ class Refitter:
         # fence with its reason, so every rank is released at once, with that reason.
         last = schedule.buckets[-1].index if schedule.buckets else 0
         self._fence = fence = self._prefix(step, "bucket", last)
+        self._pending = None  # overlap: the previous bucket's run, its last steps not yet done
         for b in schedule.buckets:
             self._phase = f"bucket {b.index}"
             try:
                 self.hooks.before_bucket(self, step, b.index)
                 mismatches += self._bucket(schedule, b.index, src, dst, device)
+                if b.index == last:
+                    mismatches += self._finish_pending()
             except Exception as exc:  # noqa: BLE001 - every fault in a bucket is a RefitError
                 err = exc if isinstance(exc, RefitError) else RefitError.at(
                     self.rank, step, self._phase, f"{type(exc).__name__}: {_first_line(exc)}", reusable=False)
@@ -330,13 +347,37 @@ class Refitter:
     # ---- one bucket -----------------------------------------------------------------
     def _bucket(self, schedule: Schedule, b: int, src, dst, device) -> list[str]:
         """Walk one bucket's steps (compiler/steps.py: the compiler decided every buffer and
-        round; each kind has one handler here)."""
+        round; each kind has one handler here). With `overlap`, the steps after the bucket's last
+        wait are left for `_finish_pending`, run once the next bucket's first messages are posted
+        (different destination tensors; every message of this bucket has landed by then)."""
         run = _BucketRun(self, schedule.ops[b], src, dst, device)
-        for step in schedule.steps[b]:
-            run.do(step)
-        mismatches = self._bucket_checksums(schedule.ops[b], dst, run.assembly, run.source_view, run.packed,
+        steps = schedule.steps[b]
+        tail = len(steps)
+        if self.overlap and not self.verify:  # (checksums are messages: they stay in their bucket)
+            waits = [i for i, st in enumerate(steps) if st.kind == "wait"]
+            tail = waits[-1] + 1 if waits else 0
+        mismatches: list[str] = []
+        for st in steps[:tail]:
+            run.do(st)
+            if st.kind == "post" and self._pending is not None:
+                mismatches += self._finish_pending()  # while this bucket's first round flies
+        mismatches += self._finish_pending()
+        self._pending = (run, steps[tail:], schedule.ops[b], dst, device)
+        if not self.overlap:
+            mismatches += self._finish_pending()
+        return mismatches
+
+    def _finish_pending(self) -> list[str]:
+        """The pending bucket's last steps, its checksums, and its buffers released."""
+        if self._pending is None:
+            return []
+        run, rest, ops, dst, device = self._pending
+        self._pending = None
+        for st in rest:
+            run.do(st)
+        mismatches = self._bucket_checksums(ops, dst, run.assembly, run.source_view, run.packed,
                                             device) if self.verify else []
-        self.meter.reset_bucket()
+        self.meter.release(run.allocated)
         return mismatches
 
     def _post(self, p2p: list, what: str) -> list:
@@ -461,12 +502,18 @@ class _BucketRun:
         self.amax: dict[int, torch.Tensor] = {}            # op id -> an amax received (block's or agreed)
         self.agreed: dict[str, torch.Tensor] = {}          # destination name -> its tensor's agreed amax
         self.into: dict[str, list] = {}                    # destination name -> quantized-wire ops into it
+        self.allocated = 0                                 # staging bytes this bucket allocated
         for op in ops:
             if op.wire and op.dst_rank == self.me:
                 self.into.setdefault(op.dst_name, []).append(op)
 
     def do(self, step: Step) -> None:
         getattr(self, "_" + step.kind.replace("-", "_"))(step)
+
+    def alloc(self, t: torch.Tensor) -> torch.Tensor:
+        """A staging buffer of this bucket (counted by the Refitter's meter until released)."""
+        self.allocated += t.numel() * t.element_size()
+        return self.r.meter.alloc(t)
 
     # ---- views ---------------------------------------------------------------------
     def source_view(self, op) -> torch.Tensor:
@@ -493,7 +540,7 @@ class _BucketRun:
 
     def packed(self, op) -> torch.Tensor:
         amax = self.amax[op.id].reshape(()) if op.id in self.amax else self.agreed.get(op.dst_name)
-        return self.r.meter.alloc(pack(self.block_of(op), op.wire, amax))
+        return self.alloc(pack(self.block_of(op), op.wire, amax))
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.r.dst_held[name].local_shape_at(self.me))
@@ -511,12 +558,12 @@ class _BucketRun:
         _zero_padding(self.dst[step.tensor], self.r.dst_held[step.tensor], self.me)
 
     def _assemble(self, step: Step) -> None:
-        self.assembly[step.tensor] = self.r.meter.alloc(torch.zeros(self.local_shape(step.tensor),
+        self.assembly[step.tensor] = self.alloc(torch.zeros(self.local_shape(step.tensor),
                                                                     dtype=torch.bfloat16, device=self.device))
 
     def _dequantize(self, step: Step) -> None:
         held = self.r.src_held[step.tensor]
-        self.dequantized[step.tensor] = self.r.meter.alloc(dequantize(self.src[step.tensor], held.dtype))
+        self.dequantized[step.tensor] = self.alloc(dequantize(self.src[step.tensor], held.dtype))
 
     def _pack(self, step: Step) -> None:
         self.bufs[step.op.id] = self.packed(step.op)
@@ -532,7 +579,7 @@ class _BucketRun:
             view = self.source_view(op)
             wire = _wire(r.entry[op.key])
             if step.staged:
-                buf = r.meter.alloc(torch.empty(view.shape, dtype=wire, device=self.device))
+                buf = self.alloc(torch.empty(view.shape, dtype=wire, device=self.device))
                 buf.copy_(view)
             else:
                 buf = view
@@ -542,13 +589,13 @@ class _BucketRun:
     def _recv(self, step: Step) -> None:
         op, r = step.op, self.r
         if op.wire:
-            buf = self.bufs[op.id] = r.meter.alloc(torch.empty(
+            buf = self.bufs[op.id] = self.alloc(torch.empty(
                 packed_bytes(op.wire, op.dst_slice, self.local_shape(op.dst_name)), dtype=torch.uint8,
                 device=self.device))
         else:
             view = self.dst_view(op)
             if step.staged:
-                buf = self.bufs[op.id] = r.meter.alloc(torch.empty(view.shape, dtype=_wire(r.entry[op.key]),
+                buf = self.bufs[op.id] = self.alloc(torch.empty(view.shape, dtype=_wire(r.entry[op.key]),
                                                                    device=self.device))
                 self.landing[op.id] = view
             else:
@@ -557,7 +604,7 @@ class _BucketRun:
         r.received_bytes += op.bytes
 
     def _amax_send(self, step: Step) -> None:
-        amax = self.r.meter.alloc(self.block_of(step.op).to(torch.float32).abs().amax().reshape(1))
+        amax = self.alloc(self.block_of(step.op).to(torch.float32).abs().amax().reshape(1))
         self._message(step, amax, True)
 
     def _amax_recv(self, step: Step) -> None:

@@ -113,7 +113,7 @@ def run(job: dict, rank: int, group=None) -> dict:
                         relay=job.get("relay", True))
     refitter = Refitter(plan, group=group, budget_bytes=job.get("budget"),
                         timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
-                        hooks=FaultHooks(job, rank))
+                        hooks=FaultHooks(job, rank), overlap=job.get("overlap", False))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t, rank=rank) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
     wrong = job.get("wrong_shape")  # test fault: one rank passes a tensor of another shape

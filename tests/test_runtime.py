@@ -132,6 +132,21 @@ def test_verify_catches_corruption_on_the_wire(pair):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("budget", [1024, None], ids=["buckets", "one-bucket"])
+def test_overlapped_buckets_are_exact_and_within_the_budget(pair, budget):
+    """overlap=True: a bucket's land/quantize/unpack steps run while the next bucket's transfers
+    fly; buckets are cut at half the budget so that two live at once stay within it."""
+    src, dst = pair
+    results = launch({"src": src, "dst": dst, "budget": budget, "steps": 3, "overlap": True}, 8, timeout=150)
+    _assert_all_ok(results)
+    received = sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results)
+    assert received == _destination_bytes(src, dst)  # every element once per step (of 3)
+    if budget is not None:
+        for r in results:
+            assert r.result["staging_peak"] <= budget + r.result["largest_tensor_bytes"]
+
+
+@pytest.mark.timeout(180)
 def test_killed_peer_fails_every_survivor_naming_it(pair):
     src, dst = pair
     # linger: rank 0 hosts the store; had it exited at once, a slower survivor would meet a dead
