@@ -355,7 +355,7 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     out["plan_seconds"] = time.perf_counter() - t0
     stats = plan.stats
     out["plan_stats"] = {k: stats[k] for k in ("ops", "bytes", "network_bytes", "local_bytes", "max_send_bytes",
-                                               "max_recv_bytes", "busiest_receiver")}
+                                               "max_recv_bytes", "busiest_receiver", "busiest_link_bytes")}
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst_ts = [t for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)]
     phases["setup"] = time.perf_counter() - t0
@@ -417,6 +417,27 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     return out
 
 
+LINK_BYTES = 64 * 2**20
+
+
+def link_rate(rank: int, reps: int = 3) -> float | None:
+    """One link's one-way rate: rank 0 sends 64 MiB to rank 1 while the others wait (best of
+    `reps`, on rank 1; None elsewhere). The floor of a plan is its busiest link's bytes at it."""
+    buf = torch.empty(LINK_BYTES, dtype=torch.uint8)
+    best = None
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            t = time.perf_counter() - start
+            best = t if best is None else min(best, t)
+    dist.barrier()
+    return LINK_BYTES / best if best else None
+
+
 def main(job_path: str, out_path: str) -> int:
     with open(job_path) as fh:
         job = json.load(fh)
@@ -433,6 +454,7 @@ def main(job_path: str, out_path: str) -> int:
     try:
         timeout = timedelta(seconds=job["collective_timeout"])
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        result["link_bytes_per_s"] = link_rate(rank)
         for case in job["cases"]:
             result["cases"].append(run_case(case, rank, job["steps"], job["slow_steps"], timeout))
             write()
