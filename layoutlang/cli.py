@@ -321,7 +321,8 @@ def cmd_run(ns, out: Console, err: Console) -> int:
     job = {"src": os.path.abspath(ns.src), "dst": os.path.abspath(ns.dst), "args": args,
            "src_args": src_args, "dst_args": dst_args,
            "verify": ns.verify, "budget": ns.budget, "steps": ns.steps, "timeout": ns.timeout,
-           "ranks_per_node": ns.ranks_per_node, "wire": ns.wire, "relay": not ns.no_relay}
+           "ranks_per_node": ns.ranks_per_node, "wire": ns.wire, "relay": not ns.no_relay,
+           "overlap": ns.overlap}
     out.print(f"refit {ns.src} -> {ns.dst}: {plan.stats['tensors']} tensors, {plan.stats['ops']} ops, "
               f"{human_bytes(plan.stats['bytes'])} on {ns.nproc} gloo processes", markup=False)
     start = time.perf_counter()
@@ -516,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how long any rank waits for its peers")
     run.add_argument("--ranks-per-node", type=int, default=None, metavar="N")
     _add_wire(run)
+    run.add_argument("--overlap", action="store_true",
+                     help="finish each bucket (land, quantize, unpack) while the next bucket's transfers fly; "
+                          "buckets are cut at half the budget (Refitter(overlap=True))")
     run.set_defaults(run=cmd_run)
     from .bridges.families import CONVENTIONS, FAMILIES
 
