@@ -187,7 +187,6 @@ def _prove(templates, after, picks) -> int:
             continue
         t = templates[ti]
         reqs = t.geometry.requests
-        n = len(t.members)
         for j, per_member in enumerate(waits):
             if per_member is None:
                 continue

@@ -41,6 +41,11 @@ def tensor_scaled(dtype: str) -> bool:
     return any(not g.block for g in DTYPE[dtype].scales)
 
 
+def _trailing(grid, ndim: int) -> tuple[int, ...]:
+    """The grid's block along the tensor's trailing dims (a 1-dim tensor uses the last only)."""
+    return grid.block[len(grid.block) - min(len(grid.block), ndim):]
+
+
 def covers_whole_blocks(dst_slice, local: tuple[int, ...], dtype: str) -> bool:
     """Does `dst_slice` (local storage coordinates) cover only whole scale blocks of `dtype`?
 
@@ -61,7 +66,7 @@ def covers_whole_blocks(dst_slice, local: tuple[int, ...], dtype: str) -> bool:
         return False  # a strided op (compiler/strides.py) travels bf16: its blocks are not one box
     ndim = len(local)
     for grid in DTYPE[dtype].scales:
-        block = grid.block[len(grid.block) - min(len(grid.block), ndim):]
+        block = _trailing(grid, ndim)
         for i, b in enumerate(block):
             d = ndim - len(block) + i
             a, z = dst_slice[d][0], dst_slice[d][1]
@@ -83,7 +88,7 @@ from . import strides
     if not grid.block:
         return ()
     ndim = len(local)
-    block = grid.block[len(grid.block) - min(len(grid.block), ndim):]
+    block = _trailing(grid, ndim)
     lead = ndim - len(block)
     out = list(dst_slice[:lead])
     for i, b in enumerate(block):

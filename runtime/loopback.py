@@ -18,8 +18,7 @@ import torch
 from layoutlang.compiler import Plan
 from layoutlang.compiler.steps import MESSAGES, schedule
 
-from .quant import as_quantized
-from .refit import RefitHooks, StagingMeter, _BucketRun
+from .refit import RefitHooks, StagingMeter, _as_given, _BucketRun
 
 
 class _Rank:
@@ -87,10 +86,8 @@ class LoopbackRefitter:
         destinations are written in place. Returns each rank's counters (`sent_bytes`,
         `received_bytes`, `local_bytes`, `meter`), accumulated over calls."""
         ranks, plans = self.ranks, self.schedules
-        srcs = {r: {k: as_quantized(v, ranks[r].src_held[k].dtype) if k in ranks[r].src_held else v
-                    for k, v in (src.get(r) or {}).items()} for r in ranks}
-        dsts = {r: {k: as_quantized(v, ranks[r].dst_held[k].dtype) if k in ranks[r].dst_held else v
-                    for k, v in (dst.get(r) or {}).items()} for r in ranks}
+        srcs = {r: _as_given(src.get(r), ranks[r].src_held) for r in ranks}
+        dsts = {r: _as_given(dst.get(r), ranks[r].dst_held) for r in ranks}
         for b in range(len(plans[0].buckets) if ranks else 0):
             mail: dict = {}
             runs = {r: _LoopbackRun(ranks[r], plans[r].ops[b], srcs[r], dsts[r], self.device, mail) for r in ranks}

@@ -218,10 +218,7 @@ class Refitter:
 
     def _refit(self, step: int, src_tensors, dst_tensors) -> None:
         self._forget(step - 2)
-        src = {k: as_quantized(v, self.src_held[k].dtype) if k in self.src_held else v
-               for k, v in (src_tensors or {}).items()}
-        dst = {k: as_quantized(v, self.dst_held[k].dtype) if k in self.dst_held else v
-               for k, v in (dst_tensors or {}).items()}
+        src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
         strided = any(_strided(v) for v in list(src.values()) + list(dst.values()))
         schedule = self.schedule(self._agree(step, src_tensors, dst_tensors, strided))
@@ -661,6 +658,11 @@ class _BucketRun:
         unpack_into(self.bufs.pop(op.id), self.dst[op.dst_name], op.wire, op.dst_slice, self.local_shape(op.dst_name))
         if op.local:
             self.r.local_bytes += op.bytes
+
+
+def _as_given(tensors, held: dict[str, TensorIR]) -> dict:
+    """A caller's tensors by name, each quantized one as its format's class (a tuple accepted)."""
+    return {k: as_quantized(v, held[k].dtype) if k in held else v for k, v in (tensors or {}).items()}
 
 
 def _default_store():
