@@ -87,7 +87,11 @@ def test_cli_steps_needs_a_rank(tmp_path, capsys):
     (tmp_path / "s.layout").write_text(MX_SRC)
     (tmp_path / "d.layout").write_text(MX_DST)
     assert main(["plan", str(tmp_path / "s.layout"), str(tmp_path / "d.layout"), "--steps"]) == 2
-    assert "error: --steps lists one rank's steps as text" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: --steps lists one rank's steps as text" in err and "help: add --rank R (and no --format)" in err
+    assert main(["plan", str(tmp_path / "s.layout"), str(tmp_path / "d.layout"), "--steps", "--rank", "4",
+                 "--budget", "0"]) == 2
+    assert "error: --budget 0: expected a positive number of bytes" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "s.layout"), str(tmp_path / "d.layout"), "--steps", "--rank", "4",
                  "--budget", "600"]) == 0
     out = capsys.readouterr().out.splitlines()
