@@ -21,7 +21,8 @@ the same destination tensors:
               buffers allocated before timing: the least work for the same bytes
 
 Each step: barrier, start clock, the method, barrier, stop clock. The methods
-take turns step by step after one untimed warm-up round. Then, untimed: a
+take turns step by step after one untimed warm-up round, in an order that
+reverses every round. Then, untimed: a
 cProfile of one layoutlang step, three layoutlang steps with the Refitter's
 phases timed, and the checks. Results (per-step seconds on this rank, bytes,
 checks, profile) go to OUT as JSON, rewritten after every case so a later
@@ -374,8 +375,9 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
 
     # Every method gets its own destination tensors; the methods take turns step
     # by step (one warm-up round, then timed rounds: `steps` for layoutlang and
-    # hand p2p, the first `slow_steps` of them for naive and DTensor), so a change
-    # in the machine's load during the case hits all of them alike.
+    # hand p2p, the first `slow_steps` of them for naive and DTensor), in an order
+    # that reverses every round, so a change in the machine's load during the case
+    # hits all of them alike and none always follows the same method.
     dsts = {"layoutlang": fresh(), "naive": fresh(), "hand_p2p": fresh()}
     naive = Naive(plan, rank, _make_groups(plan))
     hand = HandP2P(plan, rank, src, dsts["hand_p2p"])
@@ -389,7 +391,8 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     phase("prepare")
     times = {m: [] for m in order}
     for i in range(1 + max(steps, slow_steps)):
-        for m in order:
+        # the order reverses every round, so no method always runs right after another one
+        for m in (order if i % 2 == 0 else order[::-1]):
             if i > (slow_steps if m in SLOW else steps):
                 continue
             t = _one_step(run[m])

@@ -3,16 +3,17 @@
 A refit step meets in the process group's store (runtime/rendezvous.py): once to
 agree and once after its last bucket (the step's fence; a rank that fails in
 any bucket gives up the fence with its reason, so every rank is released at
-once). It used to meet after every bucket. A meeting costs each rank about 5
-store requests (set `here/R`, add `count`, wait and get `gate`, and a delete two
-steps later), all on one server thread: per step 2 x 5 x W requests, where
-per-bucket fences cost (buckets + 1) x 5 x W. This benchmark measures the server: C clients
+once). It used to meet after every bucket. A meeting costs each rank 4 store
+requests (set its reused seat, add `count` with its marks, wait for `gate`,
+read the count), all on one server thread, plus rank 0 deleting the meeting's
+count and gate two steps later: per step 2 x (4 W + 2) requests, where
+per-bucket fences cost (buckets + 1) x (4 W + 2). This benchmark measures the server: C clients
 (P processes x T threads, each with its own TCPStore connection, the way ranks
 connect) run the real `Rendezvous.meet` M times, and it prints meetings per
 second and requests per second against C. The baseline, measured in the same
 run, is C = 4 (a single node's worth of clients); the model at 1,024 and 8,192
 ranks extrapolates from the largest C measured (requests are served one at a
-time by the server, so time per meeting ~ 5 W / throughput).
+time by the server, so time per meeting ~ (4 W + 2) / throughput).
 
     .venv/bin/python benchmarks/store_scale.py            # ~1 minute
     .venv/bin/python benchmarks/store_scale.py --quick    # C = 4, 16 (CI)
@@ -44,8 +45,10 @@ def run(rank):
         rv.meet(rv.key("start"), timedelta(seconds=120), what="start")  # every client connected
         t0 = time.perf_counter()
         for m in range(meetings):
-            rv.meet(rv.key("m", m), timedelta(seconds=120), what=f"meeting {m}")
-            rv.delete(rv.key("m", m, "here", rank))  # the cleanup a refit does two steps later
+            rv.meet(rv.key("m", m), timedelta(seconds=120), what=f"meeting {m}", seat=rv.key("seat"))
+            if rank == 0 and m >= 2:  # the cleanup a refit does two steps later (rank 0: count, gate)
+                rv.delete(rv.key("m", m - 2, "count"))
+                rv.delete(rv.key("m", m - 2, "gate"))
         spans.append(time.perf_counter() - t0)
     except Exception as e:
         errors.append(f"rank {rank}: {e}")
@@ -55,7 +58,7 @@ ts = [threading.Thread(target=run, args=(first + i,)) for i in range(threads)]
 print("ERR " + "; ".join(errors) if errors else f"OK {max(spans)}")
 """
 
-REQUESTS_PER_MEETING = 5  # per rank: set here, add count, wait gate, get gate, delete here (later)
+REQUESTS_PER_MEETING = 4  # per rank: set seat, add count, wait gate, read count (rank 0: 2 deletes more)
 
 
 def measure(clients: int, meetings: int, processes: int) -> tuple[float, bool]:
@@ -101,7 +104,7 @@ def main() -> int:
         ok_all &= ok
         spent = max(seconds, 1e-9)
         per_meeting = spent / meetings
-        rps = REQUESTS_PER_MEETING * c * meetings / spent
+        rps = (REQUESTS_PER_MEETING * c + 2) * meetings / spent
         first = first or per_meeting
         rows.append((c, per_meeting, rps))
         print(f"{c:>8} {meetings / spent:>11.1f} {rps:>11.0f} {per_meeting * 1e3:>11.2f}  "
@@ -110,11 +113,11 @@ def main() -> int:
     print(f"\nmodel (one server thread, {rps:.0f} requests/s as measured at C = {c}); a step meets to agree and "
           "once after its buckets (one fence per step), where it used to meet after every bucket:")
     for world in (1024, 8192):
-        meeting = REQUESTS_PER_MEETING * world / rps
+        meeting = (REQUESTS_PER_MEETING * world + 2) / rps
         for buckets in (4, 32):
             fenced, per_bucket = 2 * meeting, (buckets + 1) * meeting
             print(f"  {world:>5} ranks, {buckets:>2} buckets: {meeting * 1e3:7.1f} ms per meeting; "
-                  f"{fenced:6.2f} s of meetings per step ({2 * REQUESTS_PER_MEETING * world:,} requests), "
+                  f"{fenced:6.2f} s of meetings per step ({2 * (REQUESTS_PER_MEETING * world + 2):,} requests), "
                   f"per-bucket fences {per_bucket:6.2f} s ({per_bucket / fenced:.1f}x)")
     if not ok_all:
         print("a meeting FAILED", file=sys.stderr)

@@ -44,7 +44,7 @@ from .views import view as _view
 
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOTE_CHARS = 4000   # what one rank tells the others about its tensors, at most
-STRIDED = 1 << 20   # agreement flags: problems count in the low bits, strided ranks above
+STALE_KEYS = 256    # store keys of finished steps a rank may defer deleting, at most
 
 
 @dataclass
@@ -154,6 +154,8 @@ class Refitter:
         self._phase = "setup"
         self._broken: str | None = None
         self._keys: dict[int, list[tuple[str, bool]]] = {}  # step -> (key, shared)
+        self._stale: list[str] = []  # keys of finished steps, deleted while transfers fly
+        self._plans_agreed = False   # every rank's plan digest equal: checked until one agreement passes
 
     @property
     def reusable(self) -> bool:
@@ -245,38 +247,48 @@ class Refitter:
                                  err.peers or (self.rank,))
                 raise err from (None if err is exc else exc)
         self._phase = f"bucket {last}"
-        self._meet(step, fence, f"finish bucket {last}", reusable=False)
+        self._meet(step, fence, f"finish bucket {last}", reusable=False, seat="fence")
         if self.verify:
             self._phase = "verification"
             self._verify_result(step, mismatches)
 
     def _prefix(self, step: int, *parts) -> str:
-        """A meeting's prefix, remembered for cleanup two steps later."""
+        """A meeting's prefix; its count and gate are deleted two steps later (by rank 0)."""
         prefix = self._rv.key(step, *parts)
-        keys = self._keys.setdefault(step, [])
-        keys.append((f"{prefix}/here/{self.rank}", False))
-        keys += [(f"{prefix}/count", True), (f"{prefix}/gate", True)]
+        self._keys.setdefault(step, []).extend([(f"{prefix}/count", True), (f"{prefix}/gate", True)])
         return prefix
 
-    def _meet(self, step: int, prefix: str, what: str, *, reusable: bool, note: str = "") -> None:
+    def _meet(self, step: int, prefix: str, what: str, *, reusable: bool, note: str = "",
+              marks: tuple[bool, ...] = (), seat: str) -> tuple[int, ...]:
+        """Meet every rank at `prefix`, sitting in this Refitter's seats of kind `seat` (no
+        per-rank key per step)."""
         try:
-            self._rv.meet(prefix, self.timeout, what=what, note=note)
+            return self._rv.meet(prefix, self.timeout, what=what, note=note, marks=marks,
+                                 seat=self._rv.key("seat", seat))
         except Abandoned as exc:
             raise RefitError.at(self.rank, step, self._phase, exc.reason, peers=exc.peers,
                                 reusable=reusable) from None
 
     def _read_notes(self, step: int, meeting: str) -> list[str]:
         """Every rank's note at `meeting`, then one more meeting: rank 0 may host the store, and a
-        rank 0 that raised and exited at once would leave the others reading a dead store."""
-        notes = self._rv.notes(self._rv.key(step, meeting))
-        self._meet(step, self._prefix(step, meeting, "read"), "read the others' notes", reusable=True)
+        rank 0 that raised and exited at once would leave the others reading a dead store (and
+        no rank may sit down at the next `meeting` before everyone has read this one's)."""
+        notes = self._rv.notes(self._rv.key(step, meeting), self._rv.key("seat", meeting))
+        self._meet(step, self._prefix(step, meeting, "read"), "read the others' notes", reusable=True, seat="read")
         return notes
 
     def _forget(self, step: int) -> None:
-        """Every rank met at step+1, so step's keys are unused: delete ours (rank 0: the shared ones)."""
-        for key, shared in self._keys.pop(step, ()):
-            if not shared or self.rank == 0:
-                self._rv.delete(key)
+        """Every rank met at step+1, so step's keys are unused: ours (rank 0: the shared ones) are
+        deleted while this step's first transfers fly (off the critical path), or now if too
+        many are waiting."""
+        self._stale += [key for key, shared in self._keys.pop(step, ()) if not shared or self.rank == 0]
+        if len(self._stale) > STALE_KEYS:
+            self._delete_stale()
+
+    def _delete_stale(self) -> None:
+        stale, self._stale = self._stale, []
+        for key in stale:
+            self._rv.delete(key)
 
     # ---- agreement ------------------------------------------------------------------
     def _device(self, tensors) -> torch.device:
@@ -294,24 +306,25 @@ class Refitter:
     def _agree(self, step: int, src_tensors, dst_tensors, strided: bool) -> bool:
         """Same plan everywhere, right tensors everywhere, every rank present in time.
 
-        Three counters in the store: ranks per plan digest, ranks with problems,
-        ranks with non-contiguous tensors; notes are read only on trouble.
+        One meeting: each rank marks whether its tensors have problems and whether they are
+        non-contiguous; the plan digests are counted in the store until one agreement
+        passes (a Refitter's plan, budget and overlap never change, and the n-th Refitter
+        of a rank meets the n-th of the others). Notes are read only on trouble.
         Returns whether any rank passes non-contiguous tensors.
         """
         prefix = self._prefix(step, "agree")
         problems = self._check_tensors(src_tensors, dst_tensors)
-        digest_key, flags_key = f"{prefix}/digest/{self._digest}", f"{prefix}/flags"
-        self._keys[step] += [(digest_key, False), (flags_key, True)]
-        self._rv.add(digest_key, 1)
-        flags = (1 if problems else 0) + (STRIDED if strided else 0)
-        if flags:
-            self._rv.add(flags_key, flags)
+        digest_key = f"{prefix}/digest/{self._digest}"
+        if not self._plans_agreed:
+            self._keys[step].append((digest_key, False))
+            self._rv.add(digest_key, 1)
         note = (self._digest + "\n" + "\n".join(problems))[:NOTE_CHARS]
-        self._meet(step, prefix, f"start step {step}", reusable=True, note=note)
-        same = self._rv.add(digest_key, 0) == self.world
-        flags = self._rv.add(flags_key, 0)
-        if same and flags % STRIDED == 0:
-            return flags >= STRIDED
+        troubled, strided_ranks = self._meet(step, prefix, f"start step {step}", reusable=True, note=note,
+                                             marks=(bool(problems), strided), seat="agree")
+        same = self._plans_agreed or self._rv.add(digest_key, 0) == self.world
+        if same and not troubled:
+            self._plans_agreed = True
+            return strided_ranks > 0
         notes = self._read_notes(step, "agree")
         digests = [n.split("\n", 1)[0] for n in notes]
         if len(set(digests)) != 1:
@@ -358,6 +371,8 @@ class Refitter:
             run.do(st)
             if st.kind == "post" and self._pending is not None:
                 mismatches += self._finish_pending()  # while this bucket's first round flies
+            if st.kind == "post" and self._stale:
+                self._delete_stale()  # store cleanup while the network works
         mismatches += self._finish_pending()
         self._pending = (run, steps[tail:], schedule.ops[b], dst, device)
         if not self.overlap:
@@ -471,12 +486,9 @@ class Refitter:
     def _verify_result(self, step: int, mismatches: list[str]) -> None:
         """Every rank learns every rank's mismatches (through the store, only on trouble)."""
         prefix = self._prefix(step, "verify")
-        bad_key = f"{prefix}/bad"
-        self._keys[step].append((bad_key, True))
-        if mismatches:
-            self._rv.add(bad_key, 1)
-        self._meet(step, prefix, "finish verification", reusable=True, note="; ".join(mismatches)[:NOTE_CHARS])
-        if self._rv.add(bad_key, 0) == 0:
+        (bad,) = self._meet(step, prefix, "finish verification", reusable=True,
+                            note="; ".join(mismatches)[:NOTE_CHARS], marks=(bool(mismatches),), seat="verify")
+        if not bad:
             return
         bad = [n for n in self._read_notes(step, "verify") if n and n != "1"]
         raise RefitError.at(self.rank, step, "verification", "verification failed: destination contents differ "

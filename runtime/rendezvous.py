@@ -5,19 +5,28 @@ group's own timeout (30 minutes by default), cannot say which rank is missing,
 and on NCCL may never return. Through the store a rank that waits too long
 names the ranks that never arrived, and tells every other rank at once.
 
-A meeting is three kinds of keys under its prefix::
+A meeting is three kinds of keys::
 
-    here/R   set by rank R when it arrives (value: a short note for the others)
-    count    arrivals, +1 each; giving up adds ABORT, so no later total is `world`
-    gate     "go" (the last arrival) or "abort\\n<reason>" (the first to give up)
+    seat/R   set by rank R when it arrives: the meeting's prefix, then a short note
+             for the others. A seat is reused by every meeting of one kind (a
+             Refitter's step agreement, its fence), so a step leaves no per-rank
+             keys behind; by default a meeting's seats are its own, under its prefix.
+    count    arrivals, +1 each, plus each rank's marks in fields above the
+             arrivals; giving up adds ABORT, so no later total counts `world` arrivals
+    gate     "go" (the last arrival) or "abort\n<reason>" (the first to give up)
 
 The count turns a race into one decision: the gate opens only for the rank
-whose increment made the count exactly `world`; a rank that gives up first
+whose increment made the arrivals exactly `world`; a rank that gives up first
 adds ABORT, after which no increment can land on `world`, and a late arrival
 reads the reason instead of waiting. So either every rank passes a meeting or
-every rank fails it, with the same reason.
+every rank fails it, with the same reason. Marks (at most two yes/no facts
+per rank, such as "my tensors are wrong") ride on the same increment: once
+the gate opens, the count says how many ranks marked each. A meeting costs a
+rank four requests (set its seat, which gets no reply; add; wait for the
+gate; read the count), the last arrival three, all on the store's one server
+thread (benchmarks/store_scale.py).
 
->>> ABORT > 1 << 30   # more ranks than any group has
+>>> ABORT > ARRIVALS * (1 + (1 << FIELD) + (1 << 2 * FIELD))   # every rank arriving with both marks
 True
 """
 
@@ -28,7 +37,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-ABORT = 1 << 40
+FIELD = 16                    # bits per count field: arrivals, then one per mark
+ARRIVALS = (1 << FIELD) - 1   # so a group has fewer than 65,536 ranks
+MARKS = 2
+ABORT = 1 << (FIELD * (MARKS + 1))  # above every field; 2**15 aborts still fit in 63 bits
 GO = b"go"
 
 
@@ -52,6 +64,8 @@ class Rendezvous:
     """
 
     def __init__(self, store, rank: int, world: int, namespace: str):
+        if world > ARRIVALS:
+            raise ValueError(f"a meeting counts at most {ARRIVALS:,} ranks in one store field; this group has {world:,}")
         self.store = store
         self.rank = rank
         self.world = world
@@ -90,41 +104,61 @@ class Rendezvous:
             pass  # cleanup is best effort; the next meeting reports a dead store
 
     # ---- meetings ---------------------------------------------------------------
-    def meet(self, prefix: str, timeout: timedelta, *, what: str, note: str = "") -> None:
-        """Wait until every rank arrived at `prefix`, at most `timeout`.
+    def meet(self, prefix: str, timeout: timedelta, *, what: str, note: str = "", marks: tuple[bool, ...] = (),
+             seat: str | None = None) -> tuple[int, ...]:
+        """Wait until every rank arrived at `prefix`, at most `timeout`; per mark, how many ranks set it.
 
-        Raises Abandoned naming the ranks that did not `what` ("start step 3")
-        in time, or the reason another rank gave up first.
+        `seat`: where ranks sit (`seat/R`), reused by meetings of one kind (default: under
+        `prefix`). Raises Abandoned naming the ranks that did not `what` ("start step 3") in
+        time, or the reason another rank gave up first.
         """
+        if len(marks) > MARKS:
+            raise ValueError(f"a meeting carries at most {MARKS} marks")
         deadline = time.monotonic() + timeout.total_seconds()
-        self._call(self.store.set, f"{prefix}/here/{self.rank}", note or "1")
-        n = self.add(f"{prefix}/count", 1)
-        if n == self.world:
-            self._call(self.store.set, f"{prefix}/gate", GO)
-            return
-        if n > self.world:
+        self._call(self.store.set, self._seat(prefix, seat, self.rank), f"{prefix}\n{note}")
+        n = self.add(f"{prefix}/count", 1 + sum(1 << (FIELD * (i + 1)) for i, m in enumerate(marks) if m))
+        if n >= ABORT:
             raise Abandoned(*self._reason(prefix, deadline))
+        if n & ARRIVALS == self.world:
+            self._call(self.store.set, f"{prefix}/gate", GO)
+            return _marks(n, len(marks))
         try:
             self._call(self.store.wait, [f"{prefix}/gate"], _left(deadline))
         except TimeoutError:
-            self._give_up_late(prefix, timeout, what)
-            return
-        gate = self._call(self.store.get, f"{prefix}/gate")
-        if gate != GO:
-            raise Abandoned(*_parse(gate))
+            return _marks(self._give_up_late(prefix, seat, timeout, what), len(marks))
+        # The gate exists. Read the count, not the gate (a get is two requests: wait, then get):
+        # below ABORT it is the final count and the gate says go; at or above it, some rank
+        # aborted, before the gate opened (then the gate says why) or after (too late to matter).
+        n = self.add(f"{prefix}/count", 0)
+        if n >= ABORT:
+            gate = self._call(self.store.get, f"{prefix}/gate")
+            if gate != GO:
+                raise Abandoned(*_parse(gate))
+        return _marks(n % ABORT, len(marks))
 
-    def _give_up_late(self, prefix: str, timeout: timedelta, what: str) -> None:
-        """Our wait ran out: abort the meeting, unless the last rank arrived just now."""
+    def _seat(self, prefix: str, seat: str | None, rank: int) -> str:
+        return f"{seat}/{rank}" if seat is not None else f"{prefix}/here/{rank}"
+
+    def _give_up_late(self, prefix: str, seat: str | None, timeout: timedelta, what: str) -> int:
+        """Our wait ran out: abort the meeting, unless the last rank arrived just now (then: the
+        final count)."""
         m = self.add(f"{prefix}/count", ABORT)
-        if m == ABORT + self.world:  # everyone arrived before our abort: the gate is opening
+        if m < 2 * ABORT and (m - ABORT) & ARRIVALS == self.world:  # everyone arrived before our abort
             self._call(self.store.wait, [f"{prefix}/gate"], timedelta(seconds=5))
-            return
-        missing = tuple(r for r in range(self.world) if not self._call(self.store.check, [f"{prefix}/here/{r}"]))
+            return m - ABORT
+        missing = tuple(r for r in range(self.world) if not self._seated(prefix, seat, r))
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
         reason = f"{who} did not {what} within {timeout.total_seconds():g} s (stalled or dead)"
         self._open_gate(prefix, reason, missing)
         gate = self._call(self.store.get, f"{prefix}/gate")
         raise Abandoned(*_parse(gate))
+
+    def _seated(self, prefix: str, seat: str | None, rank: int) -> bool:
+        """Did `rank` arrive at this meeting? (Its seat holds this meeting's prefix.)"""
+        key = self._seat(prefix, seat, rank)
+        if not self._call(self.store.check, [key]):
+            return False
+        return self._call(self.store.get, key).split(b"\n", 1)[0] == prefix.encode()
 
     def give_up(self, prefix: str, reason: str, peers: tuple[int, ...] = ()) -> None:
         """This rank will not arrive at `prefix`: release everyone waiting there, with `reason`."""
@@ -147,10 +181,12 @@ class Rendezvous:
             return "the other ranks gave up on this meeting before this rank arrived", ()
         return _parse(self._call(self.store.get, f"{prefix}/gate"))
 
-    def notes(self, prefix: str) -> list[str]:
-        """Every rank's note at a meeting that every rank passed (so every note exists)."""
-        keys = [f"{prefix}/here/{r}" for r in range(self.world)]
-        return [v.decode("utf-8", errors="replace") for v in self._call(self.store.multi_get, keys)]
+    def notes(self, prefix: str, seat: str | None = None) -> list[str]:
+        """Every rank's note at a meeting that every rank passed and none has left for another
+        meeting of its kind (so every seat holds this meeting's note)."""
+        keys = [self._seat(prefix, seat, r) for r in range(self.world)]
+        values = [v.decode("utf-8", errors="replace") for v in self._call(self.store.multi_get, keys)]
+        return [v.split("\n", 1)[1] if "\n" in v else "" for v in values]
 
 
 def _left(deadline: float, floor: float = 0.001) -> timedelta:
@@ -160,6 +196,11 @@ def _left(deadline: float, floor: float = 0.001) -> timedelta:
 def parse_gate(gate: bytes) -> tuple[str, tuple[int, ...]]:
     """(reason, peers) left at an aborted gate; ("", ()) at an open one."""
     return ("", ()) if gate == GO else _parse(gate)
+
+
+def _marks(count: int, n: int) -> tuple[int, ...]:
+    """How many ranks set each of the first `n` marks, from a count below ABORT."""
+    return tuple((count >> (FIELD * (i + 1))) & ARRIVALS for i in range(n))
 
 
 def _parse(gate: bytes) -> tuple[str, tuple[int, ...]]:

@@ -127,7 +127,7 @@ def run(job: dict, rank: int, group=None) -> dict:
     storage = {name: _data(v).data_ptr() for name, v in dst.items()}
     barriers = not any(job.get(f) for f in FAULTS)  # a collective would hang on a faulty rank
     stall_before = job.get("stall_before") or {}
-    times, outcomes = [], []
+    times, outcomes, store_keys = [], [], []
     succeeded = True
     for step in range(1, job.get("steps", 1) + 1):
         if stall_before.get("rank") == rank and stall_before.get("step", 1) == step:
@@ -143,6 +143,8 @@ def run(job: dict, rank: int, group=None) -> dict:
             break
         if barriers:
             dist.barrier(group=group)
+            if job.get("count_store_keys"):
+                store_keys.append(dist.distributed_c10d._get_default_store().num_keys())
         times.append(outcome["seconds"])
     errors = []
     if succeeded:
@@ -159,7 +161,7 @@ def run(job: dict, rank: int, group=None) -> dict:
             "first_error": first_error, "reusable": refitter.reusable,
             "sent_bytes": refitter.sent_bytes // n, "received_bytes": refitter.received_bytes // n,
             "local_bytes": refitter.local_bytes // n, "staging_peak": refitter.meter.peak,
-            "checked_tensors": len(dst) if succeeded else 0, "check_errors": errors[:5],
+            "checked_tensors": len(dst) if succeeded else 0, "check_errors": errors[:5], "store_keys": store_keys,
             "largest_tensor_bytes": max((_nbytes(v) for v in list(dst.values()) + list(src.values())), default=0)}
 
 

@@ -126,3 +126,52 @@ def test_a_dead_store_is_its_own_error_naming_the_address():
     with pytest.raises(StoreUnreachable) as info:
         rv.meet("m", timedelta(seconds=2), what="start")
     assert str(info.value).startswith(f"the process group's store at 127.0.0.1:{port} is unreachable (rank 0 hosts it")
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_learns_how_many_ranks_set_each_mark(stores):
+    _, client = stores
+    # rank r marks (r is odd, r == 3): two odd ranks of five, one rank 3
+    out = {}
+
+    def behaviour(rank, rv):
+        out[rank] = rv.meet("m", timedelta(seconds=5), what="start", marks=(rank % 2 == 1, rank == 3))
+
+    _run_ranks(client, 5, behaviour)
+    assert out == {r: (2, 1) for r in range(5)}
+
+
+@pytest.mark.timeout(60)
+def test_a_reused_seat_names_the_rank_that_sat_only_at_an_earlier_meeting(stores):
+    """Seats are reused from meeting to meeting (no per-step keys); a rank that sat at meeting
+    1 but never came to meeting 2 is still named missing at meeting 2."""
+    _, client = stores
+
+    def behaviour(rank, rv):
+        rv.meet("m1", timedelta(seconds=5), what="start step 1", seat="seat/agree")
+        if rank == 1:
+            return
+        rv.meet("m2", timedelta(seconds=1), what="start step 2", seat="seat/agree")
+
+    out = _run_ranks(client, 3, behaviour)
+    for rank in (0, 2):
+        assert out[rank][:2] == ("rank 1 did not start step 2 within 1 s (stalled or dead)", (1,))
+
+
+@pytest.mark.timeout(60)
+def test_notes_come_from_reused_seats_without_the_meeting_tag(stores):
+    _, client = stores
+    notes = {}
+
+    def behaviour(rank, rv):
+        rv.meet("m1", timedelta(seconds=5), what="start", note="old", seat="seat/agree")
+        rv.meet("m2", timedelta(seconds=5), what="start", note=f"n{rank}\nsecond line", seat="seat/agree")
+        notes[rank] = rv.notes("m2", "seat/agree")
+
+    _run_ranks(client, 2, behaviour)
+    assert notes == {r: ["n0\nsecond line", "n1\nsecond line"] for r in range(2)}
+
+
+def test_a_group_too_large_for_the_count_field_is_refused():
+    with pytest.raises(ValueError, match="at most 65,535 ranks"):
+        Rendezvous(None, 0, 65_536, "t")
