@@ -39,6 +39,7 @@ from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storag
 from .wire import landed, pack, unpack_into, write_tensor_scale
 from .wire import wire_bytes as packed_bytes
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
+from .staging import StagingArena
 from .views import shape as _shape
 from .views import view as _view
 
@@ -118,11 +119,14 @@ class Refitter:
     `overlap=True` finishes each bucket (land, quantize, unpack) while the next
     bucket's transfers fly, with buckets cut at half the budget (every rank must
     pass the same `budget_bytes` and `overlap`: they are part of the agreement).
+    `keep_staging`: carve staging buffers from arenas kept between steps (runtime/staging.py;
+    they hold the largest bucket's staging, at most the budget, until `release_staging()`).
+    By default only on CPU, where fresh buffers are fresh pages every step.
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
                  timeout: timedelta | float = timedelta(seconds=60), verify: bool = False,
-                 hooks: RefitHooks | None = None, overlap: bool = False):
+                 hooks: RefitHooks | None = None, overlap: bool = False, keep_staging: bool | None = None):
         self.plan = plan
         self.group = group
         self.device = device
@@ -134,6 +138,8 @@ class Refitter:
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.verify = verify
         self.hooks = hooks or RefitHooks()
+        self.keep_staging = keep_staging
+        self._arenas: list[StagingArena] = []  # bucket b carves from arena b % len (2 with overlap)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if self.world < plan.world:
@@ -156,6 +162,23 @@ class Refitter:
         self._keys: dict[int, list[tuple[str, bool]]] = {}  # step -> (key, shared)
         self._stale: list[str] = []  # keys of finished steps, deleted while transfers fly
         self._plans_agreed = False   # every rank's plan digest equal: checked until one agreement passes
+
+    @property
+    def staging_held(self) -> int:
+        """Bytes of staging this Refitter keeps between steps (`keep_staging`)."""
+        return sum(a.held for a in self._arenas)
+
+    def release_staging(self) -> None:
+        """Give the kept staging arenas back (the next step takes them again)."""
+        self._arenas = []
+
+    def _arena(self, b: int, device: torch.device) -> StagingArena | None:
+        keep = self.keep_staging if self.keep_staging is not None else device.type == "cpu"
+        if not keep:
+            return None
+        if not self._arenas:
+            self._arenas = [StagingArena() for _ in range(2 if self.overlap else 1)]
+        return self._arenas[b % len(self._arenas)]
 
     @property
     def reusable(self) -> bool:
@@ -360,7 +383,7 @@ class Refitter:
         round; each kind has one handler here). With `overlap`, the steps after the bucket's last
         wait are left for `_finish_pending`, run once the next bucket's first messages are posted
         (different destination tensors; every message of this bucket has landed by then)."""
-        run = _BucketRun(self, schedule.ops[b], src, dst, device)
+        run = _BucketRun(self, schedule.ops[b], src, dst, device, self._arena(b, device))
         steps = schedule.steps[b]
         tail = len(steps)
         if self.overlap and not self.verify:  # (checksums are messages: they stay in their bucket)
@@ -390,6 +413,8 @@ class Refitter:
         mismatches = self._bucket_checksums(ops, dst, run.assembly, run.source_view, run.packed,
                                             device) if self.verify else []
         self.meter.release(run.allocated)
+        if run.arena is not None:
+            run.arena.reset(device)  # every buffer of the bucket is dead: the next carves them again
         return mismatches
 
     def _post(self, p2p: list, what: str) -> list:
@@ -499,8 +524,9 @@ class _BucketRun:
     """The state of one bucket while its steps run: buffers by op, assemblies, dequantized
     sources, the point-to-point messages of each round, agreed amaxes."""
 
-    def __init__(self, refitter: Refitter, ops, src, dst, device):
+    def __init__(self, refitter: Refitter, ops, src, dst, device, arena: StagingArena | None = None):
         self.r, self.src, self.dst, self.device = refitter, src, dst, device
+        self.arena = arena
         self.me = refitter.rank
         self.assembly: dict[str, torch.Tensor] = {}
         self.dequantized: dict[str, torch.Tensor] = {}
@@ -518,6 +544,12 @@ class _BucketRun:
 
     def do(self, step: Step) -> None:
         getattr(self, "_" + step.kind.replace("-", "_"))(step)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized staging buffer: from the kept arena, or fresh."""
+        if self.arena is not None:
+            return self.arena.empty(shape, dtype, self.device)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def alloc(self, t: torch.Tensor) -> torch.Tensor:
         """A staging buffer of this bucket (counted by the Refitter's meter until released)."""
@@ -567,8 +599,7 @@ class _BucketRun:
         _zero_padding(self.dst[step.tensor], self.r.dst_held[step.tensor], self.me)
 
     def _assemble(self, step: Step) -> None:
-        self.assembly[step.tensor] = self.alloc(torch.zeros(self.local_shape(step.tensor),
-                                                                    dtype=torch.bfloat16, device=self.device))
+        self.assembly[step.tensor] = self.alloc(self.empty(self.local_shape(step.tensor), torch.bfloat16).zero_())
 
     def _dequantize(self, step: Step) -> None:
         held = self.r.src_held[step.tensor]
@@ -588,7 +619,7 @@ class _BucketRun:
             view = self.source_view(op)
             wire = _wire(r.entry[op.key])
             if step.staged:
-                buf = self.alloc(torch.empty(view.shape, dtype=wire, device=self.device))
+                buf = self.alloc(self.empty(view.shape, wire))
                 buf.copy_(view)
             else:
                 buf = view
@@ -598,14 +629,12 @@ class _BucketRun:
     def _recv(self, step: Step) -> None:
         op, r = step.op, self.r
         if op.wire:
-            buf = self.bufs[op.id] = self.alloc(torch.empty(
-                packed_bytes(op.wire, op.dst_slice, self.local_shape(op.dst_name)), dtype=torch.uint8,
-                device=self.device))
+            buf = self.bufs[op.id] = self.alloc(self.empty(
+                (packed_bytes(op.wire, op.dst_slice, self.local_shape(op.dst_name)),), torch.uint8))
         else:
             view = self.dst_view(op)
             if step.staged:
-                buf = self.bufs[op.id] = self.alloc(torch.empty(view.shape, dtype=_wire(r.entry[op.key]),
-                                                                   device=self.device))
+                buf = self.bufs[op.id] = self.alloc(self.empty(view.shape, _wire(r.entry[op.key])))
                 self.landing[op.id] = view
             else:
                 buf = view

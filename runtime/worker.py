@@ -1,7 +1,7 @@
 """One rank of a local refit job (see launch.py). Usage: python -m layoutlang.runtime.worker JOB OUT
 
 The job (JSON) names the two layouts and their args, and optionally a
-budget, `verify`, a number of `steps`, `timeout` (the Refitter's, seconds),
+budget, `verify`, `overlap`, `keep_staging`, a number of `steps`, `timeout` (the Refitter's, seconds),
 `pg_timeout` (the process group's; by default far above `timeout`, so that
 nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
@@ -113,7 +113,8 @@ def run(job: dict, rank: int, group=None) -> dict:
                         relay=job.get("relay", True))
     refitter = Refitter(plan, group=group, budget_bytes=job.get("budget"),
                         timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
-                        hooks=FaultHooks(job, rank), overlap=job.get("overlap", False))
+                        hooks=FaultHooks(job, rank), overlap=job.get("overlap", False),
+                        keep_staging=job.get("keep_staging"))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t, rank=rank) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
     wrong = job.get("wrong_shape")  # test fault: one rank passes a tensor of another shape
@@ -161,6 +162,7 @@ def run(job: dict, rank: int, group=None) -> dict:
             "first_error": first_error, "reusable": refitter.reusable,
             "sent_bytes": refitter.sent_bytes // n, "received_bytes": refitter.received_bytes // n,
             "local_bytes": refitter.local_bytes // n, "staging_peak": refitter.meter.peak,
+            "staging_held": refitter.staging_held,
             "checked_tensors": len(dst) if succeeded else 0, "check_errors": errors[:5], "store_keys": store_keys,
             "largest_tensor_bytes": max((_nbytes(v) for v in list(dst.values()) + list(src.values())), default=0)}
 

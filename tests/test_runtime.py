@@ -147,6 +147,25 @@ def test_overlapped_buckets_are_exact_and_within_the_budget(pair, budget):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_kept_staging_is_reused_exactly_and_stays_within_the_budget(pair, overlap):
+    """On CPU the Refitter carves staging from arenas kept between steps (runtime/staging.py):
+    three steps are exact, and what is kept is bounded like the staging itself; with
+    keep_staging=False nothing is kept."""
+    src, dst = pair
+    budget = 1024
+    kept = launch({"src": src, "dst": dst, "budget": budget, "steps": 3, "overlap": overlap}, 8, timeout=150)
+    fresh = launch({"src": src, "dst": dst, "budget": budget, "steps": 3, "overlap": overlap,
+                    "keep_staging": False}, 8, timeout=150)
+    _assert_all_ok(kept)
+    _assert_all_ok(fresh)
+    assert any(r.result["staging_held"] > 0 for r in kept)  # this pair stages on some ranks
+    for r in kept:
+        assert r.result["staging_held"] <= budget + r.result["largest_tensor_bytes"]
+    assert all(r.result["staging_held"] == 0 for r in fresh)
+
+
+@pytest.mark.timeout(180)
 def test_killed_peer_fails_every_survivor_naming_it(pair):
     src, dst = pair
     # linger: rank 0 hosts the store; had it exited at once, a slower survivor would meet a dead

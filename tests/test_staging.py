@@ -1,0 +1,68 @@
+"""StagingArena alone: buffers carved in order from one block kept between steps.
+
+Expected offsets are computed by hand from the rule: every buffer starts at
+the next multiple of 64 bytes after the previous one's end.
+"""
+
+import torch
+
+from layoutlang.runtime.staging import ALIGN, StagingArena
+
+CPU = torch.device("cpu")
+# (shape, dtype, bytes): 30 B, then 40 B at 64, then 7 B at 128: a bucket needs 135 B
+BUCKET = [((3, 5), torch.bfloat16, 30), ((10,), torch.float32, 40), ((7,), torch.uint8, 7)]
+STARTS = [0, 64, 128]
+
+
+def _take(arena, wanted):
+    return [arena.empty(shape, dtype, CPU) for shape, dtype, _ in wanted]
+
+
+def test_the_first_bucket_is_fresh_then_every_later_one_is_carved_from_one_block():
+    arena = StagingArena()
+    first = _take(arena, BUCKET)
+    assert arena.held == 0  # nothing kept yet: the first buffers are allocated on their own
+    arena.reset(CPU)
+    assert arena.held == 128 + 7
+    for _ in range(2):  # the next bucket, and the one after: the same block
+        bufs = _take(arena, BUCKET)
+        base = arena.block.data_ptr()
+        assert [b.data_ptr() - base for b in bufs] == STARTS
+        assert [(tuple(b.shape), b.dtype) for b in bufs] == [(s, d) for s, d, _ in BUCKET]
+        assert all(b.data_ptr() % ALIGN == 0 for b in bufs)
+        arena.reset(CPU)
+    assert arena.held == 135
+    assert all(b.untyped_storage().data_ptr() != arena.block.data_ptr() for b in first)
+
+
+def test_carved_buffers_do_not_overlap_and_keep_their_values():
+    arena = StagingArena()
+    _take(arena, BUCKET)
+    arena.reset(CPU)
+    bufs = _take(arena, BUCKET)
+    for k, b in enumerate(bufs):
+        b.fill_(k + 1)
+    for k, b in enumerate(bufs):
+        assert bool((b == k + 1).all())
+
+
+def test_a_bigger_bucket_overflows_once_then_the_block_grows():
+    arena = StagingArena()
+    _take(arena, BUCKET)
+    arena.reset(CPU)
+    bigger = BUCKET + [((100,), torch.float16, 200)]  # 200 B at 192: 392 B
+    bufs = _take(arena, bigger)
+    base, held = arena.block.data_ptr(), arena.held
+    assert not base <= bufs[-1].data_ptr() < base + held  # did not fit: its own allocation
+    arena.reset(CPU)
+    assert arena.held == 192 + 200
+    bufs = _take(arena, bigger)
+    assert [b.data_ptr() - arena.block.data_ptr() for b in bufs] == STARTS + [192]
+
+
+def test_release_gives_the_block_back():
+    arena = StagingArena()
+    _take(arena, BUCKET)
+    arena.reset(CPU)
+    arena.release()
+    assert arena.held == 0 and arena.block is None
