@@ -13,7 +13,7 @@ A meeting is three kinds of keys::
              keys behind; by default a meeting's seats are its own, under its prefix.
     count    arrivals, +1 each, plus each rank's marks in fields above the
              arrivals; giving up adds ABORT, so no later total counts `world` arrivals
-    gate     "go" (the last arrival) or "abort\n<reason>" (the first to give up)
+    gate     "go" (the last arrival) or "abort\\n<reason>" (the first to give up)
 
 The count turns a race into one decision: the gate opens only for the rank
 whose increment made the arrivals exactly `world`; a rank that gives up first
