@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from fresh_child import fastest
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "examples" / "deepseek_v3_moe.layout"
@@ -53,15 +54,8 @@ print(json.dumps({"seconds": seconds, "rss_mib": resource.getrusage(resource.RUS
 
 
 def measure(engine: Path, mode: str, src_args: dict, dst_args: dict, rank: int, repeat: int) -> dict:
-    best = None
-    for _ in range(repeat):
-        out = subprocess.run([sys.executable, "-c", CHILD, str(SRC), str(engine), mode, json.dumps(src_args),
-                              json.dumps(dst_args), str(rank)], capture_output=True, text=True, timeout=900)
-        if out.returncode != 0:
-            raise SystemExit(f"{engine.name} {mode}: the child failed:\n{out.stderr[-3000:]}")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        best = r if best is None or r["seconds"] < best["seconds"] else best
-    return best
+    return fastest(CHILD, [SRC, engine, mode, json.dumps(src_args), json.dumps(dst_args), rank],
+                   f"{engine.name} {mode}", repeat)
 
 
 def main(argv: list[str] | None = None) -> int:

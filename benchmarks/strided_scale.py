@@ -21,10 +21,10 @@ Targets (exit 1 when missed or when the plans disagree): strided <= 2,000 ops an
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+from fresh_child import fastest
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL = (ROOT / "examples" / "v2" / "llama2_13b_meta.layout", ROOT / "examples" / "v2" / "llama2_13b_hf.layout")
@@ -55,15 +55,7 @@ print(json.dumps({"planned": planned, "seconds": seconds, "ops": len(ops), "json
 
 
 def measure(src: Path, dst: Path, mode: str, repeat: int) -> dict:
-    best = None
-    for _ in range(repeat):
-        out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(dst), mode],
-                             capture_output=True, text=True, timeout=900)
-        if out.returncode != 0:
-            raise SystemExit(f"{mode}: the child failed:\n{out.stderr[-3000:]}")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        best = r if best is None or r["seconds"] < best["seconds"] else best
-    return best
+    return fastest(CHILD, [src, dst, mode], mode, repeat)
 
 
 def main(argv: list[str] | None = None) -> int:
