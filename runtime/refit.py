@@ -122,11 +122,14 @@ class Refitter:
     `keep_staging`: carve staging buffers from arenas kept between steps (runtime/staging.py;
     they hold the largest bucket's staging, at most the budget, until `release_staging()`).
     By default only on CPU, where fresh buffers are fresh pages every step.
+    `meet_every_step`: meet in the store at the start and end of every step, not only
+    until the first step every rank passed (see `refit`; `verify=True` always meets).
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
                  timeout: timedelta | float = timedelta(seconds=60), verify: bool = False,
-                 hooks: RefitHooks | None = None, overlap: bool = False, keep_staging: bool | None = None):
+                 hooks: RefitHooks | None = None, overlap: bool = False, keep_staging: bool | None = None,
+                 meet_every_step: bool = False):
         self.plan = plan
         self.group = group
         self.device = device
@@ -139,6 +142,7 @@ class Refitter:
         self.verify = verify
         self.hooks = hooks or RefitHooks()
         self.keep_staging = keep_staging
+        self.meet_every_step = meet_every_step
         self._arenas: list[StagingArena] = []  # bucket b carves from arena b % len (2 with overlap)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -159,9 +163,13 @@ class Refitter:
         self._fence: str | None = None  # the step's one meeting after the buckets (its prefix)
         self._phase = "setup"
         self._broken: str | None = None
+        self._broken_peers: tuple[int, ...] = ()
         self._keys: dict[int, list[tuple[str, bool]]] = {}  # step -> (key, shared)
         self._stale: list[str] = []  # keys of finished steps, deleted while transfers fly
         self._plans_agreed = False   # every rank's plan digest equal: checked until one agreement passes
+        # the strided flag of the first step every rank passed (its fence); from then on steps
+        # are steady: no meeting, each rank checks its own tensors against that agreement
+        self._agreed_strided: bool | None = None
 
     @property
     def staging_held(self) -> int:
@@ -219,13 +227,23 @@ class Refitter:
     def refit(self, src_tensors, dst_tensors) -> None:
         """Move every destination tensor's data into place; raise RefitError on any fault.
 
-        A failure before any transfer is posted (a rank late or missing at the
-        start, different plans, wrong tensors, a failed verification) fails the
-        same step on every rank and leaves this Refitter usable. A failure while
-        transfers are in flight leaves it unusable: the next call says so at once.
+        Until one step has passed on every rank, each step starts with an agreement
+        (same plan everywhere, right tensors everywhere, every rank present) and ends
+        with a fence (every rank finished): a failure before any transfer is posted (a
+        rank late or missing at the start, different plans, wrong tensors, a failed
+        verification) fails the same step on every rank and leaves this Refitter usable.
+        After that, steps are steady: no store meeting at all (the plan cannot change),
+        each rank checks its own tensors, and any failure, its own or a peer's, leaves
+        the Refitter unusable (`meet_every_step=True` keeps meeting every step). A
+        failure while transfers are in flight leaves it unusable: the next call says
+        so at once.
         """
         if self._broken is not None:
-            raise RefitError.at(self.rank, self._step + 1, "setup", f"this Refitter cannot be reused: {self._broken}",
+            step = self._step + 1
+            if self._steady():  # peers of a steady step wait on transfers, not a meeting: tell them
+                self._rv.give_up(self._rv.key(step, "fence"), f"rank {self.rank} cannot refit step {step}: "
+                                 f"{self._broken}", self._broken_peers or (self.rank,))
+            raise RefitError.at(self.rank, step, "setup", f"this Refitter cannot be reused: {self._broken}",
                                 reusable=False)
         self._step += 1
         step = self._step
@@ -236,25 +254,39 @@ class Refitter:
         except RefitError as exc:
             if not exc.reusable:
                 self._broken = f"step {step} failed in {exc.phase}: {exc.detail}"
+                self._broken_peers = exc.peers
             raise
         except StoreUnreachable as exc:
             self._broken = f"step {step} failed in {self._phase}: {exc}"
             raise RefitError.at(self.rank, step, self._phase, str(exc), reusable=False) from None
+
+    def _steady(self) -> bool:
+        """Does this step go without meetings? (Once one step passed everywhere.)"""
+        return self._agreed_strided is not None and not self.meet_every_step and not self.verify
 
     def _refit(self, step: int, src_tensors, dst_tensors) -> None:
         self._forget(step - 2)
         src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
         strided = any(_strided(v) for v in list(src.values()) + list(dst.values()))
-        schedule = self.schedule(self._agree(step, src_tensors, dst_tensors, strided))
+        steady = self._steady()
+        # One fence per step, not per bucket (store traffic is O(ranks) per step;
+        # benchmarks/store_scale.py), and in steady steps none: its key is only where a rank
+        # that fails leaves its reason. Between buckets a rank only waits for its own peers'
+        # transfers, under the timeout; a rank that fails gives up the fence with its reason,
+        # so every rank waiting there is released at once, and one whose transfer with a stuck
+        # peer times out reads the reason (`_root_cause`).
+        self._fence = fence = self._rv.key(step, "fence") if steady else self._prefix(step, "fence")
+        if steady:
+            self._phase = "check"
+            self._check_steady(step, src_tensors, dst_tensors, strided)
+            agreed = self._agreed_strided
+        else:
+            agreed = self._agree(step, src_tensors, dst_tensors, strided)
+        schedule = self.schedule(agreed)
         self.meter = StagingMeter()
         mismatches: list[str] = []
-        # One fence per step, not per bucket: the last bucket's meeting (store traffic is
-        # O(ranks) per step; benchmarks/store_scale.py). Between buckets a rank only waits
-        # for its own peers' transfers, under the timeout; a rank that fails gives up the
-        # fence with its reason, so every rank is released at once, with that reason.
         last = schedule.buckets[-1].index if schedule.buckets else 0
-        self._fence = fence = self._prefix(step, "bucket", last)
         self._pending = None  # overlap: the previous bucket's run, its last steps not yet done
         for b in schedule.buckets:
             self._phase = f"bucket {b.index}"
@@ -269,11 +301,30 @@ class Refitter:
                 self._rv.give_up(fence, f"rank {self.rank} failed in bucket {b.index}: {err.detail}",
                                  err.peers or (self.rank,))
                 raise err from (None if err is exc else exc)
+        if steady:
+            return
         self._phase = f"bucket {last}"
         self._meet(step, fence, f"finish bucket {last}", reusable=False, seat="fence")
         if self.verify:
             self._phase = "verification"
             self._verify_result(step, mismatches)
+        self._agreed_strided = agreed  # every rank passed this step: the next ones are steady
+
+    def _check_steady(self, step: int, src_tensors, dst_tensors, strided: bool) -> None:
+        """A steady step's check, local only: the agreement's tensor check, and no non-contiguous
+        tensor where the agreed schedule assumed contiguous ones (it would cut other buckets).
+        A failure leaves its reason at the step's fence, where peers that time out on this
+        rank's transfers read it."""
+        problems = self._check_tensors(src_tensors, dst_tensors)
+        if strided and not self._agreed_strided:
+            problems.append("a tensor is not contiguous, but every tensor was contiguous when the ranks agreed "
+                            "(pass non-contiguous tensors from the first step on, or Refitter(meet_every_step=True))")
+        if not problems:
+            return
+        detail = "local tensors do not match the layouts: " + "; ".join(problems)
+        self._rv.give_up(self._fence, f"rank {self.rank} failed its check in step {step}: {'; '.join(problems)}",
+                         (self.rank,))
+        raise RefitError.at(self.rank, step, "check", detail, peers=(self.rank,), reusable=False)
 
     def _prefix(self, step: int, *parts) -> str:
         """A meeting's prefix; its count and gate are deleted two steps later (by rank 0)."""
@@ -447,20 +498,20 @@ class Refitter:
                     f"(`{op.key}`) within {self.timeout.total_seconds():g} s", peers=(peer,), reusable=False)
 
     def _root_cause(self) -> RefitError | None:
-        """The reason a rank already left at the step's fence, if any: a peer that stopped
-        answering is usually waiting on the rank that failed first, which this names."""
-        fence = self._fence
-        if fence is None:
-            return None
-        try:
-            if not self._rv.store.check([f"{fence}/gate"]):
+        """The reason a rank already left at this step's fence or the previous one's, if any: a
+        peer that stopped answering is usually waiting on the rank that failed first, which
+        this names (in steady steps a rank may finish a step whose failure it never saw)."""
+        for step in (self._step, self._step - 1):
+            gate = f"{self._rv.key(step, 'fence')}/gate"
+            try:
+                if not self._rv.store.check([gate]):
+                    continue
+                reason, peers = parse_gate(self._rv.store.get(gate))
+            except Exception:  # noqa: BLE001 - no store, no better reason: the caller's stands
                 return None
-            reason, peers = parse_gate(self._rv.store.get(f"{fence}/gate"))
-        except Exception:  # noqa: BLE001 - no store, no better reason: the caller's stands
-            return None
-        if not reason:
-            return None
-        return RefitError.at(self.rank, self._step, self._phase, reason, peers=peers, reusable=False)
+            if reason:
+                return RefitError.at(self.rank, self._step, self._phase, reason, peers=peers, reusable=False)
+        return None
 
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

@@ -1,7 +1,7 @@
 """One rank of a local refit job (see launch.py). Usage: python -m layoutlang.runtime.worker JOB OUT
 
 The job (JSON) names the two layouts and their args, and optionally a
-budget, `verify`, `overlap`, `keep_staging`, a number of `steps`, `timeout` (the Refitter's, seconds),
+budget, `verify`, `overlap`, `keep_staging`, `meet_every_step`, a number of `steps`, `timeout` (the Refitter's, seconds),
 `pg_timeout` (the process group's; by default far above `timeout`, so that
 nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
@@ -13,7 +13,7 @@ and test faults, each `{"rank": R, ...}`: `die` (exit `after` seconds into
 `bucket` of `step`), `die_before` (exit `after` seconds into `step`), `stall` (sleep
 `seconds` at the start of `bucket`), `stall_before` (sleep `seconds` before
 calling refit for `step`), `corrupt` (change one element of a send buffer),
-`wrong_shape` (pass a truncated source tensor), `odd_args` (compile another
+`wrong_shape` (pass a truncated source tensor from `step` on, 1 by default), `odd_args` (compile another
 plan). Faults go through `RefitHooks`, never by patching the runtime.
 
 A worker exits when its launcher dies (parent-death signal on Linux, and a
@@ -36,7 +36,7 @@ from .refit import RefitHooks
 
 # Guard values around strided views: exact in their dtype, never a fill value.
 GUARD = {torch.uint8: 201.0, torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 256.0}
-FAULTS = ("die", "die_before", "stall", "stall_before", "corrupt")
+FAULTS = ("die", "die_before", "stall", "stall_before", "corrupt", "wrong_shape")
 
 
 def main(job_path: str, out_path: str) -> int:
@@ -114,17 +114,18 @@ def run(job: dict, rank: int, group=None) -> dict:
     refitter = Refitter(plan, group=group, budget_bytes=job.get("budget"),
                         timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
                         hooks=FaultHooks(job, rank), overlap=job.get("overlap", False),
-                        keep_staging=job.get("keep_staging"))
+                        keep_staging=job.get("keep_staging"), meet_every_step=job.get("meet_every_step", False))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t, rank=rank) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
-    wrong = job.get("wrong_shape")  # test fault: one rank passes a tensor of another shape
-    if wrong and wrong["rank"] == rank and src:
-        name = sorted(src)[0]
-        src[name] = src[name][:1] if isinstance(src[name], torch.Tensor) else src[name]
     guards: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     if job.get("strided"):
         src = {name: _strided_copy(name, v, guards) for name, v in src.items()}
         dst = {name: _strided_copy(name, v, guards) for name, v in dst.items()}
+    wrong = job.get("wrong_shape")  # test fault: one rank passes a tensor of another shape
+    wrong_src = None
+    if wrong and wrong["rank"] == rank and src:
+        name = sorted(src)[0]
+        wrong_src = {**src, name: src[name][:1] if isinstance(src[name], torch.Tensor) else src[name]}
     storage = {name: _data(v).data_ptr() for name, v in dst.items()}
     barriers = not any(job.get(f) for f in FAULTS)  # a collective would hang on a faulty rank
     stall_before = job.get("stall_before") or {}
@@ -135,10 +136,11 @@ def run(job: dict, rank: int, group=None) -> dict:
             time.sleep(stall_before.get("seconds", 3600))
         if barriers:
             dist.barrier(group=group)
-        outcome = _attempt(refitter, src, dst, RefitError)
+        given = wrong_src if wrong_src is not None and step >= wrong.get("step", 1) else src
+        outcome = _attempt(refitter, given, dst, RefitError)
         outcomes.append(outcome)
         if outcome["error"] and job.get("retry"):
-            outcomes.append(_attempt(refitter, src, dst, RefitError))
+            outcomes.append(_attempt(refitter, given, dst, RefitError))
         if outcomes[-1]["error"]:
             succeeded = False
             break
