@@ -153,7 +153,8 @@ def staging_per_bucket(plan: Plan, bucket: Bucket, strided: bool = False) -> dic
     return used
 
 
-def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: bool = False) -> nx.DiGraph:
+def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: bool = False,
+               overlap: bool = False) -> nx.DiGraph:
     """The steps `rank` executes (compiler/steps.py, what the runtime walks) as a DAG (checked).
 
     Nodes are (bucket, position) with the `step` and its `kind`, plus ("done", bucket, T) for
@@ -161,13 +162,20 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: 
     its post -> its wait -> what reads them (land, agree, the next round, unpack); an
     assembly -> what writes into it -> its quantize -> the packed blocks unpacked over it;
     dequantize / pack -> the sends and copies that read them; every sink of bucket k ->
-    barrier k -> bucket k+1's first steps.
+    barrier k -> bucket k+1's first steps. With `overlap` (buckets cut at half the budget,
+    as `Refitter(overlap=True)` walks them) bucket k+1's first steps follow barrier k-1 (its
+    staging is released) and, those before bucket k+1's first post, bucket k's first post:
+    they are staged while bucket k's messages fly.
     """
     from .steps import MESSAGES, schedule
 
     g = nx.DiGraph()
+    if overlap and budget_bytes is not None:
+        budget_bytes = max(1, budget_bytes // 2)
     sched = schedule(plan, rank, budget_bytes, strided)
     prev_barrier = None
+    barriers: list[tuple] = []
+    first_posts: list[tuple | None] = []
     for b, steps in enumerate(sched.steps):
         nodes = []
         last: dict[tuple, tuple] = {}   # what a later step reads: ("post", r), ("wait", r), ("tensor", T), ...
@@ -245,13 +253,21 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: 
             nodes.append(done)
         barrier = ("barrier", b)
         g.add_node(barrier, kind="barrier", bucket=b)
+        posts = [i for i, st in enumerate(steps) if st.kind == "post"]
+        first_posts.append((b, posts[0]) if posts else None)
+        if overlap:  # (the runtime's `_stage_ahead`; a relay send waits for its round anyway)
+            prev_barrier = barriers[-2] if len(barriers) >= 2 else None
         for n_ in nodes:
-            if prev_barrier is not None and g.in_degree(n_) == 0:
-                g.add_edge(prev_barrier, n_)
+            if g.in_degree(n_) == 0:
+                if prev_barrier is not None:
+                    g.add_edge(prev_barrier, n_)
+                if overlap and b and first_posts[b - 1] and posts and n_[0] == b and n_[1] < posts[0]:
+                    g.add_edge(first_posts[b - 1], n_)
             if g.out_degree(n_) == 0:
                 g.add_edge(n_, barrier)
         if prev_barrier is not None and not nodes:
             g.add_edge(prev_barrier, barrier)
+        barriers.append(barrier)
         prev_barrier = barrier
     if not nx.is_directed_acyclic_graph(g):
         raise AssertionError(f"rank {rank}'s graph has a cycle")

@@ -117,7 +117,8 @@ class Refitter:
     updated in place. Create Refitters in the same order on every rank: the
     n-th Refitter of a group on one rank meets the n-th on the others.
     `overlap=True` finishes each bucket (land, quantize, unpack) while the next
-    bucket's transfers fly, with buckets cut at half the budget (every rank must
+    bucket's transfers fly, and stages the next bucket (its sends packed and copied) while
+    this one's fly, with buckets cut at half the budget (every rank must
     pass the same `budget_bytes` and `overlap`: they are part of the agreement).
     `keep_staging`: carve staging buffers from arenas kept between steps (runtime/staging.py;
     they hold the largest bucket's staging, at most the budget, until `release_staging()`).
@@ -157,6 +158,7 @@ class Refitter:
         self.buckets = self.schedule(False).buckets
         self.meter = StagingMeter()
         self.sent_bytes = self.received_bytes = self.local_bytes = 0
+        self.staged_ahead = 0  # steps run during the previous bucket's transfers (`overlap`), all steps
         self._digest = hashlib.sha256(f"{plan.digest}/{budget_bytes}/{overlap}".encode()).hexdigest()[:16]
         self._rv = self._rendezvous()
         self._step = 0
@@ -288,6 +290,7 @@ class Refitter:
         mismatches: list[str] = []
         last = schedule.buckets[-1].index if schedule.buckets else 0
         self._pending = None  # overlap: the previous bucket's run, its last steps not yet done
+        self._ahead = None    # overlap: (bucket, its run, steps done) staged during the one before
         for b in schedule.buckets:
             self._phase = f"bucket {b.index}"
             try:
@@ -433,25 +436,60 @@ class Refitter:
         """Walk one bucket's steps (compiler/steps.py: the compiler decided every buffer and
         round; each kind has one handler here). With `overlap`, the steps after the bucket's last
         wait are left for `_finish_pending`, run once the next bucket's first messages are posted
-        (different destination tensors; every message of this bucket has landed by then)."""
-        run = _BucketRun(self, schedule.ops[b], src, dst, device, self._arena(b, device))
+        (different destination tensors; every message of this bucket has landed by then), and
+        the next bucket's steps before its first post (`_stage_ahead`) run while this bucket's
+        first round flies."""
+        if self._ahead is not None and self._ahead[0] == b:
+            _, run, start = self._ahead
+        else:
+            run, start = _BucketRun(self, schedule.ops[b], src, dst, device, self._arena(b, device)), 0
+        self._ahead = None
         steps = schedule.steps[b]
         tail = len(steps)
-        if self.overlap and not self.verify:  # (checksums are messages: they stay in their bucket)
+        overlap = self.overlap and not self.verify  # (checksums are messages: they stay in their bucket)
+        if overlap:
             waits = [i for i, st in enumerate(steps) if st.kind == "wait"]
             tail = waits[-1] + 1 if waits else 0
         mismatches: list[str] = []
-        for st in steps[:tail]:
+        first_post = True
+        for st in steps[start:tail]:
             run.do(st)
-            if st.kind == "post" and self._pending is not None:
+            if st.kind != "post":
+                continue
+            if self._pending is not None:
                 mismatches += self._finish_pending()  # while this bucket's first round flies
-            if st.kind == "post" and self._stale:
+            if first_post and overlap and b + 1 < len(schedule.steps):
+                self._stage_ahead(schedule, b + 1, src, dst, device)  # (after the pending bucket's release)
+            first_post = False
+            if self._stale:
                 self._delete_stale()  # store cleanup while the network works
         mismatches += self._finish_pending()
         self._pending = (run, steps[tail:], schedule.ops[b], dst, device)
         if not self.overlap:
             mismatches += self._finish_pending()
         return mismatches
+
+    def _stage_ahead(self, schedule: Schedule, b: int, src, dst, device) -> None:
+        """Bucket `b`'s steps before its first post (zeroing, assembling, dequantizing sources,
+        packing and staging sends, receive buffers), run while the previous bucket's messages
+        fly. They read source tensors and write fresh buffers and destination tensors that no
+        earlier bucket touches, and with the bucket before released, two buckets' staging is
+        live at once, as `overlap` budgets for. Relay sends (they read a received copy) wait."""
+        steps = schedule.steps[b]
+        posts = [i for i, st in enumerate(steps) if st.kind == "post"]
+        if not posts:
+            return
+        run = _BucketRun(self, schedule.ops[b], src, dst, device, self._arena(b, device))
+        phase, self._phase = self._phase, f"bucket {b}"
+        done = 0
+        for st in steps[:posts[0]]:
+            if st.op is not None and st.op.after:
+                break
+            run.do(st)
+            done += 1
+        self._phase = phase
+        self.staged_ahead += done
+        self._ahead = (b, run, done)
 
     def _finish_pending(self) -> list[str]:
         """The pending bucket's last steps, its checksums, and its buffers released."""

@@ -164,7 +164,7 @@ def run(job: dict, rank: int, group=None) -> dict:
             "first_error": first_error, "reusable": refitter.reusable,
             "sent_bytes": refitter.sent_bytes // n, "received_bytes": refitter.received_bytes // n,
             "local_bytes": refitter.local_bytes // n, "staging_peak": refitter.meter.peak,
-            "staging_held": refitter.staging_held,
+            "staging_held": refitter.staging_held, "staged_ahead": refitter.staged_ahead,
             "checked_tensors": len(dst) if succeeded else 0, "check_errors": errors[:5], "store_keys": store_keys,
             "largest_tensor_bytes": max((_nbytes(v) for v in list(dst.values()) + list(src.values())), default=0)}
 
