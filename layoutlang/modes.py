@@ -20,7 +20,8 @@ expressions and reported user errors with positions; functions here raise
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Iterator
 
 class cached_property:  # noqa: N801 - a drop-in for functools.cached_property
@@ -92,18 +93,16 @@ PartTree = Leaf | PartNode
 
 # ---- the mode IR -----------------------------------------------------------
 
-_HASH_FIELDS: dict[type, tuple[str, ...]] = {}
+@lru_cache(maxsize=32)  # one entry per mode class
+def _compared_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.compare)
 
 
 def _cached_hash(self) -> int:
     """Hash of a frozen dataclass's compared fields, computed once per object."""
     h = self.__dict__.get("_hash")
     if h is None:
-        names = _HASH_FIELDS.get(type(self))
-        if names is None:
-            from dataclasses import fields
-            names = _HASH_FIELDS[type(self)] = tuple(f.name for f in fields(self) if f.compare)
-        h = hash(tuple(getattr(self, n) for n in names))
+        h = hash(tuple(getattr(self, n) for n in _compared_fields(type(self))))
         object.__setattr__(self, "_hash", h)
     return h
 
