@@ -21,12 +21,15 @@ isend/irecv of the plan's slices with buffers allocated before timing.
 
 Steady state: one warm-up step, then K steps (`--steps`), each between two
 barriers (so a step's time is the slowest rank's), the methods taking turns
-step by step in an order that reverses every round; the figure printed is the median of the K (`--steps` 9 for
+step by step in an order that reverses every round; the figure printed is the median of the K (`--steps` 25 for
 layoutlang and hand p2p, `--slow-steps` 3 for naive and DTensor, which take
-about a second each). "(agree + fence)" is the part of a layoutlang step spent
-in `Refitter._agree` (pre-flight plan/shape check, a store meeting) and
-`Refitter._meet` after the last bucket (the step's fence) on the rank whose transfers
-took longest. Where a target is missed (naive/layoutlang >= 2x on the first
+about a second each). "layoutlang" is `Refitter(plan, steady=True)`: no store meeting
+after the first step (docs/runtime.md "Before a byte moves"), the like of the
+hand-written exchange, which checks nothing; "meeting ll" is the default
+`Refitter(plan)`, with an agreement and a fence (store meetings) every step, and
+"(agree + fence)" the part of its step spent in `Refitter._agree` (pre-flight
+plan/shape check) and `Refitter._meet` after the last bucket (the step's fence) on
+the rank whose transfers took longest. Where a target is missed (naive/layoutlang >= 2x on the first
 case, layoutlang/hand <= 1.0x everywhere) the Refitter's phases and a cProfile
 of one step are printed, and at the default sizes the run exits 1 (as it does,
 at any size, on a wrong result or a failed rank). Correctness (untimed, once per case): layoutlang's and hand p2p's
@@ -185,7 +188,7 @@ def summarize(world: int, specs: list[dict], results: list[dict | None]) -> list
                # the one-way byte floor: the busiest link's bytes (per rank the larger of network bytes
                # sent and received) at the measured rate of one link (rank 0 -> 1, 64 MiB)
                "floor_ms": (1e3 * per_rank[0]["plan_stats"]["busiest_link_bytes"] / rate) if rate else None}
-        for m in ("layoutlang", "naive", "dtensor", "hand_p2p"):
+        for m in ("layoutlang", "layoutlang_meet", "naive", "dtensor", "hand_p2p"):
             if m not in per_rank[0]["methods"]:
                 continue
             med, best = _step_time([c["methods"][m]["seconds"] for c in per_rank])
@@ -211,25 +214,28 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def table(world: int, rows: list[dict], steps: int, slow_steps: int) -> str:
-    head = (f"| case (W={world}) | net MiB ll / naive | plan ms | layoutlang ms | (agree + fence) | naive ms | "
-            f"DTensor ms | hand p2p ms | floor ms | naive/ll | ll/hand | hand/floor | ll/floor | check |")
-    lines = [head, "|" + "---|" * 14]
+    head = (f"| case (W={world}) | net MiB ll / naive | plan ms | layoutlang ms | meeting ll ms (agree + fence) | "
+            f"naive ms | DTensor ms | hand p2p ms | floor ms | naive/ll | ll/hand | meeting ll/hand | hand/floor | "
+            f"ll/floor | check |")
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         ms = r["ms"]
         dt = f"{ms['dtensor']:.1f}" if "dtensor" in ms else "n/a*"
         lines.append(
             f"| {r['label']} | {r['ll_net_mib']:.0f} / {r['naive_net_mib']:.0f} | {r['plan_ms']:.0f} | "
-            f"{ms['layoutlang']:.1f} | {r['parts_ms']['agree'] + r['parts_ms']['fence']:.1f} | "
+            f"{ms['layoutlang']:.1f} | {ms['layoutlang_meet']:.1f} "
+            f"({r['parts_ms']['agree'] + r['parts_ms']['fence']:.1f}) | "
             f"{ms['naive']:.1f} | {dt} | {ms['hand_p2p']:.1f} | "
             + (f"{r['floor_ms']:.1f} | " if r["floor_ms"] else "- | ")
             + f"{_ratio(ms['naive'], ms['layoutlang'])} | {_ratio(ms['layoutlang'], ms['hand_p2p'])} | "
-            f"{_ratio(ms['hand_p2p'], r['floor_ms'])} | {_ratio(ms['layoutlang'], r['floor_ms'])} | "
+            f"{_ratio(ms['layoutlang_meet'], ms['hand_p2p'])} | {_ratio(ms['hand_p2p'], r['floor_ms'])} | {_ratio(ms['layoutlang'], r['floor_ms'])} | "
             f"{'ok' if not r['errors'] else 'FAIL'} |")
     lines.append(f"(per method: median over steps of the max over ranks of one step between two barriers; "
-                 f"{steps} steps for layoutlang and hand p2p, {slow_steps} for naive and DTensor, "
-                 "after 1 warm-up step; the methods take turns step by step, in an order that reverses every round. (agree + fence): the part of a "
-                 "layoutlang step spent in Refitter._agree and ._meet on the rank whose transfers took longest, "
-                 "median of 3 more steps; floor: the busiest link's bytes, per rank the larger of network bytes "
+                 f"{steps} steps for both layoutlangs and hand p2p, {slow_steps} for naive and DTensor, "
+                 "after 1 warm-up step; the methods take turns step by step, in an order that reverses every round. "
+                 "layoutlang: Refitter(steady=True), no store meeting after step 1; meeting ll: the default "
+                 "Refitter, an agreement and a fence every step, (agree + fence) the part of its step spent in "
+                 "Refitter._agree and ._meet on the rank whose transfers took longest, median of 3 more steps; floor: the busiest link's bytes, per rank the larger of network bytes "
                  "sent and received, at one link's measured one-way rate, rank 0 -> 1, 64 MiB, best of 3)")
     return "\n".join(lines)
 
@@ -257,7 +263,8 @@ def notes(world: int, rows: list[dict]) -> str:
         if missed:
             out.append(f"  - target missed on {r['label']} (W={world}): {'; '.join(missed)}.")
             p = r["parts_ms"]
-            out.append(f"      Refitter phases on rank {r['parts_rank']} (longest bucket; median of 3 more steps): "
+            out.append(f"      default Refitter's phases on rank {r['parts_rank']} (longest bucket; median of 3 more "
+                       "steps): "
                        f"pre-flight agree "
                        f"{p['agree']:.1f} ms, bucket (post, wait, copies) {p['bucket']:.1f} ms, fence "
                        f"{p['fence']:.1f} ms, whole refit {p['total']:.1f} ms; hand p2p step {ms['hand_p2p']:.1f} ms")
@@ -275,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights per case (default: the world size, so every rank holds the same bytes at W=4 and W=8)")
     ap.add_argument("--rows", type=int, default=4096, help="rows of each weight (default 4096)")
     ap.add_argument("--cols", type=int, default=4096, help="columns of each weight (default 4096)")
-    ap.add_argument("--steps", type=int, default=9,
-                    help="timed steps of layoutlang and hand p2p after one warm-up (default 9)")
+    ap.add_argument("--steps", type=int, default=25,
+                    help="timed steps of layoutlang and hand p2p after one warm-up (default 25; a median "
+                    "of 9 moved by +-5 %% between runs)")
     ap.add_argument("--slow-steps", type=int, default=3,
                     help="timed steps of naive and DTensor (about 1 s each) after one warm-up (default 3)")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default all)")

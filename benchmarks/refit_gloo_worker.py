@@ -9,7 +9,9 @@ function of the two files, the same on every rank), fills its source shards
 with `layoutlang.runtime.fill.source_tensor`, and times four ways of producing
 the same destination tensors:
 
-  layoutlang  `Refitter(plan).refit(src, dst)`
+  layoutlang  `Refitter(plan, steady=True).refit(src, dst)` (no store meeting after step 1),
+              and as `layoutlang_meet` the default `Refitter(plan)` (an agreement and a
+              fence every step)
   naive       per tensor: `dist.all_gather` over the source group (the ranks that
               hold one full copy), rebuild the full tensor (`torch.cat`, or
               placing each shard by its runs where the layout is strided/chunked),
@@ -54,7 +56,7 @@ from layoutlang.modes import Run  # noqa: E402
 from layoutlang.runtime import Refitter  # noqa: E402
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor  # noqa: E402
 
-METHODS = ("layoutlang", "naive", "dtensor", "hand_p2p")
+METHODS = ("layoutlang", "layoutlang_meet", "naive", "dtensor", "hand_p2p")
 SLOW = ("naive", "dtensor")  # timed over fewer steps (`slow_steps`): each takes about a second
 
 
@@ -352,7 +354,8 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     phases = out["phases"]
     t0 = time.perf_counter()
     plan = compile_plan(case["src"], case["dst"])
-    refitter = Refitter(plan, timeout=timeout)
+    refitter = Refitter(plan, timeout=timeout, steady=True)
+    meeting = Refitter(plan, timeout=timeout)  # the default: an agreement and a fence every step
     out["plan_seconds"] = time.perf_counter() - t0
     stats = plan.stats
     out["plan_stats"] = {k: stats[k] for k in ("ops", "bytes", "network_bytes", "local_bytes", "max_send_bytes",
@@ -378,10 +381,11 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     # hand p2p, the first `slow_steps` of them for naive and DTensor), in an order
     # that reverses every round, so a change in the machine's load during the case
     # hits all of them alike and none always follows the same method.
-    dsts = {"layoutlang": fresh(), "naive": fresh(), "hand_p2p": fresh()}
+    dsts = {"layoutlang": fresh(), "layoutlang_meet": fresh(), "naive": fresh(), "hand_p2p": fresh()}
     naive = Naive(plan, rank, _make_groups(plan))
     hand = HandP2P(plan, rank, src, dsts["hand_p2p"])
     run = {"layoutlang": lambda: refitter.refit(src or None, dsts["layoutlang"] or None),
+           "layoutlang_meet": lambda: meeting.refit(src or None, dsts["layoutlang_meet"] or None),
            "naive": lambda: naive.step(src, dsts["naive"]),
            "hand_p2p": hand.step}
     if case.get("dtensor"):
@@ -400,7 +404,7 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
                 times[m].append(t)
     phase("steps")
     profile = _profile(run["layoutlang"])
-    parts = _breakdown(refitter, run["layoutlang"], 3)
+    parts = _breakdown(meeting, run["layoutlang_meet"], 3)  # where the meetings' time goes
     phase("profile")
     ref = dsts["layoutlang"]
     for m in order:
@@ -408,6 +412,7 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     out["methods"]["layoutlang"]["errors"] = check(ref)[:3]
     phase("check_layoutlang")
     out["methods"]["hand_p2p"]["errors"] = check(dsts["hand_p2p"])[:3]
+    out["methods"]["layoutlang_meet"]["errors"] = check(dsts["layoutlang_meet"])[:3]
     phase("check_hand_p2p")
     for m in order:
         if m in ("naive", "dtensor"):

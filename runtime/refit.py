@@ -123,14 +123,15 @@ class Refitter:
     `keep_staging`: carve staging buffers from arenas kept between steps (runtime/staging.py;
     they hold the largest bucket's staging, at most the budget, until `release_staging()`).
     By default only on CPU, where fresh buffers are fresh pages every step.
-    `meet_every_step`: meet in the store at the start and end of every step, not only
-    until the first step every rank passed (see `refit`; `verify=True` always meets).
+    `steady=True`: once one step has passed on every rank, skip the store meetings of later
+    steps (the agreement and the fence; see `refit`): the fastest mode, at the price of a
+    run-time tensor problem failing its peers after bytes moved (`verify=True` always meets).
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
                  timeout: timedelta | float = timedelta(seconds=60), verify: bool = False,
                  hooks: RefitHooks | None = None, overlap: bool = False, keep_staging: bool | None = None,
-                 meet_every_step: bool = False):
+                 steady: bool = False):
         self.plan = plan
         self.group = group
         self.device = device
@@ -143,7 +144,7 @@ class Refitter:
         self.verify = verify
         self.hooks = hooks or RefitHooks()
         self.keep_staging = keep_staging
-        self.meet_every_step = meet_every_step
+        self.steady = steady
         self._arenas: list[StagingArena] = []  # bucket b carves from arena b % len (2 with overlap)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -229,16 +230,16 @@ class Refitter:
     def refit(self, src_tensors, dst_tensors) -> None:
         """Move every destination tensor's data into place; raise RefitError on any fault.
 
-        Until one step has passed on every rank, each step starts with an agreement
-        (same plan everywhere, right tensors everywhere, every rank present) and ends
-        with a fence (every rank finished): a failure before any transfer is posted (a
-        rank late or missing at the start, different plans, wrong tensors, a failed
-        verification) fails the same step on every rank and leaves this Refitter usable.
-        After that, steps are steady: no store meeting at all (the plan cannot change),
-        each rank checks its own tensors, and any failure, its own or a peer's, leaves
-        the Refitter unusable (`meet_every_step=True` keeps meeting every step). A
-        failure while transfers are in flight leaves it unusable: the next call says
-        so at once.
+        Each step starts with an agreement (same plan everywhere, right tensors
+        everywhere, every rank present) and ends with a fence (every rank finished): a
+        failure before any transfer is posted (a rank late or missing at the start,
+        different plans, wrong tensors, a failed verification) fails the same step on
+        every rank, before a byte moves, and leaves this Refitter usable. With
+        `steady=True`, once one step has passed on every rank, later steps have no store
+        meeting at all (the plan cannot change): each rank checks its own tensors, and
+        any failure, its own or a peer's, leaves the Refitter unusable, with bytes moved
+        between the other ranks. A failure while transfers are in flight leaves it
+        unusable: the next call says so at once.
         """
         if self._broken is not None:
             step = self._step + 1
@@ -263,8 +264,8 @@ class Refitter:
             raise RefitError.at(self.rank, step, self._phase, str(exc), reusable=False) from None
 
     def _steady(self) -> bool:
-        """Does this step go without meetings? (Once one step passed everywhere.)"""
-        return self._agreed_strided is not None and not self.meet_every_step and not self.verify
+        """Does this step go without meetings? (`steady`, once one step passed everywhere.)"""
+        return self.steady and self._agreed_strided is not None and not self.verify
 
     def _refit(self, step: int, src_tensors, dst_tensors) -> None:
         self._forget(step - 2)
@@ -321,7 +322,7 @@ class Refitter:
         problems = self._check_tensors(src_tensors, dst_tensors)
         if strided and not self._agreed_strided:
             problems.append("a tensor is not contiguous, but every tensor was contiguous when the ranks agreed "
-                            "(pass non-contiguous tensors from the first step on, or Refitter(meet_every_step=True))")
+                            "(pass non-contiguous tensors from the first step on, or leave Refitter(steady=...) False)")
         if not problems:
             return
         detail = "local tensors do not match the layouts: " + "; ".join(problems)

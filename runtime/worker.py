@@ -1,7 +1,7 @@
 """One rank of a local refit job (see launch.py). Usage: python -m layoutlang.runtime.worker JOB OUT
 
 The job (JSON) names the two layouts and their args, and optionally a
-budget, `verify`, `overlap`, `keep_staging`, `meet_every_step`, a number of `steps`, `timeout` (the Refitter's, seconds),
+budget, `verify`, `overlap`, `keep_staging`, `steady`, a number of `steps`, `timeout` (the Refitter's, seconds),
 `pg_timeout` (the process group's; by default far above `timeout`, so that
 nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
@@ -114,7 +114,7 @@ def run(job: dict, rank: int, group=None) -> dict:
     refitter = Refitter(plan, group=group, budget_bytes=job.get("budget"),
                         timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
                         hooks=FaultHooks(job, rank), overlap=job.get("overlap", False),
-                        keep_staging=job.get("keep_staging"), meet_every_step=job.get("meet_every_step", False))
+                        keep_staging=job.get("keep_staging"), steady=job.get("steady", False))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t, rank=rank) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
     guards: list[tuple[str, torch.Tensor, torch.Tensor]] = []

@@ -101,10 +101,9 @@ def test_after_a_late_rank_the_same_refitter_refits_exactly(pair):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dead", [0, 2])
 def test_rank_dead_before_refit(pair, dead):
-    """Step 1 goes well; `dead` dies as step 2 starts (the others are in step 2's agreement by then:
-    `meet_every_step`, else step 2 has no agreement, see the steady tests below)."""
-    results = launch(_job(pair, steps=2, meet_every_step=True, die_before={"rank": dead, "step": 2, "after": 0.5}),
-                     NPROC, timeout=90)
+    """Step 1 goes well; `dead` dies as step 2 starts (the others are in step 2's agreement by then;
+    with `steady=True` step 2 has none: the steady tests below)."""
+    results = launch(_job(pair, steps=2, die_before={"rank": dead, "step": 2, "after": 0.5}), NPROC, timeout=90)
     assert results[dead].returncode == 3
     for r in _survivors(results, {dead}):
         ok, first = r.result["outcomes"]
@@ -128,11 +127,11 @@ def _failed(r):
 
 @pytest.mark.timeout(120)
 def test_rank_dead_in_a_steady_step_is_named_by_its_receivers(pair):
-    """Step 1 passes on every rank, so step 2 is steady: no meeting. Rank 2, a sender only (the
+    """`steady=True`: step 1 passes on every rank, so step 2 has no meeting. Rank 2, a sender only (the
     destination has 2 ranks), dies as step 2 starts. Ranks 0 and 1 receive from every source rank
     in step 2: each fails it within the timeout naming rank 2, and its next call refuses at once.
     Rank 3, the other sender, passes or fails naming rank 2 (through the reason a receiver left)."""
-    results = launch(_job(pair, steps=3, retry=True, die_before={"rank": 2, "step": 2, "after": 0.5}),
+    results = launch(_job(pair, steps=3, retry=True, steady=True, die_before={"rank": 2, "step": 2, "after": 0.5}),
                      NPROC, timeout=90)
     assert results[2].returncode == 3
     for r in results[:2]:
@@ -153,10 +152,11 @@ def test_rank_dead_in_a_steady_step_is_named_by_its_receivers(pair):
 
 @pytest.mark.timeout(120)
 def test_wrong_shape_in_a_steady_step_fails_that_rank_at_once_and_its_receivers_say_why(pair):
-    """Rank 2 passes a truncated `a` in step 2 (steady: no agreement to stop everyone first). It
+    """Rank 2 passes a truncated `a` in step 2 (`steady=True`: no agreement to stop everyone first). It
     raises at once, before posting anything, and cannot be reused; ranks 0 and 1, which wait on its
     transfers, fail within the timeout with its reason (it left it at the step's fence)."""
-    results = launch(_job(pair, steps=3, retry=True, wrong_shape={"rank": 2, "step": 2}), NPROC, timeout=90)
+    results = launch(_job(pair, steps=3, retry=True, steady=True, wrong_shape={"rank": 2, "step": 2}), NPROC,
+                     timeout=90)
     expected = "source tensor `a`: expected [16, 16] torch.bfloat16, got [1, 16] torch.bfloat16"  # [64 over tp=4, 16]
     ok, failed, again = results[2].result["outcomes"]
     assert ok["error"] is None, ok
