@@ -322,7 +322,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
            "src_args": src_args, "dst_args": dst_args,
            "verify": ns.verify, "budget": ns.budget, "steps": ns.steps, "timeout": ns.timeout,
            "ranks_per_node": ns.ranks_per_node, "wire": ns.wire, "relay": not ns.no_relay,
-           "overlap": ns.overlap}
+           "overlap": ns.overlap, "steady": ns.steady}
     out.print(f"refit {ns.src} -> {ns.dst}: {plan.stats['tensors']} tensors, {plan.stats['ops']} ops, "
               f"{human_bytes(plan.stats['bytes'])} on {ns.nproc} gloo processes", markup=False)
     start = time.perf_counter()
@@ -520,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overlap", action="store_true",
                      help="finish each bucket (land, quantize, unpack) while the next bucket's transfers fly; "
                           "buckets are cut at half the budget (Refitter(overlap=True))")
+    run.add_argument("--steady", action="store_true",
+                     help="no store meeting after the first step that passes on every rank (Refitter(steady=True); "
+                          "a later failure stops its peers after bytes moved)")
     run.set_defaults(run=cmd_run)
     from .bridges.families import CONVENTIONS, FAMILIES
 

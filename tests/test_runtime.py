@@ -6,6 +6,8 @@ refits, and checks every destination element (padding zero, quantized
 tensors equal to quantizing the reference, storage updated in place).
 """
 
+import subprocess
+import sys
 from math import prod
 
 import pytest
@@ -240,3 +242,16 @@ def test_two_sub_groups_refit_the_same_plan_at_once(tmp_path):
         if r.rank in (0, 1, 2, 3):
             # w: [48, 4] fp32 per rank (768 B); n: [6] fp16 (12 B)
             assert r.result["received_bytes"] + r.result["local_bytes"] == 48 * 4 * 4 + 6 * 2
+
+
+@pytest.mark.timeout(120)
+def test_layoutc_run_steady_checks_every_element(tmp_path):
+    """`layoutc run --steady --steps 3`: steps 2 and 3 have no store meeting; every element is still
+    checked against the layouts after the last one."""
+    (tmp_path / "src.layout").write_text("mesh s (tp=2)\ntensor w [8 over tp, 4]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (tp=2)\ntensor w [8, 4 over tp]\n")
+    proc = subprocess.run([sys.executable, "-m", "layoutlang.cli", "run", str(tmp_path / "src.layout"),
+                           str(tmp_path / "dst.layout"), "--nproc", "2", "--steps", "3", "--steady"],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "every element of 2 destination tensors checked: ok" in proc.stdout
