@@ -170,8 +170,8 @@ class Refitter:
         self._keys: dict[int, list[tuple[str, bool]]] = {}  # step -> (key, shared)
         self._stale: list[str] = []  # keys of finished steps, deleted while transfers fly
         self._plans_agreed = False   # every rank's plan digest equal: checked until one agreement passes
-        # the strided flag of the first step every rank passed (its fence); from then on steps
-        # are steady: no meeting, each rank checks its own tensors against that agreement
+        # the strided flag of the first step every rank passed (its fence); with `steady`, later
+        # steps have no meeting and each rank checks its own tensors against that agreement
         self._agreed_strided: bool | None = None
 
     @property
@@ -322,7 +322,7 @@ class Refitter:
         problems = self._check_tensors(src_tensors, dst_tensors)
         if strided and not self._agreed_strided:
             problems.append("a tensor is not contiguous, but every tensor was contiguous when the ranks agreed "
-                            "(pass non-contiguous tensors from the first step on, or leave Refitter(steady=...) False)")
+                            "(pass non-contiguous tensors from the first step on, or use Refitter(steady=False))")
         if not problems:
             return
         detail = "local tensors do not match the layouts: " + "; ".join(problems)

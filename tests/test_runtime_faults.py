@@ -254,3 +254,45 @@ def test_workers_exit_when_layoutc_run_is_killed(tmp_path, pair, sig):
                 os.kill(int(p.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+STEADY_STRIDED = """
+import socket, sys
+import torch, torch.distributed as dist
+from layoutlang.compiler import compile_plan
+from layoutlang.runtime import Refitter
+from layoutlang.runtime.errors import RefitError
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+plan = compile_plan(sys.argv[1], sys.argv[2])
+refitter = Refitter(plan, steady=True, timeout=2)
+src = {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4).to(torch.bfloat16)}
+dst = {"w": torch.zeros(8, 4, dtype=torch.bfloat16)}
+refitter.refit(src, dst)                      # step 1: agreed on contiguous tensors
+refitter.refit(src, dst)                      # step 2: steady
+wide = torch.zeros(8, 8, dtype=torch.bfloat16)
+try:
+    refitter.refit(src, {"w": wide[:, ::2]})  # step 3: a non-contiguous view of the right shape
+except RefitError as exc:
+    print(exc.phase, exc.reusable)
+    print(str(exc).splitlines()[0])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_non_contiguous_tensor_in_a_steady_step_is_refused_before_moving(tmp_path):
+    """`steady=True` walks the buckets the ranks agreed in step 1, when every tensor was
+    contiguous; a non-contiguous view later would need other cuts, so the rank refuses it (one
+    process here: the check is local)."""
+    (tmp_path / "src.layout").write_text("mesh s (r=1)\ntensor w [8, 4]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (r=1)\ntensor w [8, 4]\n")
+    (tmp_path / "prog.py").write_text(STEADY_STRIDED)
+    proc = subprocess.run([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "src.layout"),
+                           str(tmp_path / "dst.layout")], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "check False",
+        "error: rank 0: step 3, check: local tensors do not match the layouts: a tensor is not contiguous, but "
+        "every tensor was contiguous when the ranks agreed (pass non-contiguous tensors from the first step on, "
+        "or use Refitter(steady=False))"]
