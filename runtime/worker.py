@@ -6,7 +6,7 @@ budget, `verify`, `overlap`, `keep_staging`, `steady`, a number of `steps`, `tim
 nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
 `groups` (lists of global ranks: each rank refits in the sub-group that holds it, the
-plan's ranks being that group's ranks; ranks in none only create the groups), `retry` (after a failed refit, call refit once more and report what it said),
+plan's ranks being that group's ranks; ranks in none only create the groups; every rank meets the others once more before it exits, so that rank 0's store outlives every group), `retry` (after a failed refit, call refit once more and report what it said),
 `linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
 2 s after a failure by default),
 and test faults, each `{"rank": R, ...}`: `die` (exit `after` seconds into
@@ -65,6 +65,13 @@ def main(job_path: str, out_path: str) -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
     with open(out_path, "w") as fh:
         json.dump(result, fh)
+    if job.get("groups") and dist.is_initialized():
+        # sub-groups finish independently, and rank 0 hosts the store: it must not leave while
+        # another group still meets there (a bounded barrier: a failed rank does not hang it)
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
+        except Exception:  # noqa: BLE001 - the results are written; a missing rank was reported
+            pass
     # rank 0 hosts the store: a failed rank 0 that left at once would turn its peers' reasons
     # into "store unreachable" (docs/runtime.md); so a failed worker lingers a little
     time.sleep(job.get("linger", 0 if result["ok"] else 2))
