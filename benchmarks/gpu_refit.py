@@ -32,7 +32,7 @@ from layoutlang import compile_plan
 from layoutlang.ir import QUANTIZED
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor
 from layoutlang.runtime.quant import dequantize, quantize_into
-from layoutlang.runtime.refit import _zero_padding
+from layoutlang.runtime.refit import _padding
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,7 +74,8 @@ def main() -> int:
             torch.cuda.synchronize()
         for key, (t, value) in dst.items():
             if t.dtype not in QUANTIZED:
-                _zero_padding(value, t, key[0])
+                for pad in _padding(value, t, key[0]):
+                    pad.zero_()
         copied = time.perf_counter()
         for key, buf in assembly.items():
             t, value = dst[key]

@@ -30,6 +30,7 @@ class _Rank:
         self.dst_held = {t.name: t for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
         self.entry = {e.key: e for e in plan.tensors}
         self.hooks = RefitHooks()
+        self.recording = None  # (a steady Refitter's record; none here)
         self.meter = StagingMeter()
         self.sent_bytes = self.received_bytes = self.local_bytes = 0
 

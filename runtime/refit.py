@@ -39,6 +39,7 @@ from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storag
 from .wire import landed, pack, unpack_into, write_tensor_scale
 from .wire import wire_bytes as packed_bytes
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
+from .replay import Recording, replayable, tensor_key
 from .staging import StagingArena
 from .views import shape as _shape
 from .views import view as _view
@@ -126,6 +127,10 @@ class Refitter:
     `steady=True`: once one step has passed on every rank, skip the store meetings of later
     steps (the agreement and the fence; see `refit`): the fastest mode, at the price of a
     run-time tensor problem failing its peers after bytes moved (`verify=True` always meets).
+    Steady steps given the same tensors as the step before run a record of that step's
+    tensor operations instead of walking the steps again (runtime/replay.py; `replayed`
+    counts them); the record holds views of those tensors until they change or
+    `release_staging()`.
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
@@ -173,6 +178,11 @@ class Refitter:
         # the strided flag of the first step every rank passed (its fence); with `steady`, later
         # steps have no meeting and each rank checks its own tensors against that agreement
         self._agreed_strided: bool | None = None
+        self.recording: list | None = None   # the actions of a steady step being recorded
+        self._record: Recording | None = None  # the last one, run while the tensors are the same
+        self._last_key: tuple | None = None
+        self.replayed = 0  # steady steps run from a record, passed or failed (runtime/replay.py)
+        self._replayable: dict[int, bool] = {}  # id(schedule) -> can a record replay it
 
     @property
     def staging_held(self) -> int:
@@ -180,12 +190,16 @@ class Refitter:
         return sum(a.held for a in self._arenas)
 
     def release_staging(self) -> None:
-        """Give the kept staging arenas back (the next step takes them again)."""
+        """Give the kept staging arenas back (the next step takes them again), and the steady
+        step's record with them (it holds their buffers and views of the caller's tensors)."""
         self._arenas = []
+        self._record = None
+
+    def _keeps_staging(self, device: torch.device) -> bool:
+        return self.keep_staging if self.keep_staging is not None else device.type == "cpu"
 
     def _arena(self, b: int, device: torch.device) -> StagingArena | None:
-        keep = self.keep_staging if self.keep_staging is not None else device.type == "cpu"
-        if not keep:
+        if not self._keeps_staging(device):
             return None
         if not self._arenas:
             self._arenas = [StagingArena() for _ in range(2 if self.overlap else 1)]
@@ -287,25 +301,38 @@ class Refitter:
         else:
             agreed = self._agree(step, src_tensors, dst_tensors, strided)
         schedule = self.schedule(agreed)
+        key = self._replay_key(schedule, src, dst, device)
+        if steady and self._record is not None and self._record.key == key:
+            self._replay(step, fence)
+            return
+        self._record = None  # (its views of other tensors go before this walk allocates)
+        blocks = self._recordable(key)
+        self._last_key = key
+        self.recording = [] if steady and blocks is not None else None
+        counters = (self.sent_bytes, self.received_bytes, self.local_bytes, self.staged_ahead)
         self.meter = StagingMeter()
         mismatches: list[str] = []
         last = schedule.buckets[-1].index if schedule.buckets else 0
         self._pending = None  # overlap: the previous bucket's run, its last steps not yet done
         self._ahead = None    # overlap: (bucket, its run, steps done) staged during the one before
-        for b in schedule.buckets:
-            self._phase = f"bucket {b.index}"
-            try:
-                self.hooks.before_bucket(self, step, b.index)
-                mismatches += self._bucket(schedule, b.index, src, dst, device)
-                if b.index == last:
-                    mismatches += self._finish_pending()
-            except Exception as exc:  # noqa: BLE001 - every fault in a bucket is a RefitError
-                err = exc if isinstance(exc, RefitError) else RefitError.at(
-                    self.rank, step, self._phase, f"{type(exc).__name__}: {_first_line(exc)}", reusable=False)
-                self._rv.give_up(fence, f"rank {self.rank} failed in bucket {b.index}: {err.detail}",
-                                 err.peers or (self.rank,))
-                raise err from (None if err is exc else exc)
+        try:
+            for b in schedule.buckets:
+                self._set_phase(f"bucket {b.index}")
+                try:
+                    self.hooks.before_bucket(self, step, b.index)
+                    mismatches += self._bucket(schedule, b.index, src, dst, device)
+                    if b.index == last:
+                        mismatches += self._finish_pending()
+                except Exception as exc:  # noqa: BLE001 - every fault in a bucket is a RefitError
+                    err = self._bucket_failed(step, fence, exc)
+                    raise err from (None if err is exc else exc)
+        finally:
+            actions, self.recording = self.recording, None
         if steady:
+            if actions is not None and all(a.block is b for a, b in zip(self._arenas, blocks)):
+                self._record = Recording(key, actions, self.sent_bytes - counters[0], self.received_bytes - counters[1],
+                                         self.local_bytes - counters[2], self.staged_ahead - counters[3],
+                                         self.meter.peak, tuple(self.meter.per_bucket_peak))
             return
         self._phase = f"bucket {last}"
         self._meet(step, fence, f"finish bucket {last}", reusable=False, seat="fence")
@@ -313,6 +340,65 @@ class Refitter:
             self._phase = "verification"
             self._verify_result(step, mismatches)
         self._agreed_strided = agreed  # every rank passed this step: the next ones are steady
+
+    def _bucket_failed(self, step: int, fence: str, exc: Exception) -> RefitError:
+        """A fault in a bucket as the RefitError to raise; its reason is left at the fence."""
+        err = exc if isinstance(exc, RefitError) else RefitError.at(
+            self.rank, step, self._phase, f"{type(exc).__name__}: {_first_line(exc)}", reusable=False)
+        self._rv.give_up(fence, f"rank {self.rank} failed in {self._phase}: {err.detail}", err.peers or (self.rank,))
+        return err
+
+    def _set_phase(self, phase: str) -> None:
+        self._phase = phase
+        if self.recording is not None:
+            self.recording.append(("phase", phase, None))
+
+    # ---- steady steps replayed (runtime/replay.py) ------------------------------
+    def _replay_key(self, schedule: Schedule, src: dict, dst: dict, device: torch.device) -> tuple | None:
+        """What a record of this step would be valid for; None where no record can replay it."""
+        hooks = type(self.hooks)
+        if (not self.steady or self.verify or not self._keeps_staging(device)
+                or hooks.before_bucket is not RefitHooks.before_bucket or hooks.on_send is not RefitHooks.on_send):
+            return None
+        if id(schedule) not in self._replayable:  # (schedules live as long as the Refitter)
+            self._replayable[id(schedule)] = replayable(schedule)
+        return tensor_key(src, dst) if self._replayable[id(schedule)] else None
+
+    def _recordable(self, key: tuple | None) -> list | None:
+        """The arenas' blocks if this step may be recorded: its tensors are the last step's, and
+        the arenas already hold what a step carves (the record keeps their buffers)."""
+        if key is None or key != self._last_key or not self._arenas:
+            return None
+        if any(a.block is None or a.want > a.held for a in self._arenas):
+            return None
+        return [a.block for a in self._arenas]
+
+    def _replay(self, step: int, fence: str) -> None:
+        """Run the record of the last walked steady step: its copies, posts and waits, in order."""
+        record, works = self._record, {}
+        self.replayed += 1
+        try:
+            for kind, a, b in record.actions:
+                if kind == "copy":
+                    a.copy_(b)
+                elif kind == "post":
+                    works[a] = self._post(*b)
+                    if self._stale:
+                        self._delete_stale()
+                elif kind == "wait":
+                    self._wait(works.pop(a), *b)
+                elif kind == "zero":
+                    a.zero_()
+                else:
+                    self._phase = a
+        except Exception as exc:  # noqa: BLE001 - as in a walked bucket
+            err = self._bucket_failed(step, fence, exc)
+            raise err from (None if err is exc else exc)
+        self.sent_bytes += record.sent_bytes
+        self.received_bytes += record.received_bytes
+        self.local_bytes += record.local_bytes
+        self.staged_ahead += record.staged_ahead
+        self.meter = StagingMeter(peak=record.peak, per_bucket_peak=list(record.per_bucket_peak))
 
     def _check_steady(self, step: int, src_tensors, dst_tensors, strided: bool) -> None:
         """A steady step's check, local only: the agreement's tensor check, and no non-contiguous
@@ -481,14 +567,15 @@ class Refitter:
         if not posts:
             return
         run = _BucketRun(self, schedule.ops[b], src, dst, device, self._arena(b, device))
-        phase, self._phase = self._phase, f"bucket {b}"
+        phase = self._phase
+        self._set_phase(f"bucket {b}")
         done = 0
         for st in steps[:posts[0]]:
             if st.op is not None and st.op.after:
                 break
             run.do(st)
             done += 1
-        self._phase = phase
+        self._set_phase(phase)
         self.staged_ahead += done
         self._ahead = (b, run, done)
 
@@ -628,6 +715,8 @@ class _BucketRun:
         self.agreed: dict[str, torch.Tensor] = {}          # destination name -> its tensor's agreed amax
         self.into: dict[str, list] = {}                    # destination name -> quantized-wire ops into it
         self.allocated = 0                                 # staging bytes this bucket allocated
+        self.record = refitter.recording                   # a steady step's actions (runtime/replay.py)
+        self.posted: dict[int, int] = {}                   # round -> its post's index in the record
         for op in ops:
             if op.wire and op.dst_rank == self.me:
                 self.into.setdefault(op.dst_name, []).append(op)
@@ -676,6 +765,12 @@ class _BucketRun:
     def local_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.r.dst_held[name].local_shape_at(self.me))
 
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Every copy of the plain path goes through here (a steady step records it)."""
+        target.copy_(source)
+        if self.record is not None:
+            self.record.append(("copy", target, source))
+
     def _message(self, step: Step, buf: torch.Tensor, sending: bool) -> None:
         """Queue a message of the step's round: to/from the op's other end (a reply goes back
         from the op's receiver to its sender)."""
@@ -686,7 +781,10 @@ class _BucketRun:
 
     # ---- preparing ---------------------------------------------------------------
     def _zero(self, step: Step) -> None:
-        _zero_padding(self.dst[step.tensor], self.r.dst_held[step.tensor], self.me)
+        for pad in _padding(self.dst[step.tensor], self.r.dst_held[step.tensor], self.me):
+            pad.zero_()
+            if self.record is not None:
+                self.record.append(("zero", pad, None))
 
     def _assemble(self, step: Step) -> None:
         self.assembly[step.tensor] = self.alloc(self.empty(self.local_shape(step.tensor), torch.bfloat16).zero_())
@@ -710,7 +808,7 @@ class _BucketRun:
             wire = _wire(r.entry[op.key])
             if step.staged:
                 buf = self.alloc(self.empty(view.shape, wire))
-                buf.copy_(view)
+                self.copy(buf, view)
             else:
                 buf = view
         self._message(step, r.hooks.on_send(buf, op), True)
@@ -747,22 +845,29 @@ class _BucketRun:
         self._message(step, self.amax[step.op.id], False)
 
     def _post(self, step: Step) -> None:
-        self.works[step.round] = self.r._post([p for p, _ in self.rounds.get(step.round, [])],
-                                              "transfers" if step.round == 0 else f"round {step.round} messages")
+        messages = [p for p, _ in self.rounds.get(step.round, [])]
+        what = "transfers" if step.round == 0 else f"round {step.round} messages"
+        self.works[step.round] = self.r._post(messages, what)
+        if self.record is not None:
+            self.posted[step.round] = len(self.record)
+            self.record.append(("post", len(self.record), (messages, what)))
 
     def _wait(self, step: Step) -> None:
-        self.r._wait(self.works.pop(step.round, []), [op for _, op in self.rounds.pop(step.round, [])], "transfer")
+        works, ops = self.works.pop(step.round, []), [op for _, op in self.rounds.pop(step.round, [])]
+        if self.record is not None:
+            self.record.append(("wait", self.posted.pop(step.round), (ops, "transfer")))
+        self.r._wait(works, ops, "transfer")
 
     # ---- completing ----------------------------------------------------------------
     def _copy(self, step: Step) -> None:
         op = step.op
         view = self.dst_view(op)
         # a stacked side's block carries its extent-1 expert dim: same elements, same order
-        view.copy_(self.source_view(op).reshape(view.shape))
+        self.copy(view, self.source_view(op).reshape(view.shape))
         self.r.local_bytes += op.bytes
 
     def _land(self, step: Step) -> None:
-        self.landing.pop(step.op.id).copy_(self.bufs.pop(step.op.id))
+        self.copy(self.landing.pop(step.op.id), self.bufs.pop(step.op.id))
 
     def _agree(self, step: Step) -> None:
         """The destination tensor's amax: its senders' blocks, its local blocks, its bf16 assembly."""
@@ -815,11 +920,10 @@ def _wire(entry) -> torch.dtype:
     return WIRE["bf16" if entry.dst_dtype in QUANTIZED else entry.dst_dtype]
 
 
-def _zero_padding(tensor: torch.Tensor, t: TensorIR, rank: int) -> None:
-    for d, runs in enumerate(t.runs(rank)):
-        for r in runs:
-            if isinstance(r, PadRun):
-                tensor.narrow(d, r.local_start, r.length).zero_()
+def _padding(tensor: torch.Tensor, t: TensorIR, rank: int) -> list[torch.Tensor]:
+    """Views of the tensor's padding on this rank (zeroed every step)."""
+    return [tensor.narrow(d, r.local_start, r.length) for d, runs in enumerate(t.runs(rank))
+            for r in runs if isinstance(r, PadRun)]
 
 
 def _shape_problem(t: TensorIR, value, rank: int) -> str | None:

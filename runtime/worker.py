@@ -8,13 +8,16 @@ bigger buffer whose other elements are guards that must stay untouched),
 `groups` (lists of global ranks: each rank refits in the sub-group that holds it, the
 plan's ranks being that group's ranks; ranks in none only create the groups; every rank meets the others once more before it exits, so that rank 0's store outlives every group), `retry` (after a failed refit, call refit once more and report what it said),
 `linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
-2 s after a failure by default),
+2 s after a failure by default), `alternate` (plain tensors only: the sources hold their
+fill in odd steps and zeros in even ones, written in place, and every step's destination is
+checked: a step that moved nothing, or stale bytes, fails),
 and test faults, each `{"rank": R, ...}`: `die` (exit `after` seconds into
 `bucket` of `step`), `die_before` (exit `after` seconds into `step`), `stall` (sleep
 `seconds` at the start of `bucket`), `stall_before` (sleep `seconds` before
 calling refit for `step`), `corrupt` (change one element of a send buffer),
 `wrong_shape` (pass a truncated source tensor from `step` on, 1 by default), `odd_args` (compile another
-plan). Faults go through `RefitHooks`, never by patching the runtime.
+plan). Faults go through `RefitHooks`, never by patching the runtime; a rank without one
+of its own gets no hooks (so its steady steps may be replayed: runtime/replay.py).
 
 A worker exits when its launcher dies (parent-death signal on Linux, and a
 watch on the parent's pid everywhere).
@@ -120,7 +123,8 @@ def run(job: dict, rank: int, group=None) -> dict:
                         relay=job.get("relay", True))
     refitter = Refitter(plan, group=group, budget_bytes=job.get("budget"),
                         timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
-                        hooks=FaultHooks(job, rank), overlap=job.get("overlap", False),
+                        hooks=FaultHooks(job, rank) if FaultHooks.any_for(job, rank) else None,
+                        overlap=job.get("overlap", False),
                         keep_staging=job.get("keep_staging"), steady=job.get("steady", False))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t, rank=rank) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
@@ -136,7 +140,8 @@ def run(job: dict, rank: int, group=None) -> dict:
     storage = {name: _data(v).data_ptr() for name, v in dst.items()}
     barriers = not any(job.get(f) for f in FAULTS)  # a collective would hang on a faulty rank
     stall_before = job.get("stall_before") or {}
-    times, outcomes, store_keys = [], [], []
+    times, outcomes, store_keys, step_errors = [], [], [], []
+    fills = {name: v.clone() for name, v in src.items()} if job.get("alternate") else {}
     succeeded = True
     for step in range(1, job.get("steps", 1) + 1):
         if stall_before.get("rank") == rank and stall_before.get("step", 1) == step:
@@ -144,6 +149,9 @@ def run(job: dict, rank: int, group=None) -> dict:
         if barriers:
             dist.barrier(group=group)
         given = wrong_src if wrong_src is not None and step >= wrong.get("step", 1) else src
+        if job.get("alternate"):
+            for name, v in src.items():
+                v.copy_(fills[name]) if step % 2 else v.zero_()
         outcome = _attempt(refitter, given, dst, RefitError)
         outcomes.append(outcome)
         if outcome["error"] and job.get("retry"):
@@ -156,9 +164,11 @@ def run(job: dict, rank: int, group=None) -> dict:
             if job.get("count_store_keys"):
                 store_keys.append(dist.distributed_c10d._get_default_store().num_keys())
         times.append(outcome["seconds"])
-    errors = []
+        if job.get("alternate") and not step_errors:
+            step_errors += [f"step {step}: {e}" for e in _check_step(plan, rank, dst, step % 2 == 1)]
+    errors = step_errors[:3]
     if succeeded:
-        errors = [e for t in plan.dst.tensors if t.name in dst and t.holds(rank)
+        errors += [e for t in plan.dst.tensors if t.name in dst and t.holds(rank)
                   for e in [check_destination(t, rank, dst[t.name], plan)] if e]
         moved = [name for name, v in dst.items() if _data(v).data_ptr() != storage[name]]
         if moved:
@@ -172,8 +182,21 @@ def run(job: dict, rank: int, group=None) -> dict:
             "sent_bytes": refitter.sent_bytes // n, "received_bytes": refitter.received_bytes // n,
             "local_bytes": refitter.local_bytes // n, "staging_peak": refitter.meter.peak,
             "staging_held": refitter.staging_held, "staged_ahead": refitter.staged_ahead,
+            "replayed": refitter.replayed,
             "checked_tensors": len(dst) if succeeded else 0, "check_errors": errors[:5], "store_keys": store_keys,
             "largest_tensor_bytes": max((_nbytes(v) for v in list(dst.values()) + list(src.values())), default=0)}
+
+
+def _check_step(plan, rank: int, dst: dict, filled: bool) -> list[str]:
+    """`alternate`: after a step with filled sources every destination holds the layouts' values
+    (runtime/fill.py); after one with zeroed sources every element is zero."""
+    from .fill import check_destination
+
+    held = [t for t in plan.dst.tensors if t.name in dst and t.holds(rank)]
+    if filled:
+        return [e for t in held for e in [check_destination(t, rank, dst[t.name], plan)] if e]
+    return [f"`{t.name}` holds {int(dst[t.name].count_nonzero())} non-zero elements after a step of zero sources"
+            for t in held if dst[t.name].count_nonzero()]
 
 
 def _attempt(refitter, src, dst, error_type) -> dict:
@@ -224,10 +247,17 @@ def _strided_copy(name: str, value, guards: list):
 class FaultHooks(RefitHooks):
     """The job's faults for this rank, injected through the runtime's documented hooks."""
 
+    KINDS = ("die", "die_before", "stall", "corrupt")
+
     def __init__(self, job: dict, rank: int):
         mine = lambda f: job.get(f) if (job.get(f) or {}).get("rank") == rank else None  # noqa: E731
         self.die, self.die_before, self.stall, self.corrupt = mine("die"), mine("die_before"), mine("stall"), mine(
             "corrupt")
+
+    @classmethod
+    def any_for(cls, job: dict, rank: int) -> bool:
+        """Does the job inject a fault through hooks on this rank?"""
+        return any((job.get(f) or {}).get("rank") == rank for f in cls.KINDS)
 
     def before_refit(self, refitter, step: int) -> None:
         if self.die_before and self.die_before.get("step", 1) == step:

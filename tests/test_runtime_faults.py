@@ -126,50 +126,58 @@ def _failed(r):
 
 
 @pytest.mark.timeout(120)
-def test_rank_dead_in_a_steady_step_is_named_by_its_receivers(pair):
-    """`steady=True`: step 1 passes on every rank, so step 2 has no meeting. Rank 2, a sender only (the
-    destination has 2 ranks), dies as step 2 starts. Ranks 0 and 1 receive from every source rank
-    in step 2: each fails it within the timeout naming rank 2, and its next call refuses at once.
-    Rank 3, the other sender, passes or fails naming rank 2 (through the reason a receiver left)."""
-    results = launch(_job(pair, steps=3, retry=True, steady=True, die_before={"rank": 2, "step": 2, "after": 0.5}),
-                     NPROC, timeout=90)
+@pytest.mark.parametrize("at", [2, 3])
+def test_rank_dead_in_a_steady_step_is_named_by_its_receivers(pair, at):
+    """`steady=True`: step 1 passes on every rank, so later steps have no meeting; step 2 is walked
+    and recorded, step 3 replays the record on every rank without hooks (runtime/replay.py). Rank 2,
+    a sender only (the destination has 2 ranks), dies as step `at` starts. Ranks 0 and 1 receive from
+    every source rank: each fails that step within the timeout naming rank 2, and its next call
+    refuses at once. Rank 3, the other sender, passes or fails naming rank 2 (through the reason a
+    receiver left)."""
+    results = launch(_job(pair, steps=at + 1, retry=True, steady=True,
+                          die_before={"rank": 2, "step": at, "after": 0.5}), NPROC, timeout=90)
     assert results[2].returncode == 3
     for r in results[:2]:
-        ok, failed, again = r.result["outcomes"]
-        assert ok["error"] is None, ok
-        assert failed["error"].startswith(f"error: rank {r.rank}: step 2, bucket "), failed
+        *ok, failed, again = r.result["outcomes"]
+        assert len(ok) == at - 1 and all(o["error"] is None for o in ok), ok
+        assert failed["error"].startswith(f"error: rank {r.rank}: step {at}, bucket "), failed
         assert "peer rank 2" in failed["error"] and failed["peers"] == [2], failed
         assert failed["reusable"] is False and failed["seconds"] <= 0.5 + TIMEOUT + SLACK, failed
-        assert again["error"].startswith(f"error: rank {r.rank}: step 3, setup: this Refitter cannot be reused: "
-                                         "step 2 failed in bucket "), again
+        assert again["error"].startswith(f"error: rank {r.rank}: step {at + 1}, setup: this Refitter cannot be "
+                                         f"reused: step {at} failed in bucket "), again
         assert again["seconds"] < SLACK, again
+        assert r.result["replayed"] == at - 2  # step 3 ran from step 2's record
     failed, passed = _failed(results[3])
-    assert passed >= 1, results[3].result["outcomes"]  # step 1 met; step 2 passes if its sends were taken
+    assert passed >= at - 1, results[3].result["outcomes"]  # step 1 met; step `at` passes if its sends were taken
     if failed is not None:
         assert 2 in failed["peers"] and "peer rank 2" in failed["error"], failed
         assert failed["seconds"] <= TIMEOUT + SLACK, failed
 
 
 @pytest.mark.timeout(120)
-def test_wrong_shape_in_a_steady_step_fails_that_rank_at_once_and_its_receivers_say_why(pair):
-    """Rank 2 passes a truncated `a` in step 2 (`steady=True`: no agreement to stop everyone first). It
-    raises at once, before posting anything, and cannot be reused; ranks 0 and 1, which wait on its
-    transfers, fail within the timeout with its reason (it left it at the step's fence)."""
-    results = launch(_job(pair, steps=3, retry=True, steady=True, wrong_shape={"rank": 2, "step": 2}), NPROC,
+@pytest.mark.parametrize("at", [2, 3])
+def test_wrong_shape_in_a_steady_step_fails_that_rank_at_once_and_its_receivers_say_why(pair, at):
+    """Rank 2 passes a truncated `a` in step `at` (`steady=True`: no agreement to stop everyone first;
+    in step 3 the others replay step 2's record). It raises at once, before posting anything, and
+    cannot be reused; ranks 0 and 1, which wait on its transfers, fail within the timeout with its
+    reason (it left it at the step's fence)."""
+    results = launch(_job(pair, steps=at + 1, retry=True, steady=True, wrong_shape={"rank": 2, "step": at}), NPROC,
                      timeout=90)
     expected = "source tensor `a`: expected [16, 16] torch.bfloat16, got [1, 16] torch.bfloat16"  # [64 over tp=4, 16]
-    ok, failed, again = results[2].result["outcomes"]
-    assert ok["error"] is None, ok
-    assert failed["error"].startswith("error: rank 2: step 2, check: local tensors do not match the layouts: "
+    *ok, failed, again = results[2].result["outcomes"]
+    assert len(ok) == at - 1 and all(o["error"] is None for o in ok), ok
+    assert failed["error"].startswith(f"error: rank 2: step {at}, check: local tensors do not match the layouts: "
                                       + expected), failed
     assert failed["reusable"] is False and failed["peers"] == [2] and failed["seconds"] < SLACK, failed
-    assert "step 3, setup: this Refitter cannot be reused: step 2 failed in check: " in again["error"], again
+    assert (f"step {at + 1}, setup: this Refitter cannot be reused: step {at} failed in check: "
+            in again["error"]), again
     for r in results[:2]:
         failed, passed = _failed(r)
-        assert passed == 1 and failed is not None, r.result["outcomes"]
-        assert failed["error"].startswith(f"error: rank {r.rank}: step 2, bucket "), failed
-        assert f"rank 2 failed its check in step 2: {expected}" in failed["error"], failed
+        assert passed == at - 1 and failed is not None, r.result["outcomes"]
+        assert failed["error"].startswith(f"error: rank {r.rank}: step {at}, bucket "), failed
+        assert f"rank 2 failed its check in step {at}: {expected}" in failed["error"], failed
         assert failed["peers"] == [2] and failed["seconds"] <= TIMEOUT + SLACK, failed
+        assert r.result["replayed"] == at - 2
 
 
 @pytest.mark.timeout(120)

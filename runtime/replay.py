@@ -1,0 +1,71 @@
+"""Steady steps replayed: the tensor operations one walk of the steps made, run again.
+
+In a steady step (`Refitter(steady=True)`, once one step passed everywhere) nothing a
+walk of the steps decides can change while the caller passes the same tensors: the
+schedule is fixed, the staging arenas (runtime/staging.py) hand out the same buffers in
+the same order, and so every view, buffer and message is the same as last step's. Only
+the Python that finds them is spent again, per op, on every rank: on a busy host that is
+most of what a step costs above a hand-written exchange of the same messages
+(benchmarks/refit_gloo.py). So a steady step records what its walk does to tensors
+(copies, zeroed padding, each round's messages posted, its waits) and later steps run the
+record while the tensors are the same: per op, nothing but the call itself.
+
+A record is made only where its replay is the walk: every step of this rank is one of
+`REPLAYABLE` (no quantizing or dequantizing, which allocate per step and depend on
+values), staging is kept (an arena; fresh buffers would be held between steps), the
+hooks do not see buckets or sends, and the tensors of the recorded step are those of the
+step before it. A record is valid for the memory of the tensors it was made with
+(`tensor_key`): it holds views of them, so while it lives no other tensor can have their
+address; any other tensor drops it and the step is walked (and recorded again once the
+tensors stay put). `Refitter.release_staging()` drops it with the arenas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from layoutlang.compiler.steps import Schedule
+
+# step kinds whose effects are the same tensor operations on the same memory every step
+REPLAYABLE = frozenset({"zero", "send", "recv", "post", "wait", "copy", "land"})
+
+
+def replayable(schedule: Schedule) -> bool:
+    """Is every step this rank walks one whose replay is the walk?"""
+    return all(st.kind in REPLAYABLE for steps in schedule.steps for st in steps)
+
+
+def tensor_key(src: dict, dst: dict) -> tuple | None:
+    """The memory of every tensor a caller passed (None if one is not a plain tensor)."""
+    key: list = []
+    for side in (src, dst):
+        for name, v in side.items():
+            if not isinstance(v, torch.Tensor):
+                return None
+            key.append((name, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.device))
+        key.append(None)  # (a name on the other side is another tensor)
+    return tuple(key)
+
+
+@dataclass
+class Recording:
+    """One walked step's actions, each `(kind, a, b)`:
+
+    - ("phase", name, None): the step's phase from here on (what an error names);
+    - ("zero", view, None) and ("copy", target, source);
+    - ("post", n, (messages, what)): post a round's point-to-point messages, as works `n`;
+    - ("wait", n, (ops, what)): wait for works `n` under one deadline.
+
+    With what the walk added to the Refitter's counters and its staging meter.
+    """
+
+    key: tuple
+    actions: list
+    sent_bytes: int
+    received_bytes: int
+    local_bytes: int
+    staged_ahead: int
+    peak: int
+    per_bucket_peak: tuple[int, ...]

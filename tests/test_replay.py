@@ -1,0 +1,145 @@
+"""Steady steps replayed from a record (runtime/replay.py) move the right bytes, every step.
+
+A replay that moved nothing would pass a check of the last step's destination (step 2 filled
+it), so these workers (`alternate`) write their sources in place every step, the layouts'
+fill in odd steps and zeros in even ones, and check every destination element after every
+step: the fill (runtime/fill.py, from the layouts) after odd steps, zeros after even ones.
+Each rank reports how many steps it replayed: step 1 meets, step 2 is walked and recorded,
+and every later step must replay (a test whose steps were all walked would test nothing).
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from layoutlang.compiler import compile_plan
+from layoutlang.compiler.graph import buckets
+from layoutlang.compiler.steps import schedule
+from layoutlang.runtime.launch import launch
+from layoutlang.runtime.replay import replayable
+
+STEPS = 5
+
+TP4 = """
+mesh s (tp=4)
+tensor a [64 over tp, 48]
+tensor b [48, 64 over tp]
+tensor c [40 over tp]
+tensor d [32 over tp, 32]
+"""
+
+TP2 = """
+mesh d (tp=2)
+tensor a [64, 48 over tp]
+tensor b [48 over tp, 64] fp32
+tensor c [40]
+tensor d [32, 32 over tp]
+"""
+
+# a two-rank trainer into six single-rank replicas on ranks 0-5: relays, padding, fp32
+TRAIN = """
+mesh train (tp=2)
+tensor emb [100 pad 8 over tp, 32]
+tensor norm [32]
+for l in 0..2 {
+  tensor layers.{l}.fc1 [(gate: 32 | up: 32) over tp, 32]
+  tensor layers.{l}.fc2 [32, 32 over tp]
+}
+"""
+
+REPLICAS = """
+mesh infer (dp=6)
+tensor embed as emb [100 pad 64, 32]
+tensor norm [32] fp32
+for l in 0..2 {
+  tensor l{l}.gate_up as layers.{l}.fc1 [(gate: 32 | up: 32), 32]
+  tensor l{l}.down as layers.{l}.fc2 [32, 32]
+}
+"""
+
+CASES = {
+    "staged-receives": (TP4, TP2, {}),
+    "strided-views": (TP4, TP2, {"strided": True}),            # every send and receive staged
+    "overlap-buckets": (TP4, TP2, {"overlap": True, "budget": 2048}),  # staged ahead, two arenas
+    "relays-padding": (TRAIN, REPLICAS, {}),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replayed_steps_are_exact_every_step(tmp_path, case):
+    src_text, dst_text, extra = CASES[case]
+    (tmp_path / "src.layout").write_text(src_text)
+    (tmp_path / "dst.layout").write_text(dst_text)
+    src, dst = str(tmp_path / "src.layout"), str(tmp_path / "dst.layout")
+    plan = compile_plan(src, dst)
+    if case == "relays-padding":
+        assert any(op.after for op in plan.ops)  # relays
+        assert any(st.kind == "zero" for r in range(plan.world) for steps in schedule(plan, r, None).steps
+                   for st in steps)  # padding zeroed every step
+    if case == "overlap-buckets":
+        assert len(buckets(plan, extra["budget"] // 2)) >= 3
+    results = launch({"src": src, "dst": dst, "steady": True, "alternate": True, "steps": STEPS, **extra},
+                     plan.world, timeout=240)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')} {r.stderr[-600:]}"
+        assert r.result["check_errors"] == []
+        held = sum(1 for t in plan.dst.tensors if r.rank < plan.dst.ranks and t.holds(r.rank))
+        assert r.result["checked_tensors"] == held
+        assert r.result["replayed"] == STEPS - 2, r.result
+    if case == "overlap-buckets":
+        assert sum(r.result["staged_ahead"] for r in results) > 0
+
+
+def test_only_plain_steps_are_replayed(tmp_path):
+    """Quantizing and dequantizing allocate per step and depend on values: a rank with such a step
+    walks every step. An mxfp8 `l{l}.gate_up` gives every replica (ranks 0-5, the trainer's two
+    among them) an assembly quantized once per step; the same replicas in bf16 replay."""
+    (tmp_path / "src.layout").write_text(TRAIN)
+    (tmp_path / "dst.layout").write_text(REPLICAS.replace("(gate: 32 | up: 32), 32]", "(gate: 32 | up: 32), 32] mxfp8"))
+    plan = compile_plan(str(tmp_path / "src.layout"), str(tmp_path / "dst.layout"), wire="bf16")
+    assert [replayable(schedule(plan, r, None)) for r in range(plan.world)] == [False] * 6
+    (tmp_path / "plain.layout").write_text(REPLICAS)
+    plain = compile_plan(str(tmp_path / "src.layout"), str(tmp_path / "plain.layout"))
+    assert [replayable(schedule(plain, r, None)) for r in range(plain.world)] == [True] * 6
+
+
+NEW_TENSORS = """
+import socket, sys
+import torch, torch.distributed as dist
+from layoutlang.compiler import compile_plan
+from layoutlang.runtime import Refitter
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+plan = compile_plan(sys.argv[1], sys.argv[2])
+refitter = Refitter(plan, steady=True, timeout=5)
+src = {"w": torch.zeros(8, 6, dtype=torch.bfloat16)}
+dst = {"w": torch.zeros(6, 8, dtype=torch.bfloat16)}
+other = {"w": torch.zeros(6, 8, dtype=torch.bfloat16)}
+g = torch.Generator().manual_seed(0)
+for step, given in enumerate([dst, dst, dst, other, other, other, "release", other], start=1):
+    if given == "release":
+        refitter.release_staging()
+        given = other
+    src["w"].copy_(torch.randn(8, 6, generator=g).to(torch.bfloat16))
+    refitter.refit(src, given)
+    # w is stored transposed in the destination: [6, 8] holds w.T
+    print(step, refitter.replayed, torch.equal(given["w"], src["w"].t()))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_other_tensors_are_walked_and_recorded_again(tmp_path):
+    """One gloo process (every op a local copy of a transposed key). Step 1 meets, step 2 records,
+    step 3 replays; step 4 gets another destination tensor: walked; step 5, the same one again:
+    recorded; step 6 replays; `release_staging()` drops the record: step 7 is walked, step 8
+    replays nothing (its tensors are step 7's, so it records). Every step is exact."""
+    (tmp_path / "src.layout").write_text("mesh s (r=1)\ntensor w [8, 6]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (r=1)\ntensor w [6, 8] transposed\n")
+    (tmp_path / "prog.py").write_text(NEW_TENSORS)
+    proc = subprocess.run([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "src.layout"),
+                           str(tmp_path / "dst.layout")], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == "1 0 True 2 0 True 3 1 True 4 1 True 5 1 True 6 2 True 7 2 True 8 2 True".split()
