@@ -24,15 +24,18 @@ barriers (so a step's time is the slowest rank's), the methods taking turns
 step by step in an order that reverses every round; the figure printed is the median of the K (`--steps` 25 for
 layoutlang and hand p2p, `--slow-steps` 3 for naive and DTensor, which take
 about a second each). "layoutlang" is `Refitter(plan, steady=True)`: no store meeting
-after the first step (docs/runtime.md "Before a byte moves"), the like of the
-hand-written exchange, which checks nothing; "meeting ll" is the default
+after the first step, and from step 3 on a replay of step 2's recorded copies,
+posts and waits (docs/runtime.md "Before a byte moves", items 4 and 5), the like
+of the hand-written exchange, which checks nothing; "hand again" is a second
+hand exchange, the same work in the same rotation: hand again / hand is what
+this run's noise does to two equal methods; "meeting ll" is the default
 `Refitter(plan)`, with an agreement and a fence (store meetings) every step, and
 "(agree + fence)" the part of its step spent in `Refitter._agree` (pre-flight
 plan/shape check) and `Refitter._meet` after the last bucket (the step's fence) on
 the rank whose transfers took longest. Where a target is missed (naive/layoutlang >= 2x on the first
-case, layoutlang/hand <= 1.0x everywhere) the Refitter's phases and a cProfile
+case, layoutlang/hand <= 1.0x everywhere, whatever the noise) the Refitter's phases and a cProfile
 of one step are printed, and at the default sizes the run exits 1 (as it does,
-at any size, on a wrong result or a failed rank). Correctness (untimed, once per case): layoutlang's and hand p2p's
+at any size, on a wrong result or a failed rank). Correctness (untimed, once per case): layoutlang's and both hand p2ps'
 destinations with `layoutlang.runtime.fill.check_destination`; naive's and
 DTensor's compared element for element with layoutlang's checked result.
 "Net MiB" is network bytes summed over ranks per step (layoutlang: the plan's;
@@ -188,7 +191,7 @@ def summarize(world: int, specs: list[dict], results: list[dict | None]) -> list
                # the one-way byte floor: the busiest link's bytes (per rank the larger of network bytes
                # sent and received) at the measured rate of one link (rank 0 -> 1, 64 MiB)
                "floor_ms": (1e3 * per_rank[0]["plan_stats"]["busiest_link_bytes"] / rate) if rate else None}
-        for m in ("layoutlang", "layoutlang_meet", "naive", "dtensor", "hand_p2p"):
+        for m in ("layoutlang", "layoutlang_meet", "naive", "dtensor", "hand_p2p", "hand_again"):
             if m not in per_rank[0]["methods"]:
                 continue
             med, best = _step_time([c["methods"][m]["seconds"] for c in per_rank])
@@ -215,9 +218,9 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def table(world: int, rows: list[dict], steps: int, slow_steps: int) -> str:
     head = (f"| case (W={world}) | net MiB ll / naive | plan ms | layoutlang ms | meeting ll ms (agree + fence) | "
-            f"naive ms | DTensor ms | hand p2p ms | floor ms | naive/ll | ll/hand | meeting ll/hand | hand/floor | "
-            f"ll/floor | check |")
-    lines = [head, "|" + "---|" * 15]
+            f"naive ms | DTensor ms | hand p2p ms | floor ms | naive/ll | ll/hand | meeting ll/hand | "
+            f"hand again/hand | hand/floor | ll/floor | check |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         ms = r["ms"]
         dt = f"{ms['dtensor']:.1f}" if "dtensor" in ms else "n/a*"
@@ -228,14 +231,17 @@ def table(world: int, rows: list[dict], steps: int, slow_steps: int) -> str:
             f"{ms['naive']:.1f} | {dt} | {ms['hand_p2p']:.1f} | "
             + (f"{r['floor_ms']:.1f} | " if r["floor_ms"] else "- | ")
             + f"{_ratio(ms['naive'], ms['layoutlang'])} | {_ratio(ms['layoutlang'], ms['hand_p2p'])} | "
-            f"{_ratio(ms['layoutlang_meet'], ms['hand_p2p'])} | {_ratio(ms['hand_p2p'], r['floor_ms'])} | {_ratio(ms['layoutlang'], r['floor_ms'])} | "
+            f"{_ratio(ms['layoutlang_meet'], ms['hand_p2p'])} | {_ratio(ms['hand_again'], ms['hand_p2p'])} | "
+            f"{_ratio(ms['hand_p2p'], r['floor_ms'])} | {_ratio(ms['layoutlang'], r['floor_ms'])} | "
             f"{'ok' if not r['errors'] else 'FAIL'} |")
     lines.append(f"(per method: median over steps of the max over ranks of one step between two barriers; "
-                 f"{steps} steps for both layoutlangs and hand p2p, {slow_steps} for naive and DTensor, "
+                 f"{steps} steps for both layoutlangs and both hand p2ps, {slow_steps} for naive and DTensor, "
                  "after 1 warm-up step; the methods take turns step by step, in an order that reverses every round. "
                  "layoutlang: Refitter(steady=True), no store meeting after step 1; meeting ll: the default "
                  "Refitter, an agreement and a fence every step, (agree + fence) the part of its step spent in "
-                 "Refitter._agree and ._meet on the rank whose transfers took longest, median of 3 more steps; floor: the busiest link's bytes, per rank the larger of network bytes "
+                 "Refitter._agree and ._meet on the rank whose transfers took longest, median of 3 more steps; "
+                 "hand again: a second hand p2p, the same work: its ratio to hand p2p is this run's noise; "
+                 "floor: the busiest link's bytes, per rank the larger of network bytes "
                  "sent and received, at one link's measured one-way rate, rank 0 -> 1, 64 MiB, best of 3)")
     return "\n".join(lines)
 

@@ -21,6 +21,8 @@ the same destination tensors:
               copy the result into the destination (only where DTensor can say it)
   hand_p2p    the plan's ops for this rank as plain `dist.isend`/`dist.irecv` with
               buffers allocated before timing: the least work for the same bytes
+  hand_again  a second, identical hand exchange (its own destinations), timed in the
+              same rotation: hand_again / hand_p2p is this run's noise on equal work
 
 Each step: barrier, start clock, the method, barrier, stop clock. The methods
 take turns step by step after one untimed warm-up round, in an order that
@@ -56,7 +58,7 @@ from layoutlang.modes import Run  # noqa: E402
 from layoutlang.runtime import Refitter  # noqa: E402
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor  # noqa: E402
 
-METHODS = ("layoutlang", "layoutlang_meet", "naive", "dtensor", "hand_p2p")
+METHODS = ("layoutlang", "layoutlang_meet", "naive", "dtensor", "hand_p2p", "hand_again")
 SLOW = ("naive", "dtensor")  # timed over fewer steps (`slow_steps`): each takes about a second
 
 
@@ -381,13 +383,15 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     # hand p2p, the first `slow_steps` of them for naive and DTensor), in an order
     # that reverses every round, so a change in the machine's load during the case
     # hits all of them alike and none always follows the same method.
-    dsts = {"layoutlang": fresh(), "layoutlang_meet": fresh(), "naive": fresh(), "hand_p2p": fresh()}
+    dsts = {"layoutlang": fresh(), "layoutlang_meet": fresh(), "naive": fresh(), "hand_p2p": fresh(),
+            "hand_again": fresh()}
     naive = Naive(plan, rank, _make_groups(plan))
     hand = HandP2P(plan, rank, src, dsts["hand_p2p"])
     run = {"layoutlang": lambda: refitter.refit(src or None, dsts["layoutlang"] or None),
            "layoutlang_meet": lambda: meeting.refit(src or None, dsts["layoutlang_meet"] or None),
            "naive": lambda: naive.step(src, dsts["naive"]),
-           "hand_p2p": hand.step}
+           "hand_p2p": hand.step,
+           "hand_again": HandP2P(plan, rank, src, dsts["hand_again"]).step}
     if case.get("dtensor"):
         dsts["dtensor"] = fresh()
         run["dtensor"] = DTensorMethod(case, plan, rank, src, dsts["dtensor"]).step
@@ -412,6 +416,7 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     out["methods"]["layoutlang"]["errors"] = check(ref)[:3]
     phase("check_layoutlang")
     out["methods"]["hand_p2p"]["errors"] = check(dsts["hand_p2p"])[:3]
+    out["methods"]["hand_again"]["errors"] = check(dsts["hand_again"])[:3]
     out["methods"]["layoutlang_meet"]["errors"] = check(dsts["layoutlang_meet"])[:3]
     phase("check_hand_p2p")
     for m in order:
