@@ -41,7 +41,7 @@ DTensor's compared element for element with layoutlang's checked result.
 "Net MiB" is network bytes summed over ranks per step (layoutlang: the plan's;
 naive: all-gather and broadcast receipts). Local copies are not counted.
 
-    .venv/bin/python benchmarks/refit_gloo.py                  # W=4 and W=8, ~3.5 min on 2 cores
+    .venv/bin/python benchmarks/refit_gloo.py                  # W=4 and W=8, ~9 min on 2 cores
     .venv/bin/python benchmarks/refit_gloo.py --worlds 4 --tensors 2 --rows 1024 --cols 1024   # seconds
 """
 
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-steps", type=int, default=3,
                     help="timed steps of naive and DTensor (about 1 s each) after one warm-up (default 3)")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default all)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="hard limit per world size, seconds (default 300)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="hard limit per world size, seconds (default 600)")
     ap.add_argument("--layouts", type=Path, default=None,
                     help="write the .layout files here and keep them (default: a temporary directory)")
     ap.add_argument("-v", "--verbose", action="store_true", help="also print where each case's wall time went")

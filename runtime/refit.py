@@ -283,6 +283,13 @@ class Refitter:
 
     def _refit(self, step: int, src_tensors, dst_tensors) -> None:
         self._forget(step - 2)
+        if self._record is not None and self._steady():
+            # The same memory, dtypes, shapes and strides as the recorded step, which passed its
+            # check: this step's check would pass too, and its walk would be the record.
+            if self._record.key == tensor_key(src_tensors or {}, dst_tensors or {}):
+                self._fence = self._rv.key(step, "fence")
+                self._replay(step, self._fence)
+                return
         src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
         strided = any(_strided(v) for v in list(src.values()) + list(dst.values()))
@@ -302,9 +309,6 @@ class Refitter:
             agreed = self._agree(step, src_tensors, dst_tensors, strided)
         schedule = self.schedule(agreed)
         key = self._replay_key(schedule, src, dst, device)
-        if steady and self._record is not None and self._record.key == key:
-            self._replay(step, fence)
-            return
         self._record = None  # (its views of other tensors go before this walk allocates)
         blocks = self._recordable(key)
         self._last_key = key

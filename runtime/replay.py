@@ -17,7 +17,9 @@ hooks do not see buckets or sends, and the tensors of the recorded step are thos
 step before it. A record is valid for the memory of the tensors it was made with
 (`tensor_key`): it holds views of them, so while it lives no other tensor can have their
 address; any other tensor drops it and the step is walked (and recorded again once the
-tensors stay put). `Refitter.release_staging()` drops it with the arenas.
+tensors stay put). A replayed step skips the steady step's tensor check too: the same
+names, memory, dtypes, shapes and strides as the recorded step, which passed it, pass it.
+`Refitter.release_staging()` drops the record with the arenas.
 """
 
 from __future__ import annotations
