@@ -4,9 +4,9 @@
 order and, in each, the steps the compiler made for this rank
 (compiler/steps.py: which tensors are assembled, which transfers are staged
 or carry quantized bytes, which round of point-to-point messages each is
-posted in), one handler per step kind (`_BucketRun`). A round is one
-`batch_isend_irecv` (deadlock-free on gloo and NCCL: every rank posts its
-messages in canonical op order); local copies run while the network works;
+posted in), one handler per step kind (`_BucketRun`). A round's messages are
+posted at once (deadlock-free on gloo and NCCL: every rank posts its messages in
+canonical op order; one `batch_isend_irecv` group on NCCL); local copies run while the network works;
 then staged receives land, assemblies are quantized once and quantized
 blocks are unpacked. Before a byte moves, every rank checks that all ranks
 hold the same plan and that every local tensor has the layout's shape and
@@ -183,6 +183,7 @@ class Refitter:
         self._last_key: tuple | None = None
         self.replayed = 0  # steady steps run from a record, passed or failed (runtime/replay.py)
         self._replayable: dict[int, bool] = {}  # id(schedule) -> can a record replay it
+        self._coalescing: dict[torch.device, bool] = {}  # device -> backend groups messages (`_post`)
 
     @property
     def staging_held(self) -> int:
@@ -599,13 +600,28 @@ class Refitter:
         return mismatches
 
     def _post(self, p2p: list, what: str) -> list:
+        """A round's messages, one work each. NCCL needs them in one group (`batch_isend_irecv`);
+        a backend that cannot coalesce (gloo) gets each posted at once, which is all that
+        `batch_isend_irecv` does there, less its per-message checks (~10 us each)."""
         if not p2p:
             return []
         try:
-            return dist.batch_isend_irecv(p2p)
+            if self._coalesces(p2p[0].tensor.device):
+                return dist.batch_isend_irecv(p2p)
+            return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p]
         except Exception as exc:  # noqa: BLE001
             raise RefitError.at(self.rank, self._step, self._phase, f"posting {len(p2p)} {what} failed: "
                                 f"{_first_line(exc)}", reusable=False) from exc
+
+    def _coalesces(self, device: torch.device) -> bool:
+        """Does the group's backend for `device` group point-to-point messages (NCCL does)?"""
+        if device not in self._coalescing:
+            try:
+                group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+                self._coalescing[device] = bool(group._get_backend(device).supports_coalescing)
+            except Exception:  # noqa: BLE001 - unknown: group them, as torch would
+                self._coalescing[device] = True
+        return self._coalescing[device]
 
     def _wait(self, works: list, ops: list, what: str) -> None:
         """Wait for a bucket's transfers under ONE deadline (not one timeout per transfer)."""

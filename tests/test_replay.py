@@ -143,3 +143,37 @@ def test_other_tensors_are_walked_and_recorded_again(tmp_path):
                            str(tmp_path / "dst.layout")], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == "1 0 True 2 0 True 3 1 True 4 1 True 5 1 True 6 2 True 7 2 True 8 2 True".split()
+
+
+POSTS = """
+import socket, sys
+import torch, torch.distributed as dist
+from layoutlang.compiler import compile_plan
+from layoutlang.runtime import Refitter
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+refitter = Refitter(compile_plan(sys.argv[1], sys.argv[2]), timeout=5)
+cpu = torch.device("cpu")
+print("gloo coalesces", refitter._coalesces(cpu))
+batches = []
+dist.batch_isend_irecv = lambda ops: batches.append(len(ops)) or ["work"] * len(ops)
+refitter._coalescing[cpu] = True  # as NCCL's backend says
+print(refitter._post([dist.P2POp(dist.isend, torch.zeros(2), 0), dist.P2POp(dist.irecv, torch.zeros(2), 0)], "x"),
+      batches)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_messages_are_grouped_where_the_backend_groups_them(tmp_path):
+    """NCCL needs a round's messages in one group (deadlock-free whatever order peers post in):
+    `batch_isend_irecv`. Gloo cannot coalesce, and there each message is posted at once (what
+    `batch_isend_irecv` does on gloo, less its checks). One gloo process: the backend's answer,
+    and a backend that says it coalesces gets one batch of both messages."""
+    (tmp_path / "src.layout").write_text("mesh s (r=1)\ntensor w [8, 4]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (r=1)\ntensor w [8, 4]\n")
+    (tmp_path / "prog.py").write_text(POSTS)
+    proc = subprocess.run([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "src.layout"),
+                           str(tmp_path / "dst.layout")], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["gloo coalesces False", "['work', 'work'] [2]"]
