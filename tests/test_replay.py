@@ -19,6 +19,8 @@ from layoutlang.compiler.steps import schedule
 from layoutlang.runtime.launch import launch
 from layoutlang.runtime.replay import replayable
 
+from test_relay import TRAIN  # a two-rank bf16 trainer: a padded embedding, fused gate|up
+
 STEPS = 5
 
 TP4 = """
@@ -37,17 +39,7 @@ tensor c [40]
 tensor d [32, 32 over tp]
 """
 
-# a two-rank trainer into six single-rank replicas on ranks 0-5: relays, padding, fp32
-TRAIN = """
-mesh train (tp=2)
-tensor emb [100 pad 8 over tp, 32]
-tensor norm [32]
-for l in 0..2 {
-  tensor layers.{l}.fc1 [(gate: 32 | up: 32) over tp, 32]
-  tensor layers.{l}.fc2 [32, 32 over tp]
-}
-"""
-
+# six single-rank bf16 replicas of TRAIN on ranks 0-5: relays, padding, an fp32 norm
 REPLICAS = """
 mesh infer (dp=6)
 tensor embed as emb [100 pad 64, 32]
@@ -105,6 +97,17 @@ def test_only_plain_steps_are_replayed(tmp_path):
     assert [replayable(schedule(plain, r, None)) for r in range(plain.world)] == [True] * 6
 
 
+def _one_process(tmp_path, program: str, src_text: str, dst_text: str) -> list[str]:
+    """Run `program` (one gloo process) on the two layouts; its stdout lines."""
+    (tmp_path / "src.layout").write_text(src_text)
+    (tmp_path / "dst.layout").write_text(dst_text)
+    (tmp_path / "prog.py").write_text(program)
+    proc = subprocess.run([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "src.layout"),
+                           str(tmp_path / "dst.layout")], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.splitlines()
+
+
 NEW_TENSORS = """
 import socket, sys
 import torch, torch.distributed as dist
@@ -136,13 +139,9 @@ def test_other_tensors_are_walked_and_recorded_again(tmp_path):
     step 3 replays; step 4 gets another destination tensor: walked; step 5, the same one again:
     recorded; step 6 replays; `release_staging()` drops the record: step 7 is walked, step 8
     replays nothing (its tensors are step 7's, so it records). Every step is exact."""
-    (tmp_path / "src.layout").write_text("mesh s (r=1)\ntensor w [8, 6]\n")
-    (tmp_path / "dst.layout").write_text("mesh d (r=1)\ntensor w [6, 8] transposed\n")
-    (tmp_path / "prog.py").write_text(NEW_TENSORS)
-    proc = subprocess.run([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "src.layout"),
-                           str(tmp_path / "dst.layout")], capture_output=True, text=True, timeout=50)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == "1 0 True 2 0 True 3 1 True 4 1 True 5 1 True 6 2 True 7 2 True 8 2 True".split()
+    out = _one_process(tmp_path, NEW_TENSORS, "mesh s (r=1)\ntensor w [8, 6]\n",
+                       "mesh d (r=1)\ntensor w [6, 8] transposed\n")
+    assert " ".join(out).split() == "1 0 True 2 0 True 3 1 True 4 1 True 5 1 True 6 2 True 7 2 True 8 2 True".split()
 
 
 POSTS = """
@@ -170,10 +169,5 @@ def test_messages_are_grouped_where_the_backend_groups_them(tmp_path):
     `batch_isend_irecv`. Gloo cannot coalesce, and there each message is posted at once (what
     `batch_isend_irecv` does on gloo, less its checks). One gloo process: the backend's answer,
     and a backend that says it coalesces gets one batch of both messages."""
-    (tmp_path / "src.layout").write_text("mesh s (r=1)\ntensor w [8, 4]\n")
-    (tmp_path / "dst.layout").write_text("mesh d (r=1)\ntensor w [8, 4]\n")
-    (tmp_path / "prog.py").write_text(POSTS)
-    proc = subprocess.run([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "src.layout"),
-                           str(tmp_path / "dst.layout")], capture_output=True, text=True, timeout=50)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines() == ["gloo coalesces False", "['work', 'work'] [2]"]
+    out = _one_process(tmp_path, POSTS, "mesh s (r=1)\ntensor w [8, 4]\n", "mesh d (r=1)\ntensor w [8, 4]\n")
+    assert out == ["gloo coalesces False", "['work', 'work'] [2]"]
