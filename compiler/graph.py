@@ -159,7 +159,8 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: 
 
     Nodes are (bucket, position) with the `step` and its `kind`, plus ("done", bucket, T) for
     every tensor completed and ("barrier", bucket). Edges are data: a round's messages ->
-    its post -> its wait -> what reads them (land, agree, the next round, unpack); an
+    its post -> its wait -> what reads them (agree, the next round, unpack), and a staged
+    receive's post -> its land (which waits for that message alone); an
     assembly -> what writes into it -> its quantize -> the packed blocks unpacked over it;
     dequantize / pack -> the sends and copies that read them; every sink of bucket k ->
     barrier k -> bucket k+1's first steps. With `overlap` (buckets cut at half the budget,
@@ -216,15 +217,16 @@ def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: 
                 dep(("post", st.round))
                 last[("wait", st.round)] = n
                 for m in last.get(("round", st.round), []):
-                    if g.nodes[m]["kind"] == "recv":
-                        last[("landed", g.nodes[m]["step"].op.id)] = n
+                    if g.nodes[m]["kind"] == "recv":  # (a staged one landed already: its land step)
+                        last.setdefault(("landed", g.nodes[m]["step"].op.id), n)
             elif st.kind == "copy":
                 dep(("tensor", o.src_name))
                 dep(("tensor", o.dst_name))
                 writes.setdefault(o.dst_name, []).append(n)
                 last[("landed", o.id)] = n
-            elif st.kind == "land":
-                dep(("landed", o.id))
+            elif st.kind == "land":  # its own receive, once its round is posted (not the whole round)
+                dep(("op", o.id))
+                dep(("post", st.round))
                 writes.setdefault(o.dst_name, []).append(n)
                 last[("landed", o.id)] = n
             elif st.kind == "agree":

@@ -17,8 +17,10 @@ Per bucket, in order::
     dequantize S                 a quantized source, whole, to bf16 (once per bucket)
     pack K                       a quantized-wire op's block quantized by its sender
     send K / recv K / amax K     round 0: transfers, and amaxes of per-tensor-scale ops
-    post 0, copy K ..., wait 0   local copies run while the network works
-    land K                       a staged receive copied into its destination view
+    post 0, copy K ...           local copies run while the network works
+    land K ...                   a staged receive copied into its destination view once ITS
+                                 message is in, while the round's other messages still fly
+    wait 0                       the rest of the round (sends, receives into their views)
     agree T, post 1, wait 1      per-tensor scales: the receiver's amax back to the senders
     pack K, send K / recv K, post 2, wait 2    their quantized blocks
     quantize T | scale T         quantize-once of an assembly, or the agreed per-tensor scale
@@ -59,7 +61,8 @@ class Step:
     """One thing a rank does. `op`: the transfer it serves; `tensor`: the stored tensor it
     prepares or completes; `staged`: a transfer that goes through a buffer of `bytes`
     (a sender's cast/turn/gather, a receiver's non-contiguous or dtype-changing view);
-    `round`: the batch of point-to-point messages a send/recv/amax is posted in."""
+    `round`: the batch of point-to-point messages a send/recv/amax is posted in (a land: the
+    round of the receive it waits for)."""
 
     kind: str
     bucket: int
@@ -178,10 +181,10 @@ def bucket_steps(rank: int, index: int, ops: tuple[Op, ...], completes: tuple[Te
                 for op in ops:
                     if op.local and not op.wire:
                         add("copy", op=op, bytes=op.bytes)
-            add("wait", round=d)
-            for op in by_round.get(d, ()):
+            for op in by_round.get(d, ()):  # each as soon as its own receive is in, while the rest fly
                 if op.id in lands:
-                    add("land", op=op, bytes=op.bytes)
+                    add("land", op=op, bytes=op.bytes, round=d)
+            add("wait", round=d)
     scaled = sorted({op.dst_name for op in ops if op.dst_rank == rank and op.wire and tensor_scaled(op.wire)})
     if exchange or scaled:
         for name in scaled:

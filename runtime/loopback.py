@@ -7,9 +7,9 @@ one accelerator, a one-device measurement of the data path (benchmarks/gpu_refit
 and a check of the steps without a process group (tests/test_loopback.py).
 
 Ranks advance bucket by bucket; within a bucket, each rank runs its steps up to
-its next `wait`, and a wait completes once every message it receives has been
-posted by its sender (rounds increase on every rank, so some wait always can).
-"""
+the first that reads a round's messages (a `land` or the `wait`), and goes on
+once every message of that round it receives has been posted by its sender
+(rounds increase on every rank, so some rank always can)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class _LoopbackRun(_BucketRun):
         super().__init__(rank, ops, src, dst, device)
         self.mail = mail
         self.inbox: dict[int, list] = {}  # round -> [(key, buffer)] this rank receives
+        self.delivered: set[int] = set()  # rounds whose messages are in
 
     def _message(self, step, buf: torch.Tensor, sending: bool) -> None:
         what = MESSAGES[step.kind][0]  # send/recv are one message ("send"); amax, reply
@@ -60,15 +61,21 @@ class _LoopbackRun(_BucketRun):
     def _post(self, step) -> None:
         pass
 
-    def _wait(self, step) -> None:
-        for key, buf in self.inbox.pop(step.round, ()):
+    def _await(self, round_: int, which) -> None:
+        """The round's messages, all at once (the driver let this rank go: every one is posted)."""
+        for key, buf in self.inbox.pop(round_, ()):
             buf.copy_(self.mail.pop(key).reshape(buf.shape))
+        self.delivered.add(round_)
+
+    def _wait(self, step) -> None:
+        self._await(step.round, ())
 
 
 def _walk(run: _LoopbackRun, steps):
-    """Run the steps, pausing before each wait (yielding its round) until the driver says go."""
+    """Run the steps, pausing before the first that reads a round's messages (a land or the
+    wait; yielding the round) until the driver says go."""
     for step in steps:
-        if step.kind == "wait":
+        if step.kind in ("wait", "land") and step.round not in run.delivered:
             yield step.round
         run.do(step)
 

@@ -380,7 +380,7 @@ class Refitter:
 
     def _replay(self, step: int, fence: str) -> None:
         """Run the record of the last walked steady step: its copies, posts and waits, in order."""
-        record, works = self._record, {}
+        record, works, deadlines = self._record, {}, {}
         self.replayed += 1
         try:
             for kind, a, b in record.actions:
@@ -388,10 +388,13 @@ class Refitter:
                     a.copy_(b)
                 elif kind == "post":
                     works[a] = self._post(*b)
+                    deadlines[a] = time.monotonic() + self.timeout.total_seconds()
                     if self._stale:
                         self._delete_stale()
                 elif kind == "wait":
-                    self._wait(works.pop(a), *b)
+                    which, ops, what = b
+                    posted = works[a]
+                    self._wait([posted[i] for i in which], ops, what, deadlines[a])
                 elif kind == "zero":
                     a.zero_()
                 else:
@@ -623,9 +626,11 @@ class Refitter:
                 self._coalescing[device] = True
         return self._coalescing[device]
 
-    def _wait(self, works: list, ops: list, what: str) -> None:
-        """Wait for a bucket's transfers under ONE deadline (not one timeout per transfer)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+    def _wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
+        """Wait for a bucket's transfers under ONE deadline (not one timeout per transfer): from
+        now, or the one their round got when it was posted (a round waited for in parts)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout.total_seconds()
         for work, op in zip(works, ops):
             peer = op.dst_rank if op.src_rank == self.rank else op.src_rank
             left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
@@ -737,6 +742,9 @@ class _BucketRun:
         self.allocated = 0                                 # staging bytes this bucket allocated
         self.record = refitter.recording                   # a steady step's actions (runtime/replay.py)
         self.posted: dict[int, int] = {}                   # round -> its post's index in the record
+        self.deadline: dict[int, float] = {}               # round -> when its messages are late
+        self.waited: dict[int, set] = {}                   # round -> its works waited for already
+        self.slot: dict[int, int] = {}                     # op id -> its receive's index in its round
         for op in ops:
             if op.wire and op.dst_rank == self.me:
                 self.into.setdefault(op.dst_name, []).append(op)
@@ -846,6 +854,7 @@ class _BucketRun:
                 self.landing[op.id] = view
             else:
                 buf = view
+        self.slot[op.id] = len(self.rounds.get(step.round, ()))
         self._message(step, buf, False)
         r.received_bytes += op.bytes
 
@@ -868,15 +877,33 @@ class _BucketRun:
         messages = [p for p, _ in self.rounds.get(step.round, [])]
         what = "transfers" if step.round == 0 else f"round {step.round} messages"
         self.works[step.round] = self.r._post(messages, what)
+        self.deadline[step.round] = time.monotonic() + self.r.timeout.total_seconds()
         if self.record is not None:
             self.posted[step.round] = len(self.record)
             self.record.append(("post", len(self.record), (messages, what)))
 
-    def _wait(self, step: Step) -> None:
-        works, ops = self.works.pop(step.round, []), [op for _, op in self.rounds.pop(step.round, [])]
+    def _await(self, round_: int, which: list[int]) -> None:
+        """Wait for these works of a round (indices into its messages; a backend that grouped the
+        round, as NCCL does, has one work for all of them) under the round's one deadline."""
+        works, entries = self.works.get(round_, []), self.rounds.get(round_, [])
+        if len(works) != len(entries):
+            which = list(range(len(works)))  # one grouped work: it is every message's
+        done = self.waited.setdefault(round_, set())
+        which = [i for i in which if i not in done]
+        if not which:
+            return
+        done.update(which)
+        # (a grouped round's one work names its first message's op, as before)
+        ops = [entries[i][1] for i in which]
+        deadline = self.deadline[round_]
         if self.record is not None:
-            self.record.append(("wait", self.posted.pop(step.round), (ops, "transfer")))
-        self.r._wait(works, ops, "transfer")
+            self.record.append(("wait", self.posted[round_], (which, ops, "transfer")))
+        self.r._wait([works[i] for i in which], ops, "transfer", deadline)
+
+    def _wait(self, step: Step) -> None:
+        self._await(step.round, list(range(len(self.rounds.get(step.round, ())))))
+        for table in (self.works, self.rounds, self.posted, self.deadline, self.waited):
+            table.pop(step.round, None)
 
     # ---- completing ----------------------------------------------------------------
     def _copy(self, step: Step) -> None:
@@ -887,6 +914,8 @@ class _BucketRun:
         self.r.local_bytes += op.bytes
 
     def _land(self, step: Step) -> None:
+        """A staged receive into its view, as soon as its own message is in."""
+        self._await(step.round, [self.slot.pop(step.op.id)])
         self.copy(self.landing.pop(step.op.id), self.bufs.pop(step.op.id))
 
     def _agree(self, step: Step) -> None:

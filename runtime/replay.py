@@ -58,7 +58,9 @@ class Recording:
     - ("phase", name, None): the step's phase from here on (what an error names);
     - ("zero", view, None) and ("copy", target, source);
     - ("post", n, (messages, what)): post a round's point-to-point messages, as works `n`;
-    - ("wait", n, (ops, what)): wait for works `n` under one deadline.
+    - ("wait", n, (which, ops, what)): wait for these of works `n` (indices: a staged receive
+      waits for its own message before it lands, the round's wait for the rest) under the
+      deadline their post set.
 
     With what the walk added to the Refitter's counters and its staging meter.
     """

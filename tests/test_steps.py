@@ -78,9 +78,10 @@ def test_a_cut_block_and_padding_go_through_the_assembly():
     lines = _lines(plan, 4)
     assert lines[0] == "assemble w (2048 B)"
     assert lines[1:5] == [f"recv op {k} <- rank {k} (480 B, staged) round 0" for k in range(4)]
-    assert lines[5:7] == ["post round 0", "wait round 0"]
-    assert lines[7:11] == [f"land op {k} w (480 B)" for k in range(4)]
-    assert lines[11:] == ["quantize w"]
+    assert lines[5] == "post round 0"
+    # each lands as soon as its own message is in, while the others still fly; then the round's wait
+    assert lines[6:10] == [f"land op {k} w (480 B)" for k in range(4)]
+    assert lines[10:] == ["wait round 0", "quantize w"]
 
 
 def test_cli_steps_needs_a_rank(tmp_path, capsys):
