@@ -7,7 +7,8 @@ store key set by a thread of rank 0 that watches `w` for that block's values). A
 that landed only after the round's wait would wait for rank 2 forever: rank 2 gives up
 after 20 s and every rank fails. The steps as compiled must land before they wait, and the
 destination must be exact at every step (the source is written anew each step), walked
-and replayed alike.
+and replayed alike. Where a backend posts a round as one work (NCCL), the first land
+waits for the whole round: gloo's works wrapped into one per round must be exact too.
 """
 
 import pytest
@@ -54,11 +55,25 @@ def watch():
         store.set(f"landed/{step}", "1")
 
 
-refitter = Refitter(plan, steady=True, timeout=timedelta(seconds=40), hooks=HoldRank2() if rank == 2 else None)
+class Grouped:
+    # one work for a whole round, as NCCL's batch_isend_irecv returns (gloo gives one per message)
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        return all(w.wait(timeout) is not False for w in self.works)
+
+
+if job["grouped"]:
+    posted = Refitter._post
+    Refitter._post = lambda self, p2p, what: [Grouped(posted(self, p2p, what))] if p2p else []
+
+hold = rank == 2 and not job["grouped"]  # (grouped: the first land waits for the whole round)
+refitter = Refitter(plan, steady=True, timeout=timedelta(seconds=40), hooks=HoldRank2() if hold else None)
 full = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16).to(torch.bfloat16)
 src = {"w": torch.empty(8, 8, dtype=torch.bfloat16)} if rank else None
 dst = {"w": torch.zeros(8, 16, dtype=torch.bfloat16)} if rank == 0 else None
-if rank == 0:
+if rank == 0 and not job["grouped"]:
     threading.Thread(target=watch, daemon=True).start()
 try:
     for step in range(1, job["steps"] + 1):
@@ -87,16 +102,32 @@ def test_the_steps_land_each_receive_before_the_rounds_wait():
 
 @pytest.mark.timeout(120)
 def test_a_staged_receive_lands_while_a_later_message_is_held_back(tmp_path):
-    (tmp_path / "src.layout").write_text(SRC)
-    (tmp_path / "dst.layout").write_text(DST)
-    (tmp_path / "prog.py").write_text(PROGRAM)
-    from layoutlang.runtime.launch import free_port
-    job = {"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "steps": STEPS,
-           "port": free_port()}
-    results = launch(job, 3, timeout=100, program=str(tmp_path / "prog.py"))
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error} {r.stderr[-800:]}"
+    results = _run(tmp_path, grouped=False)
     assert results[0].result["exact"] == [True] * STEPS
     # step 1 meets, step 2 is walked and recorded, steps 3-4 replay: the replay lands early too
     assert [r.result["replayed"] for r in results] == [STEPS - 2, STEPS - 2, 0]  # (rank 2's hooks see sends)
+
+
+@pytest.mark.timeout(120)
+def test_a_round_posted_as_one_work_is_waited_for_whole_at_its_first_land(tmp_path):
+    """Where the backend groups a round into one work (NCCL's batch_isend_irecv), a land cannot
+    wait for its message alone: the first land waits for the group, the rest and the round's
+    wait find it done. Here gloo's works are wrapped into one per round: exact every step,
+    walked and replayed."""
+    results = _run(tmp_path, grouped=True)
+    assert results[0].result["exact"] == [True] * STEPS
+    assert [r.result["replayed"] for r in results] == [STEPS - 2] * 3
+
+
+def _run(tmp_path, grouped: bool):
+    from layoutlang.runtime.launch import free_port
+    (tmp_path / "src.layout").write_text(SRC)
+    (tmp_path / "dst.layout").write_text(DST)
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    job = {"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "steps": STEPS,
+           "port": free_port(), "grouped": grouped}
+    results = launch(job, 3, timeout=100, program=str(tmp_path / "prog.py"))
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error} {r.stderr[-800:]}"
+    return results
 
