@@ -12,12 +12,11 @@ waits for the whole round: gloo's works wrapped into one per round must be exact
 """
 
 import pytest
-
-from layoutlang import loads
-
 from layoutlang.compiler import compile_plan
 from layoutlang.compiler.steps import schedule
 from layoutlang.runtime.launch import launch
+
+from layoutlang import loads
 
 SRC = "mesh s (tp=2) at 1\ntensor w [8, 16 over tp]\n"
 DST = "mesh d (r=1)\ntensor w [8, 16]\n"
