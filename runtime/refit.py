@@ -744,7 +744,7 @@ class _BucketRun:
         self.posted: dict[int, int] = {}                   # round -> its post's index in the record
         self.deadline: dict[int, float] = {}               # round -> when its messages are late
         self.waited: dict[int, set] = {}                   # round -> its works waited for already
-        self.slot: dict[int, int] = {}                     # op id -> its receive's index in its round
+        self.slot: dict[int, int] = {}                     # op id -> a staged receive's index in its round
         for op in ops:
             if op.wire and op.dst_rank == self.me:
                 self.into.setdefault(op.dst_name, []).append(op)
@@ -852,9 +852,9 @@ class _BucketRun:
             if step.staged:
                 buf = self.bufs[op.id] = self.alloc(self.empty(view.shape, _wire(r.entry[op.key])))
                 self.landing[op.id] = view
+                self.slot[op.id] = len(self.rounds.get(step.round, ()))  # (its land waits for it alone)
             else:
                 buf = view
-        self.slot[op.id] = len(self.rounds.get(step.round, ()))
         self._message(step, buf, False)
         r.received_bytes += op.bytes
 
