@@ -4,6 +4,8 @@ Expected offsets are computed by hand from the rule: every buffer starts at
 the next multiple of 64 bytes after the previous one's end.
 """
 
+import os
+
 import torch
 
 from layoutlang.runtime.staging import ALIGN, StagingArena
@@ -66,3 +68,23 @@ def test_release_gives_the_block_back():
     arena.reset(CPU)
     arena.release()
     assert arena.held == 0 and arena.block is None
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_block_is_faulted_in_when_it_is_taken_not_when_it_is_first_used():
+    """A fresh CPU block of 64 MiB is untouched memory (above malloc's largest mmap threshold,
+    32 MiB): its pages would fault in, and be zeroed by the kernel, in the first step that
+    carves from it, making that step several times a steady one. `reset` touches them in the
+    step that sized the block: the process's resident memory grows by the block there."""
+    arena = StagingArena()
+    size = 64 * 2**20
+    arena.empty((size,), torch.uint8, CPU)  # the first bucket: fresh, and the block's size is known
+    before = _resident_bytes()
+    arena.reset(CPU)
+    grown = _resident_bytes() - before
+    assert arena.held == size
+    assert grown >= size * 3 // 4, f"resident memory grew by {grown} B, not by the {size} B block"
