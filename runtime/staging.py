@@ -55,8 +55,8 @@ class StagingArena:
             self.block = None  # the old block is freed before the new one is taken
             self.block = torch.empty(self.want, dtype=torch.uint8, device=device)
             if device.type == "cpu":
-                # fault its pages in now, in the step that sized it (the first, which meets anyway),
-                # not in the first step that uses it: that one would take ~4x a steady step
+                # fault its pages in now, in the step that sized it (usually the first, which meets
+                # anyway), not in the next step that carves from it: that one took ~4x a steady step
                 self.block.zero_()
         self.used = 0
 
