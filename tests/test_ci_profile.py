@@ -30,7 +30,7 @@ print(seen)
 
 
 def _draws(env: dict) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in ("LAYOUTLANG_CI", "HYPOTHESIS_PROFILE")}
+    clean = {k: v for k, v in os.environ.items() if k not in ("LAYOUTLANG_CI", "HYPOTHESIS_PROFILE", "CI")}
     out = subprocess.run([sys.executable, "-c", PROGRAM, str(Path(__file__).parent)], env={**clean, **env},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-1000:]
@@ -42,3 +42,7 @@ def test_ci_draws_the_same_examples_and_a_developer_new_ones():
     assert _draws({"LAYOUTLANG_CI": "1"}) == _draws({"LAYOUTLANG_CI": "1"})
     assert _draws({"HYPOTHESIS_PROFILE": "ci"}) == _draws({"LAYOUTLANG_CI": "1"})
     assert _draws({}) != _draws({})  # 8 random integers twice: equal by chance ~never
+    # a CI machine's `CI` variable makes hypothesis load its own derandomized profile;
+    # the developer profile must not inherit it, and LAYOUTLANG_CI still means the same draws
+    assert _draws({"CI": "true"}) != _draws({"CI": "true"})
+    assert _draws({"CI": "true", "LAYOUTLANG_CI": "1"}) == _draws({"LAYOUTLANG_CI": "1"})
