@@ -70,6 +70,22 @@ class Dims:
         built = self.memo[memo_key] = self.build(stmt, mesh, claims)
         return built
 
+    def cached(self, stmt: ast.TensorDecl, mesh: Mesh) -> BuiltDims | None:
+        """The statement's dims for the current loop values if built before (axes not claimed)."""
+        free = self.free.get(id(stmt))
+        if free is None:
+            return None
+        loops = self.scope.loops
+        vals = []
+        for n in free:
+            for f in loops:
+                if f.node.var == n:
+                    vals.append(f.value)
+                    break
+            else:
+                vals.append(None)
+        return self.memo.get((id(stmt), mesh.name, tuple(vals)))
+
     def forget_statements(self) -> None:
         """Drop the per-statement memos (keyed by statement ids, which die with the loop)."""
         self.memo.clear()

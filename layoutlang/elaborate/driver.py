@@ -3,7 +3,9 @@
 The order is written down as data: `STATEMENTS` says which pass elaborates
 each kind of statement, `TENSOR_STEPS` what one tensor instance goes through,
 in order. The order of the steps is the order of a tensor's diagnostics: a
-statement with two mistakes reports the earlier step's.
+statement with two mistakes reports the earlier step's. Inside loops, a
+statement's later instances reuse what its first one checked (`Repeat`) and
+redo only what reads loop values; anything new takes the full steps.
 
 Guarantees: `loads` returns a complete, frozen `Layout` or raises a
 `LayoutError` (a ParseError, an ElaborationError at the offending span, a
@@ -44,6 +46,7 @@ class Elaboration:
         self.default_dtype = DEFAULT_DTYPE
         self.header: str | None = None
         self.fixed_pool: dict[tuple, tuple] = {}  # placement coordinates, one object per value
+        self.repeats: dict[int, Repeat] = {}  # statement id -> its first instance's checked shape
 
 
 def run_file(el: Elaboration, source: Source) -> None:
@@ -102,12 +105,71 @@ def for_loop(el: Elaboration, stmt: ast.ForLoop, source: Source) -> None:
     if not el.scope.loops:
         el.dims.forget_statements()
         el.keys.forget_statements()
+        el.repeats.clear()
+        el.scope.renders.clear()
 
 
 def tensor(el: Elaboration, stmt: ast.TensorDecl, source: Source) -> None:
+    loops_now = el.scope.loops
+    if loops_now:
+        seen = el.repeats.get(id(stmt))
+        if seen is not None and repeat(el, seen):
+            return
     draft = Draft(stmt)
     for step in TENSOR_STEPS:
         step(el, draft)
+    if loops_now:
+        el.repeats[id(stmt)] = Repeat(draft, loops_now)
+
+
+# ---- the same statement again, in a later iteration ------------------------------------------
+
+class Repeat:
+    """What a statement's first instance inside its loops settled, that later iterations share.
+
+    Which mesh it is on, which axes it claims (and that no axis is claimed twice),
+    which `for ... over` frames place it on which axis, its stored keys and its
+    dtype depend on the statement alone, not on loop values: checked once, they
+    hold for every iteration. What does depend on loop values is redone per
+    instance: the coordinates of the `over` loops and of `at`, the dims (from the
+    dims memo; a miss takes the full steps), the dtype's fit to those dims, the
+    names, keys and regions. The result is the instance the full steps would
+    build, and an instance the full steps would refuse is built by them (the
+    fallback), so its diagnostic is theirs."""
+
+    __slots__ = ("stmt", "mesh", "over", "stored_keys", "dtype")
+
+    def __init__(self, d: Draft, frames: list):
+        self.stmt, self.mesh, self.stored_keys, self.dtype = d.stmt, d.claims.mesh, d.stored_keys, d.dtype
+        # (depth of the frame, axis index): a nested loop's frame is made anew each outer iteration
+        self.over = tuple((depth, d.claims.mesh.axis_index(f.node.over.name))
+                          for depth, f in enumerate(frames) if f.node.over is not None)
+
+
+def repeat(el: Elaboration, seen: Repeat) -> bool:
+    """Build the statement's instance from its first one's shape; False: take the full steps."""
+    mesh, frames = seen.mesh, el.scope.loops
+    fixed = []
+    for depth, idx in seen.over:
+        frame = frames[depth]
+        if frame.axis_size != mesh.axes[idx].size:  # a fresh inner frame: not distributed yet
+            return False
+        fixed.append((idx, frame.block()[0]))
+    built = el.dims.cached(seen.stmt, mesh)
+    if built is None:
+        return False
+    d = Draft(seen.stmt)
+    d.stored_keys, d.dtype, d.built = seen.stored_keys, seen.dtype, built
+    d.claims = meshes.Claimed(mesh)
+    d.fixed = fixed
+    for place in seen.stmt.placement:
+        idx = mesh.axis_index(place.axis.name)
+        fixed.append((idx, meshes.coordinate(place, idx, mesh, el.scope)))
+    el.dims.check_storage(built, d.dtype, d.stmt)
+    naming(el, d)
+    key_regions(el, d)
+    emit(el, d)
+    return True
 
 
 # ---- one tensor instance ----------------------------------------------------------------

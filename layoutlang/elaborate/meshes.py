@@ -98,16 +98,31 @@ class AxisClaims:
         return idx
 
 
+class Claimed:
+    """The claims of an instance whose statement's first instance made them (a `Repeat`):
+    only the mesh is read from here on."""
+
+    __slots__ = ("mesh",)
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+
 def placement(stmt: ast.TensorDecl, claims: AxisClaims, scope: Scope) -> list[tuple[int, int]]:
     """The (axis, coordinate) pairs of `at AXIS=C, ...`, each in range."""
     fixed = []
     for place in stmt.placement:
         idx = claims.claim(place.axis, "by `at`")
-        coord = scope.evaluate(place.coord)
-        size = claims.mesh.axes[idx].size
-        if not 0 <= coord < size:
-            raise ElaborationError(f"`at {place.axis.name}={coord}` is out of range: {place.axis.name} has "
-                                   f"coordinates 0..{size - 1}", place.coord.span,
-                                   help=f"use `at {place.axis.name}={place.axis.name}-1` for the last one")
-        fixed.append((idx, coord))
+        fixed.append((idx, coordinate(place, idx, claims.mesh, scope)))
     return fixed
+
+
+def coordinate(place: ast.Place, idx: int, mesh: Mesh, scope: Scope) -> int:
+    """`at AXIS=C`'s coordinate on axis `idx` of `mesh`, in range."""
+    coord = scope.evaluate(place.coord)
+    size = mesh.axes[idx].size
+    if not 0 <= coord < size:
+        raise ElaborationError(f"`at {place.axis.name}={coord}` is out of range: {place.axis.name} has "
+                               f"coordinates 0..{size - 1}", place.coord.span,
+                               help=f"use `at {place.axis.name}={place.axis.name}-1` for the last one")
+    return coord

@@ -21,25 +21,54 @@ from .scope import Scope
 
 def render(tpl: ast.NameTemplate, local: str, scope: Scope) -> str:
     """A name's text; `local` is "value" (a NAME), "global" (its default KEY)
-    or "reject" (an explicit KEY)."""
-    out = []
+    or "reject" (an explicit KEY).
+
+    Inside loops a template is rendered once per iteration, so its pieces are
+    resolved once (`_resolve`): a loop variable (or `.local`) to the depth of its
+    frame, which is the same in every iteration of the statement."""
     loops = scope.loops
+    if not loops:
+        return "".join(p if p.__class__ is str else str(scope.evaluate(p.expr, local)) for p in tpl.pieces)
+    pieces = scope.renders.get((id(tpl), local))
+    if pieces is None:
+        pieces = scope.renders[(id(tpl), local)] = _resolve(tpl, local, loops)
+    out = []
+    for kind, x in pieces:
+        if kind is _TEXT:
+            out.append(x)
+        elif kind is _VALUE:
+            out.append(str(loops[x].value))
+        elif kind is _IN_BLOCK and loops[x[0]].block_starts:
+            frame = loops[x[0]]
+            out.append(str(frame.value - frame.block()[1]))
+        else:  # any other expression, or a `.local` whose axis is not known yet (which raises)
+            out.append(str(scope.evaluate(x if kind is _EXPR else x[1], local)))
+    return "".join(out)
+
+
+_TEXT, _VALUE, _IN_BLOCK, _EXPR = "text", "value", "in block", "expr"
+
+
+def _resolve(tpl: ast.NameTemplate, local: str, loops: list) -> tuple[tuple[str, object], ...]:
+    """(kind, what) per piece: text; a loop value (frame depth); a `.local` index in
+    its block ((depth, expr)); or an expression `Scope.evaluate` computes (and checks)."""
+    depth = {f.node.var: i for i, f in enumerate(loops)}  # loop variables shadow nothing
+    out = []
     for p in tpl.pieces:
         if p.__class__ is str:
-            out.append(p)
+            out.append((_TEXT, p))
             continue
         expr = p.expr
-        if expr.__class__ is ast.Name and loops:
-            name = expr.name
-            for frame in reversed(loops):  # a loop variable (they shadow nothing): most names
-                if frame.node.var == name:
-                    out.append(str(frame.value))
-                    break
-            else:
-                out.append(str(scope.evaluate(expr, local)))
+        i = depth.get(expr.name) if expr.__class__ in (ast.Name, ast.Local) else None
+        if i is None:
+            out.append((_EXPR, expr))
+        elif expr.__class__ is ast.Name:
+            out.append((_VALUE, i))
+        elif local not in ("value", "global") or getattr(loops[i].node, "over", None) is None:
+            out.append((_EXPR, expr))  # `Scope.local_value` says why not
         else:
-            out.append(str(scope.evaluate(expr, local)))
-    return "".join(out)
+            out.append((_VALUE, i) if local == "global" else (_IN_BLOCK, (i, expr)))
+    return tuple(out)
 
 
 def names_and_key(stmt: ast.TensorDecl, scope: Scope) -> tuple[str, str]:

@@ -51,6 +51,9 @@ class Scope:
         self.arg_values: list[tuple[str, int]] = []  # in declaration order: the layout's args
         self.meshes = meshes
         self.loops: list[LoopFrame] = []
+        # (template id, local mode) -> its resolved pieces (names.render), inside loops only:
+        # dropped with the outermost loop, as the statements whose ids key it are
+        self.renders: dict[tuple[int, str], tuple] = {}
 
     # ---- definitions ------------------------------------------------------------
     def define(self, b: ast.Binding, kind: str) -> None:
