@@ -231,20 +231,25 @@ def _key_template(t: TensorIR) -> str | None:
     return found.group(1) if found else None
 
 
+def _region_sig(r: KeyRegion | None) -> tuple | None:
+    return None if r is None else (r.box, r.stacked, r.transposed, r.part_dim)
+
+
 def _check_same_key(m: Match, compared: set) -> None:
     """Same logical shape and the same hoisted part trees for a key on both sides."""
     first, first_region = m.src[0], m.src_region(0)
+    # the same dims and regions (box, stacked dims, transposition, part dim) give the same shapes and
+    # part trees (`_trees`): each such pair is compared once
+    sig = (id(m.dst.dims), _region_sig(m.region), id(first.dims), _region_sig(first_region))
+    if sig in compared:
+        return
+    compared.add(sig)
     src_shape = first_region.key_shape if first_region is not None else first.logical_shape
     if m.shape != src_shape:
         raise PlanError(
             f"`{m.key}` has logical shape {_shape(m.shape)} here but {_shape(src_shape)} in the source",
             m.dst.span, notes=[Note("the source declaration", first.span)],
             help="the two layouts must describe the same logical tensor")
-    sig = (id(m.dst.dims), m.region.box if m.region else None, id(first.dims),
-           first_region.box if first_region else None)
-    if sig in compared:
-        return
-    compared.add(sig)
     for i, (d, s) in enumerate(zip(_trees(m.dst, m.region), _trees(first, first_region))):
         diff = tree_difference(d, s)
         if diff:
