@@ -128,12 +128,12 @@ class Names:
 
     def check_name(self, t: TensorIR, stmt: ast.TensorDecl) -> None:
         """A NAME is declared once per rank (LANGUAGE.md 2.4)."""
-        group_key = (t.mesh.name, tuple(i for i, _ in t.fixed))
-        coords = tuple(c for _, c in t.fixed)
         by_group = self.names.get(t.name)
         if by_group is None:  # most names: declared once, remembered as the instance alone
             self.names[t.name] = t
             return
+        group_key = (t.mesh.name, tuple(i for i, _ in t.fixed))
+        coords = tuple(c for _, c in t.fixed)
         if isinstance(by_group, TensorIR):
             first = by_group
             by_group = self.names[t.name] = {
