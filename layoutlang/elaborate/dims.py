@@ -57,8 +57,7 @@ class Dims:
         free = self.free.get(id(stmt))
         if free is None:
             free = self.free[id(stmt)] = tuple(sorted(_free_names(stmt.dims)))
-        loop_vals = {f.node.var: f.value for f in loops}
-        memo_key = (id(stmt), mesh.name, tuple(loop_vals.get(n) for n in free))
+        memo_key = self._memo_key(stmt, mesh, free)
         cached = self.memo.get(memo_key)
         if cached is not None:
             for ast_dim in stmt.dims:  # still claim the axes
@@ -73,18 +72,12 @@ class Dims:
     def cached(self, stmt: ast.TensorDecl, mesh: Mesh) -> BuiltDims | None:
         """The statement's dims for the current loop values if built before (axes not claimed)."""
         free = self.free.get(id(stmt))
-        if free is None:
-            return None
-        loops = self.scope.loops
-        vals = []
-        for n in free:
-            for f in loops:
-                if f.node.var == n:
-                    vals.append(f.value)
-                    break
-            else:
-                vals.append(None)
-        return self.memo.get((id(stmt), mesh.name, tuple(vals)))
+        return None if free is None else self.memo.get(self._memo_key(stmt, mesh, free))
+
+    def _memo_key(self, stmt: ast.TensorDecl, mesh: Mesh, free: tuple[str, ...]) -> tuple:
+        """(statement, mesh, the values of the loop variables its dims read)."""
+        values = {f.node.var: f.value for f in self.scope.loops}
+        return (id(stmt), mesh.name, tuple(values.get(n) for n in free))
 
     def forget_statements(self) -> None:
         """Drop the per-statement memos (keyed by statement ids, which die with the loop)."""
