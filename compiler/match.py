@@ -130,8 +130,9 @@ def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
             items = by_key.get(key)
             if items is None:
                 raise _missing(key, t, region, src, by_key)
-            sources = tuple(s for s, _ in items)
-            src_regions = tuple(r for _, r in items) if any(r is not None for _, r in items) else ()
+            sources, src_regions = zip(*items)
+            if src_regions[0] is None and src_regions.count(None) == len(src_regions):  # v1 sources
+                src_regions = ()
             m = Match(t, sources, region, src_regions)
             if key not in checked:
                 checked.add(key)
