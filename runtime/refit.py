@@ -130,7 +130,8 @@ class Refitter:
     Steady steps given the same tensors as the step before run a record of that step's
     tensor operations instead of walking the steps again (runtime/replay.py; `replayed`
     counts them); the record holds views of those tensors until they change or
-    `release_staging()`.
+    `release_staging()`. A record needs the staging kept (`keep_staging`): on CPU by
+    default; on an accelerator pass `keep_staging=True` to replay (docs/runtime.md).
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
