@@ -39,7 +39,7 @@ from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storag
 from .wire import landed, pack, unpack_into, write_tensor_scale
 from .wire import wire_bytes as packed_bytes
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
-from .replay import Recording, replayable, tensor_key
+from .replay import Recording, replayable, stages, tensor_key
 from .staging import StagingArena
 from .views import shape as _shape
 from .views import view as _view
@@ -130,8 +130,9 @@ class Refitter:
     Steady steps given the same tensors as the step before run a record of that step's
     tensor operations instead of walking the steps again (runtime/replay.py; `replayed`
     counts them); the record holds views of those tensors until they change or
-    `release_staging()`. A record needs the staging kept (`keep_staging`): on CPU by
-    default; on an accelerator pass `keep_staging=True` to replay (docs/runtime.md).
+    `release_staging()`. A rank whose steps stage nothing (contiguous blocks both ways)
+    replays anywhere; one that stages needs the staging kept (`keep_staging`): on CPU by
+    default, on an accelerator pass `keep_staging=True` (docs/runtime.md).
     """
 
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
@@ -183,7 +184,7 @@ class Refitter:
         self._record: Recording | None = None  # the last one, run while the tensors are the same
         self._last_key: tuple | None = None
         self.replayed = 0  # steady steps run from a record, passed or failed (runtime/replay.py)
-        self._replayable: dict[int, bool] = {}  # id(schedule) -> can a record replay it
+        self._replayable: dict[int, tuple[bool, bool]] = {}  # id(schedule) -> (plain steps, stages)
         self._coalescing: dict[torch.device, bool] = {}  # device -> backend groups messages (`_post`)
 
     @property
@@ -312,7 +313,7 @@ class Refitter:
         schedule = self.schedule(agreed)
         key = self._replay_key(schedule, src, dst, device)
         self._record = None  # (its views of other tensors go before this walk allocates)
-        blocks = self._recordable(key)
+        blocks = self._recordable(key, schedule)
         self._last_key = key
         self.recording = [] if steady and blocks is not None else None
         counters = (self.sent_bytes, self.received_bytes, self.local_bytes, self.staged_ahead)
@@ -363,17 +364,25 @@ class Refitter:
     def _replay_key(self, schedule: Schedule, src: dict, dst: dict, device: torch.device) -> tuple | None:
         """What a record of this step would be valid for; None where no record can replay it."""
         hooks = type(self.hooks)
-        if (not self.steady or self.verify or not self._keeps_staging(device)
+        if (not self.steady or self.verify
                 or hooks.before_bucket is not RefitHooks.before_bucket or hooks.on_send is not RefitHooks.on_send):
             return None
         if id(schedule) not in self._replayable:  # (schedules live as long as the Refitter)
-            self._replayable[id(schedule)] = replayable(schedule)
-        return tensor_key(src, dst) if self._replayable[id(schedule)] else None
+            self._replayable[id(schedule)] = (replayable(schedule), stages(schedule))
+        plain, staged = self._replayable[id(schedule)]
+        if not plain or (staged and not self._keeps_staging(device)):
+            return None  # (a record of staged steps holds their buffers: only kept arenas' ones)
+        return tensor_key(src, dst)
 
-    def _recordable(self, key: tuple | None) -> list | None:
+    def _recordable(self, key: tuple | None, schedule: Schedule) -> list | None:
         """The arenas' blocks if this step may be recorded: its tensors are the last step's, and
-        the arenas already hold what a step carves (the record keeps their buffers)."""
-        if key is None or key != self._last_key or not self._arenas:
+        the arenas already hold what a step carves (the record keeps their buffers); none
+        where the rank stages nothing."""
+        if key is None or key != self._last_key:
+            return None
+        if not self._replayable[id(schedule)][1]:
+            return []  # every view is of the caller's tensors
+        if not self._arenas:
             return None
         if any(a.block is None or a.want > a.held for a in self._arenas):
             return None

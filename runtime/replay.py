@@ -12,9 +12,11 @@ record while the tensors are the same: per op, nothing but the call itself.
 
 A record is made only where its replay is the walk: every step of this rank is one of
 `REPLAYABLE` (no quantizing or dequantizing, which allocate per step and depend on
-values), staging is kept (an arena; fresh buffers would be held between steps), the
-hooks do not see buckets or sends, and the tensors of the recorded step are those of the
-step before it. A record is valid for the memory of the tensors it was made with
+values), staging is kept (an arena; fresh buffers would be held between steps) or the
+rank stages nothing (`stages`: its record then holds no buffer of its own, which is what
+lets an accelerator, where arenas are not kept by default, replay its contiguous
+transfers), the hooks do not see buckets or sends, and the tensors of the recorded step
+are those of the step before it. A record is valid for the memory of the tensors it was made with
 (`tensor_key`): it holds views of them, so while it lives no other tensor can have their
 address; any other tensor drops it and the step is walked (and recorded again once the
 tensors stay put). A replayed step skips the steady step's tensor check too: the same
@@ -37,6 +39,13 @@ REPLAYABLE = frozenset({"zero", "send", "recv", "post", "wait", "copy", "land"})
 def replayable(schedule: Schedule) -> bool:
     """Is every step this rank walks one whose replay is the walk?"""
     return all(st.kind in REPLAYABLE for steps in schedule.steps for st in steps)
+
+
+def stages(schedule: Schedule) -> bool:
+    """Does this rank carve any staging buffer (a send or receive through a buffer; a land
+    is a staged receive's)? A replayable step that stages none only touches the caller's
+    tensors."""
+    return any(st.staged for steps in schedule.steps for st in steps)
 
 
 def tensor_key(src: dict, dst: dict) -> tuple | None:

@@ -10,7 +10,8 @@ plan's ranks being that group's ranks; ranks in none only create the groups; eve
 `linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
 2 s after a failure by default), `alternate` (plain tensors only: the sources hold their
 fill in odd steps and zeros in even ones, written in place, and every step's destination is
-checked: a step that moved nothing, or stale bytes, fails),
+checked: a step that moved nothing, or stale bytes, fails), `release` (steps before which
+the rank calls `Refitter.release_staging()`),
 and test faults, each `{"rank": R, ...}`: `die` (exit `after` seconds into
 `bucket` of `step`), `die_before` (exit `after` seconds into `step`), `stall` (sleep
 `seconds` at the start of `bucket`), `stall_before` (sleep `seconds` before
@@ -152,6 +153,8 @@ def run(job: dict, rank: int, group=None) -> dict:
         if job.get("alternate"):
             for name, v in src.items():
                 v.copy_(fills[name]) if step % 2 else v.zero_()
+        if step in job.get("release", ()):
+            refitter.release_staging()
         outcome = _attempt(refitter, given, dst, RefitError)
         outcomes.append(outcome)
         if outcome["error"] and job.get("retry"):

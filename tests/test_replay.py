@@ -17,7 +17,7 @@ from layoutlang.compiler import compile_plan
 from layoutlang.compiler.graph import buckets
 from layoutlang.compiler.steps import schedule
 from layoutlang.runtime.launch import launch
-from layoutlang.runtime.replay import replayable
+from layoutlang.runtime.replay import replayable, stages
 
 from test_relay import TRAIN  # a two-rank bf16 trainer: a padded embedding, fused gate|up
 
@@ -84,6 +84,51 @@ def test_replayed_steps_are_exact_every_step(tmp_path, case):
         assert sum(r.result["staged_ahead"] for r in results) > 0
 
 
+# TP4 -> TP2 on ranks 0-1. `a` (rows): every source shard is sent whole and lands as a
+# whole block of rows. `b` (columns): each source shard [48, 16] is sent whole too, but
+# lands as a column block of the receiver's [48, 32]: not contiguous, so it is received
+# into a buffer. Rank 0 copies its own shard of `b` and receives rank 1's (staged); rank 1
+# receives ranks 2's and 3's (staged); ranks 2 and 3 only send whole shards.
+ROWS_AND_COLUMNS = ("mesh s (tp=4)\ntensor a [64 over tp, 48]\ntensor b [48, 64 over tp]\n",
+                    "mesh d (tp=2)\ntensor a [64 over tp, 48]\ntensor b [48, 64 over tp]\n")
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_stage_nothing_replay_without_kept_staging(tmp_path):
+    """A record of a rank that stages nothing holds only views of the caller's tensors, so it
+    replays without kept arenas (`keep_staging=False`, an accelerator's default); a rank that
+    stages walks every step there. Which ranks stage is read off the layouts above."""
+    (tmp_path / "src.layout").write_text(ROWS_AND_COLUMNS[0])
+    (tmp_path / "dst.layout").write_text(ROWS_AND_COLUMNS[1])
+    src, dst = str(tmp_path / "src.layout"), str(tmp_path / "dst.layout")
+    results = launch({"src": src, "dst": dst, "steady": True, "alternate": True, "steps": STEPS,
+                      "keep_staging": False}, 4, timeout=240)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')} {r.stderr[-600:]}"
+        assert r.result["check_errors"] == []
+        assert r.result["checked_tensors"] == (2 if r.rank < 2 else 0)
+        assert r.result["staging_held"] == 0
+    assert [r.result["replayed"] for r in results] == [0, 0, STEPS - 2, STEPS - 2]
+    # Staging kept: every rank replays step 3. `release_staging()` before step 4 drops every
+    # record and the arenas: step 4 is walked everywhere; ranks 2 and 3 record it (it holds no
+    # buffer) and replay step 5; ranks 0 and 1 have no arena to record into until step 4 made
+    # one, so they record step 5 instead.
+    kept = launch({"src": src, "dst": dst, "steady": True, "alternate": True, "steps": STEPS, "release": [4]},
+                  4, timeout=240)
+    assert all(r.ok and r.result["check_errors"] == [] for r in kept), [r.error for r in kept]
+    assert [r.result["replayed"] for r in kept] == [1, 1, 2, 2]
+
+
+def test_which_ranks_stage_is_read_off_the_layouts(tmp_path):
+    """The pair above: ranks 0 and 1 receive `b`'s column blocks through buffers; ranks 2 and 3
+    send whole shards; with `strided` (a caller's tensor may be a view) every transfer stages."""
+    (tmp_path / "src.layout").write_text(ROWS_AND_COLUMNS[0])
+    (tmp_path / "dst.layout").write_text(ROWS_AND_COLUMNS[1])
+    plan = compile_plan(str(tmp_path / "src.layout"), str(tmp_path / "dst.layout"))
+    assert [stages(schedule(plan, r, None)) for r in range(4)] == [True, True, False, False]
+    assert [stages(schedule(plan, r, None, strided=True)) for r in range(4)] == [True] * 4
+
+
 def test_only_plain_steps_are_replayed(tmp_path):
     """Quantizing and dequantizing allocate per step and depend on values: a rank with such a step
     walks every step. An mxfp8 `l{l}.gate_up` gives every replica (ranks 0-5, the trainer's two
@@ -137,11 +182,12 @@ dist.destroy_process_group()
 def test_other_tensors_are_walked_and_recorded_again(tmp_path):
     """One gloo process (every op a local copy of a transposed key). Step 1 meets, step 2 records,
     step 3 replays; step 4 gets another destination tensor: walked; step 5, the same one again:
-    recorded; step 6 replays; `release_staging()` drops the record: step 7 is walked, step 8
-    replays nothing (its tensors are step 7's, so it records). Every step is exact."""
+    recorded; step 6 replays; `release_staging()` drops the record: step 7 is walked, and
+    recorded (its tensors are step 6's, and a local copy stages nothing, so no arena is needed);
+    step 8 replays. Every step is exact."""
     out = _one_process(tmp_path, NEW_TENSORS, "mesh s (r=1)\ntensor w [8, 6]\n",
                        "mesh d (r=1)\ntensor w [6, 8] transposed\n")
-    assert " ".join(out).split() == "1 0 True 2 0 True 3 1 True 4 1 True 5 1 True 6 2 True 7 2 True 8 2 True".split()
+    assert " ".join(out).split() == "1 0 True 2 0 True 3 1 True 4 1 True 5 1 True 6 2 True 7 2 True 8 3 True".split()
 
 
 POSTS = """
