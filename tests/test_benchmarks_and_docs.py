@@ -189,7 +189,21 @@ def test_refit_gloo_reports_missed_targets():
 
     row = {"case": "tp4-tp2-d0", "ms": {"naive": 30.0, "layoutlang": 20.0, "hand_p2p": 10.0}}
     missed = refit_gloo.missed_targets(row)
-    assert len(missed) == 2 and "1.50x < 2.0x" in missed[0] and "2.00x > 1.0x" in missed[1]
+    assert len(missed) == 2 and "1.50x < 2.0x" in missed[0] and "2.000x > 1.0x" in missed[1]
+    # a miss by less than the table's old two digits still shows: 10.04 / 10.0
+    close = refit_gloo.missed_targets({"case": "gtp", "ms": {"naive": 30.0, "layoutlang": 10.04, "hand_p2p": 10.0}})
+    assert close == ["layoutlang/hand 1.004x > 1.0x"]
+
+
+def test_refit_gloo_pairs_steps_by_round():
+    """Paired: the median of per-round ratios. Hand-computed: rounds (2/1, 3/3, 8/4) -> 1.0, 2.0, 2.0."""
+    import refit_gloo
+
+    assert refit_gloo._paired([2.0, 3.0, 8.0], [1.0, 3.0, 4.0]) == 2.0
+    # a load drift that doubles both methods' steps halfway cancels in the pairs, not in the medians
+    base, other = [1.0, 1.0, 2.0, 2.0, 2.0], [1.1, 1.1, 2.2, 2.2, 2.2]
+    assert abs(refit_gloo._paired(other, base) - 1.1) < 1e-12
+    assert refit_gloo._paired([], []) is None
     assert refit_gloo.missed_targets({"case": "gtp", "ms": {"naive": 30.0, "layoutlang": 10.0,
                                                             "hand_p2p": 10.0}}) == []
 
