@@ -39,7 +39,7 @@ from .quant import PLAIN_DTYPES, as_quantized, dequantize, quantize_into, storag
 from .wire import landed, pack, unpack_into, write_tensor_scale
 from .wire import wire_bytes as packed_bytes
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
-from .replay import Recording, replayable, stages, tensor_key
+from .replay import Recording, replayable, resolved_posts, stages, tensor_key
 from .staging import StagingArena
 from .views import shape as _shape
 from .views import view as _view
@@ -612,13 +612,16 @@ class Refitter:
             run.arena.reset(device)  # every buffer of the bucket is dead: the next carves them again
         return mismatches
 
-    def _post(self, p2p: list, what: str) -> list:
+    def _post(self, p2p: list, what: str, calls: list | None = None) -> list:
         """A round's messages, one work each. NCCL needs them in one group (`batch_isend_irecv`);
         a backend that cannot coalesce (gloo) gets each posted at once, which is all that
-        `batch_isend_irecv` does there, less its per-message checks (~10 us each)."""
+        `batch_isend_irecv` does there, less its per-message checks (~10 us each); a replay
+        passes the process-group calls they resolved to once (`replay.resolved_posts`)."""
         if not p2p:
             return []
         try:
+            if calls is not None:
+                return [call(tensors, peer, tag) for call, tensors, peer, tag in calls]
             if self._coalesces(p2p[0].tensor.device):
                 return dist.batch_isend_irecv(p2p)
             return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p]
@@ -638,15 +641,20 @@ class Refitter:
 
     def _wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
         """Wait for a bucket's transfers under ONE deadline (not one timeout per transfer): from
-        now, or the one their round got when it was posted (a round waited for in parts)."""
+        now, or the one their round got when it was posted (a round waited for in parts).
+
+        `Work.wait` takes the time left as float seconds (its binding reads a float as seconds,
+        as it reads a timedelta): building a timedelta per message cost a steady step on a
+        busy host about 10 us a message, more than the rest of the wait's Python
+        (benchmarks/README.md)."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout.total_seconds()
         for work, op in zip(works, ops):
-            peer = op.dst_rank if op.src_rank == self.rank else op.src_rank
-            left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            left = deadline - time.monotonic()
             try:
-                ok = work.wait(left)
+                ok = work.wait(left if left > 0.001 else 0.001)
             except Exception as exc:  # noqa: BLE001 - every transport error becomes one message
+                peer = self._other_end(op)
                 text = _first_line(exc)
                 if "timed out" in text.lower() or "timeout" in text.lower():
                     text = f"peer rank {peer} did not complete it within {self.timeout.total_seconds():g} s"
@@ -654,9 +662,14 @@ class Refitter:
                     self.rank, self._step, self._phase, f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} "
                     f"failed: {text}", peers=(peer,), reusable=False) from exc
             if ok is False:
+                peer = self._other_end(op)
                 raise self._root_cause() or RefitError.at(
                     self.rank, self._step, self._phase, f"peer rank {peer} did not complete {what} of op {op.id} "
                     f"(`{op.key}`) within {self.timeout.total_seconds():g} s", peers=(peer,), reusable=False)
+
+    def _other_end(self, op) -> int:
+        """The rank at the other end of this rank's transfer `op`."""
+        return op.dst_rank if op.src_rank == self.rank else op.src_rank
 
     def _root_cause(self) -> RefitError | None:
         """The reason a rank already left at this step's fence or the previous one's, if any: a
@@ -890,7 +903,8 @@ class _BucketRun:
         self.deadline[step.round] = time.monotonic() + self.r.timeout.total_seconds()
         if self.record is not None:
             self.posted[step.round] = len(self.record)
-            self.record.append(("post", len(self.record), (messages, what)))
+            calls = resolved_posts(messages, self.r._coalesces(messages[0].tensor.device)) if messages else None
+            self.record.append(("post", len(self.record), (messages, what, calls)))
 
     def _await(self, round_: int, which: list[int]) -> None:
         """Wait for these works of a round (indices into its messages; a backend that grouped the

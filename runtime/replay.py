@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.overrides import has_torch_function
 
 from layoutlang.compiler.steps import Schedule
 
@@ -46,6 +48,32 @@ def stages(schedule: Schedule) -> bool:
     is a staged receive's)? A replayable step that stages none only touches the caller's
     tensors."""
     return any(st.staged for steps in schedule.steps for st in steps)
+
+
+def resolved_posts(messages: list, coalesces: bool) -> list | None:
+    """A round's messages as the process-group calls that `dist.isend` / `dist.irecv` end in,
+    resolved once at record time: `(group.send or group.recv, [tensor], the peer's rank in
+    the group, tag)` each. Per message those wrappers find the group, translate the peer's
+    rank and check the tensor; nothing they look at can change while a record is valid (the
+    same tensors, group and peers), so a replay posts what a hand-written exchange of the
+    same messages posts, without that Python (benchmarks/README.md: on a loaded host it was
+    most of a replayed step's cost above the hand exchange's, with the waits' timedeltas).
+
+    None where a round does not take that path: a backend that groups messages (NCCL gets
+    `batch_isend_irecv`), a tensor whose `__torch_function__` would see the call (a DTensor;
+    a Parameter has none), a complex tensor (sent as its real view).
+    """
+    if coalesces:
+        return None
+    calls = []
+    for p in messages:
+        t = p.tensor
+        if has_torch_function((t,)) or t.is_complex() or p.op not in (dist.isend, dist.irecv):
+            return None
+        group = p.group if p.group is not None else dist.distributed_c10d._get_default_group()
+        call = group.send if p.op is dist.isend else group.recv
+        calls.append((call, [t], dist.get_group_rank(group, p.peer), p.tag))
+    return calls
 
 
 def tensor_key(src: dict, dst: dict) -> tuple | None:
@@ -66,7 +94,8 @@ class Recording:
 
     - ("phase", name, None): the step's phase from here on (what an error names);
     - ("zero", view, None) and ("copy", target, source);
-    - ("post", n, (messages, what)): post a round's point-to-point messages, as works `n`;
+    - ("post", n, (messages, what, calls)): post a round's point-to-point messages, as works
+      `n` (through `calls`, their `resolved_posts`, where there are some);
     - ("wait", n, (which, ops, what)): wait for these of works `n` (indices: a staged receive
       waits for its own message before it lands, the round's wait for the rest) under the
       deadline their post set.

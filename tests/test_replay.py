@@ -217,3 +217,59 @@ def test_messages_are_grouped_where_the_backend_groups_them(tmp_path):
     and a backend that says it coalesces gets one batch of both messages."""
     out = _one_process(tmp_path, POSTS, "mesh s (r=1)\ntensor w [8, 4]\n", "mesh d (r=1)\ntensor w [8, 4]\n")
     assert out == ["gloo coalesces False", "['work', 'work'] [2]"]
+
+
+@pytest.mark.timeout(180)
+def test_replayed_posts_reach_their_peers_in_sub_groups(tmp_path):
+    """A replay posts through the process group's own calls with the peer's rank in the group
+    (runtime/replay.py `resolved_posts`). Two sub-groups run one plan at once: in [3, 1] torch
+    orders the ranks (global 1 is group rank 0, global 3 group rank 1), and in [0, 2, 4]
+    global 2 is group rank 1, so a global rank passed where a group rank belongs fails there
+    or reaches the idle rank 4. `w` lands in column blocks (staged), `n` is copied whole."""
+    (tmp_path / "src.layout").write_text("mesh s (tp=2)\ntensor w [48 over tp, 8]\ntensor n [6]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (tp=2)\ntensor w [48, 8 over tp]\ntensor n [6]\n")
+    results = launch({"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "steady": True,
+                      "alternate": True, "steps": STEPS, "groups": [[3, 1], [0, 2, 4]]}, 6, timeout=150)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')} {r.stderr[-600:]}"
+        assert r.result["check_errors"] == []
+    assert results[5].result["outside_group"] is True
+    assert {r.rank: r.result["checked_tensors"] for r in results if r.rank != 5} == {0: 2, 1: 2, 2: 2, 3: 2, 4: 0}
+    assert [r.result["replayed"] for r in results[:4]] == [STEPS - 2] * 4
+
+
+RESOLVED = """
+import socket, sys
+import torch, torch.distributed as dist
+from layoutlang.runtime.replay import resolved_posts
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+pg = dist.distributed_c10d._get_default_group()
+
+class Seen(torch.Tensor):  # a subclass whose __torch_function__ would see dist.isend
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+t, u = torch.zeros(2), torch.zeros(3)
+calls = resolved_posts([dist.P2POp(dist.isend, t, 0), dist.P2POp(dist.irecv, u, 0, tag=7)], False)
+print(calls[0][0] == pg.send, calls[1][0] == pg.recv, calls[0][1][0] is t, calls[1][1][0] is u,
+      calls[0][2], calls[1][2], calls[0][3], calls[1][3])
+print(resolved_posts([dist.P2POp(dist.isend, t, 0)], True))
+print(resolved_posts([dist.P2POp(dist.isend, t, 0), dist.P2POp(dist.isend, torch.zeros(2, dtype=torch.complex64), 0)],
+                     False))
+print(resolved_posts([dist.P2POp(dist.isend, torch.zeros(2).as_subclass(Seen), 0)], False))
+print(len(resolved_posts([dist.P2POp(dist.isend, torch.nn.Parameter(torch.zeros(2)), 0)], False)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_posts_resolve_to_the_process_groups_own_calls(tmp_path):
+    """On gloo a record keeps, per message, the call `dist.isend` / `dist.irecv` would make: the
+    group's send or recv, the tensor itself, the peer's group rank (the default group's are
+    global ranks), the tag. A backend that groups messages, a complex tensor and a tensor with
+    a `__torch_function__` keep the wrappers (None: the whole round goes through `_post`); a
+    Parameter has no `__torch_function__` of its own and resolves."""
+    out = _one_process(tmp_path, RESOLVED, "mesh s (r=1)\ntensor w [8, 4]\n", "mesh d (r=1)\ntensor w [8, 4]\n")
+    assert out == ["True True True True 0 0 0 7", "None", "None", "None", "1"]
