@@ -33,8 +33,10 @@ this run's noise does to two equal methods; "meeting ll" is the default
 "(agree + fence)" the part of its step spent in `Refitter._agree` (pre-flight
 plan/shape check) and `Refitter._meet` after the last bucket (the step's fence) on
 the rank whose transfers took longest. Where a target is missed (naive/layoutlang >= 2x on the first
-case, layoutlang/hand <= 1.0x everywhere, whatever the noise) the Refitter's phases and a cProfile
-of one step are printed, and at the default sizes the run exits 1 (as it does,
+case, layoutlang/hand <= 1.0x everywhere, whatever the noise) the paired figures of layoutlang and
+hand again with a 95 % interval of each one's median (order statistics, no assumption on how
+steps spread: an interval that holds 1.0 is a miss this run cannot tell from noise), the
+Refitter's phases and a cProfile of one step are printed, and at the default sizes the run exits 1 (as it does,
 at any size, on a wrong result or a failed rank). Correctness (untimed, once per case): layoutlang's and both hand p2ps'
 destinations with `layoutlang.runtime.fill.check_destination`; naive's and
 DTensor's compared element for element with layoutlang's checked result.
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -184,8 +187,30 @@ def _paired(steps: list[float], base: list[float]) -> float | None:
     """The median over rounds of one method's step / the base's step of the same round: two
     methods timed turn by turn meet the same load in a round, so a drift of the machine's load
     during the case cancels here, where the ratio of the two medians keeps it."""
-    ratios = [a / b for a, b in zip(steps, base) if b]
+    ratios = _paired_ratios(steps, base)
     return statistics.median(ratios) if ratios else None
+
+
+def _median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of `values` (order statistics): with n
+    values sorted, [x_k, x_(n+1-k)] (1-based) for the largest k with P(Binomial(n, 1/2) < k)
+    <= (1 - level) / 2. It assumes nothing of how a step's time spreads; None when n is too
+    small for the level (n < 6 at 95 %)."""
+    n, tail = len(values), (1.0 - level) / 2.0
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
+    while k < n // 2:
+        below += math.comb(n, k) / 2.0**n
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def _paired_ratios(steps: list[float], base: list[float]) -> list[float]:
+    return [a / b for a, b in zip(steps, base) if b]
 
 
 def summarize(world: int, specs: list[dict], results: list[dict | None]) -> list[dict]:
@@ -211,8 +236,11 @@ def summarize(world: int, specs: list[dict], results: list[dict | None]) -> list
             row["ms"][m], row["best_ms"][m] = 1e3 * med, 1e3 * best
             row["errors"] += [f"{m}: {e}" for c in per_rank for e in c["methods"][m]["errors"]]
         hand = _steps([c["methods"]["hand_p2p"]["seconds"] for c in per_rank])
-        row["paired"] = {m: _paired(_steps([c["methods"][m]["seconds"] for c in per_rank]), hand)
-                         for m in ("layoutlang", "hand_again")}
+        row["paired"], row["paired_interval"] = {}, {}
+        for m in ("layoutlang", "hand_again"):
+            steps = _steps([c["methods"][m]["seconds"] for c in per_rank])
+            row["paired"][m] = _paired(steps, hand)
+            row["paired_interval"][m] = _median_interval(_paired_ratios(steps, hand))
         row["phases"] = {k: max(c["phases"].get(k, 0.0) for c in per_rank) for k in per_rank[0]["phases"]}
         busiest = per_rank[0]["plan_stats"]["busiest_receiver"]
         row["profile_rank"] = busiest
@@ -275,8 +303,16 @@ def missed_targets(row: dict) -> list[str]:
     if row["case"] == "tp4-tp2-d0" and ms["naive"] / ms["layoutlang"] < TARGET_NAIVE:
         missed.append(f"naive/layoutlang {ms['naive'] / ms['layoutlang']:.2f}x < {TARGET_NAIVE}x")
     if ms["layoutlang"] / ms["hand_p2p"] > TARGET_HAND:
-        missed.append(f"layoutlang/hand {ms['layoutlang'] / ms['hand_p2p']:.3f}x > {TARGET_HAND}x")
+        missed.append(f"layoutlang/hand {ms['layoutlang'] / ms['hand_p2p']:.3f}x > {TARGET_HAND}x"
+                      + "".join(f"; {_interval_text(row, m, name)}" for m, name in
+                                (("layoutlang", "layoutlang/hand"), ("hand_again", "hand again/hand"))
+                                if row.get("paired_interval", {}).get(m)))
     return missed
+
+
+def _interval_text(row: dict, m: str, name: str) -> str:
+    lo, hi = row["paired_interval"][m]
+    return f"{name} paired {row['paired'][m]:.3f}, 95 % interval of its median {lo:.3f}-{hi:.3f}"
 
 
 def notes(world: int, rows: list[dict]) -> str:

@@ -208,6 +208,23 @@ def test_refit_gloo_pairs_steps_by_round():
                                                             "hand_p2p": 10.0}}) == []
 
 
+def test_refit_gloo_interval_of_the_paired_median():
+    """Order statistics: for n = 25 the binomial tail P(Bin(25, 1/2) <= 7) = 0.0216 <= 0.025 and
+    P(<= 8) = 0.0539, so the 95 % interval is the 8th to the 18th smallest; for n = 6 it is the
+    whole range (P(0) = 1/64, P(<= 1) = 7/64); for n = 5, P(0) = 1/32 > 0.025: none."""
+    import refit_gloo
+
+    assert refit_gloo._median_interval([float(x) for x in range(25, 0, -1)]) == (8.0, 18.0)
+    assert refit_gloo._median_interval([6.0, 5.0, 4.0, 3.0, 2.0, 1.0]) == (1.0, 6.0)
+    assert refit_gloo._median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    row = {"case": "gtp", "ms": {"naive": 30.0, "layoutlang": 10.2, "hand_p2p": 10.0},
+           "paired": {"layoutlang": 1.01, "hand_again": 0.99},
+           "paired_interval": {"layoutlang": (0.98, 1.03), "hand_again": (0.97, 1.02)}}
+    assert refit_gloo.missed_targets(row) == [
+        "layoutlang/hand 1.020x > 1.0x; layoutlang/hand paired 1.010, 95 % interval of its median 0.980-1.030; "
+        "hand again/hand paired 0.990, 95 % interval of its median 0.970-1.020"]
+
+
 # ---------------------------------------------------------------------------
 # Doctests of compiler/ and runtime/, under their installed names
 
