@@ -645,8 +645,7 @@ class Refitter:
 
         `Work.wait` takes the time left as float seconds (its binding reads a float as seconds,
         as it reads a timedelta): building a timedelta per message cost a steady step on a
-        busy host about 10 us a message, more than the rest of the wait's Python
-        (benchmarks/README.md)."""
+        busy host about 10 us a message (benchmarks/README.md)."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout.total_seconds()
         for work, op in zip(works, ops):
