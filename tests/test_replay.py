@@ -273,3 +273,73 @@ def test_posts_resolve_to_the_process_groups_own_calls(tmp_path):
     Parameter has no `__torch_function__` of its own and resolves."""
     out = _one_process(tmp_path, RESOLVED, "mesh s (r=1)\ntensor w [8, 4]\n", "mesh d (r=1)\ntensor w [8, 4]\n")
     assert out == ["True True True True 0 0 0 7", "None", "None", "None", "1"]
+
+
+COUNTED = """
+import json, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+calls = {"isend": 0, "irecv": 0}
+
+
+def counted(name, original):
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return original(*args, **kwargs)
+    return call
+
+
+# every name `dist.isend` / `dist.irecv` is reached by (P2POp checks its op against c10d's)
+for name in ("isend", "irecv"):
+    wrapped = counted(name, getattr(c10d, name))
+    setattr(c10d, name, wrapped)
+    setattr(dist, name, wrapped)
+
+from layoutlang.compiler import compile_plan
+from layoutlang.runtime import Refitter
+
+job = json.load(open(sys.argv[1]))
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+refitter = Refitter(compile_plan(job["src"], job["dst"]), steady=True, timeout=timedelta(seconds=30))
+full = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4).to(torch.bfloat16)
+src = {"w": torch.empty(4, 4, dtype=torch.bfloat16)}
+dst = {"w": torch.zeros(8, 4, dtype=torch.bfloat16)} if rank == 0 else None
+out = {"ok": False, "per_step": [], "exact": []}
+for step in range(1, job["steps"] + 1):
+    value = full * step  # new values every step: a step that moved nothing would show
+    src["w"].copy_(value[4 * rank:4 * rank + 4])
+    before = dict(calls)
+    refitter.refit(src, dst)
+    out["per_step"].append([calls[k] - before[k] for k in ("isend", "irecv")])
+    if rank == 0:
+        out["exact"].append(torch.equal(dst["w"], value))
+out["replayed"] = refitter.replayed
+out["ok"] = True
+json.dump(out, open(sys.argv[2], "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_replayed_gloo_step_posts_without_the_wrappers(tmp_path):
+    """TP2 -> one rank: rank 1 sends its half of `w` to rank 0, which copies its own half. With
+    `dist.isend` / `dist.irecv` counted: step 1 (it meets) and step 2 (walked and recorded) post
+    through them, one message each; steps 3-5 replay through the recorded process-group calls
+    and post none through them, and rank 0's destination is exact after every step."""
+    from layoutlang.runtime.launch import free_port
+    (tmp_path / "src.layout").write_text("mesh s (tp=2)\ntensor w [8 over tp, 4]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (r=1)\ntensor w [8, 4]\n")
+    (tmp_path / "prog.py").write_text(COUNTED)
+    job = {"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "steps": STEPS,
+           "port": free_port()}
+    results = launch(job, 2, timeout=100, program=str(tmp_path / "prog.py"))
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error} {r.stderr[-800:]}"
+    assert results[0].result["exact"] == [True] * STEPS
+    # [isend, irecv] per step
+    assert results[0].result["per_step"] == [[0, 1], [0, 1], [0, 0], [0, 0], [0, 0]]
+    assert results[1].result["per_step"] == [[1, 0], [1, 0], [0, 0], [0, 0], [0, 0]]
+    assert [r.result["replayed"] for r in results] == [STEPS - 2] * 2
