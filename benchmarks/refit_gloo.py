@@ -21,7 +21,7 @@ isend/irecv of the plan's slices with buffers allocated before timing.
 
 Steady state: one warm-up step, then K steps (`--steps`), each between two
 barriers (so a step's time is the slowest rank's), the methods taking turns
-step by step in an order that reverses every round; the figure printed is the median of the K (`--steps` 25 for
+step by step in a balanced order (`round_order`); the figure printed is the median of the K (`--steps` 25 for
 layoutlang and hand p2p, `--slow-steps` 3 for naive and DTensor, which take
 about a second each). "layoutlang" is `Refitter(plan, steady=True)`: no store meeting
 after the first step, and from step 3 on a replay of step 2's recorded copies,
@@ -113,6 +113,30 @@ def cases(world: int, n: int, r: int, c: int) -> list[dict]:
          "dst": _layout("infer", f"infer (dp=2, tp={t2})", rows, n, r, c),
          "dtensor": {"mesh": [2, t2], "names": ["dp", "tp"], "src": ["S0", "S0"], "dst": ["R", "S0"]}},
     ]
+
+
+# ---- the order of the methods in a round ---------------------------------------------------
+
+def round_order(methods: list[str], i: int, before: str | None = None) -> list[str]:
+    """The order of round `i` (from 0): row i of a Williams design over `methods`, so that over
+    n rounds (2n for odd n) each method takes every position equally often and follows every
+    other method equally often (a method warming the caches for the next, or a load drift
+    within a round, favours none). Row 0 is 0, 1, n-1, 2, n-2, ...; row i adds i (mod n); for
+    odd n rows n to 2n-1 are rows 0 to n-1 reversed. `before`: the method that ran last in
+    the previous round, which never runs twice in a row (the row is turned by one if it would)."""
+    n = len(methods)
+    if n < 2:
+        return list(methods)
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    row = [(j + i) % n for j in first]
+    if n % 2 and (i // n) % 2:
+        row.reverse()
+    order = [methods[j] for j in row]
+    if order[0] == before:
+        order = order[1:] + order[:1]
+    return order
 
 
 # ---- launching -------------------------------------------------------------------------
@@ -286,7 +310,8 @@ def table(world: int, rows: list[dict], steps: int, slow_steps: int) -> str:
             f"{'ok' if not r['errors'] else 'FAIL'} |")
     lines.append(f"(per method: median over steps of the max over ranks of one step between two barriers; "
                  f"{steps} steps for both layoutlangs and both hand p2ps, {slow_steps} for naive and DTensor, "
-                 "after 1 warm-up step; the methods take turns step by step, in an order that reverses every round. "
+                 "after 1 warm-up step; the methods take turns step by step, in a balanced order (each in every "
+                 "position, each after every other, equally often). "
                  "layoutlang: Refitter(steady=True), no store meeting after step 1; meeting ll: the default "
                  "Refitter, an agreement and a fence every step, (agree + fence) the part of its step spent in "
                  "Refitter._agree and ._meet on the rank whose transfers took longest, median of 3 more steps; "

@@ -25,9 +25,9 @@ the same destination tensors:
               same rotation: hand_again / hand_p2p is this run's noise on equal work
 
 Each step: barrier, start clock, the method, barrier, stop clock. The methods
-take turns step by step after one untimed warm-up round, in an order that
-reverses every round. Then, untimed: a
-cProfile of one layoutlang step, three layoutlang steps with the Refitter's
+take turns step by step after one untimed warm-up round, in a balanced order
+(`refit_gloo.round_order`: each in every position and after every other equally
+often). Then, untimed: a cProfile of one layoutlang step, three layoutlang steps with the Refitter's
 phases timed, and the checks. Results (per-step seconds on this rank, bytes,
 checks, profile) go to OUT as JSON, rewritten after every case so a later
 failure keeps the earlier cases.
@@ -57,6 +57,7 @@ from layoutlang.compiler.graph import contiguous  # noqa: E402
 from layoutlang.modes import Run  # noqa: E402
 from layoutlang.runtime import Refitter  # noqa: E402
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor  # noqa: E402
+from refit_gloo import round_order  # noqa: E402 - the launcher, beside this file (sys.path[0])
 
 METHODS = ("layoutlang", "layoutlang_meet", "naive", "dtensor", "hand_p2p", "hand_again")
 SLOW = ("naive", "dtensor")  # timed over fewer steps (`slow_steps`): each takes about a second
@@ -380,8 +381,8 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
 
     # Every method gets its own destination tensors; the methods take turns step
     # by step (one warm-up round, then timed rounds: `steps` for layoutlang and
-    # hand p2p, the first `slow_steps` of them for naive and DTensor), in an order
-    # that reverses every round, so a change in the machine's load during the case
+    # hand p2p, the first `slow_steps` of them for naive and DTensor), in a balanced
+    # order (refit_gloo.round_order), so a change in the machine's load during the case
     # hits all of them alike and none always follows the same method.
     dsts = {"layoutlang": fresh(), "layoutlang_meet": fresh(), "naive": fresh(), "hand_p2p": fresh(),
             "hand_again": fresh()}
@@ -398,14 +399,14 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
     order = [m for m in METHODS if m in run]
     phase("prepare")
     times = {m: [] for m in order}
+    last = None
     for i in range(1 + max(steps, slow_steps)):
-        # the order reverses every round, so no method always runs right after another one
-        for m in (order if i % 2 == 0 else order[::-1]):
-            if i > (slow_steps if m in SLOW else steps):
-                continue
+        active = [m for m in order if i <= (slow_steps if m in SLOW else steps)]
+        for m in round_order(active, i, last):
             t = _one_step(run[m])
             if i:  # round 0 warms every method up
                 times[m].append(t)
+            last = m
     phase("steps")
     profile = _profile(run["layoutlang"])
     parts = _breakdown(meeting, run["layoutlang_meet"], 3)  # where the meetings' time goes

@@ -32,6 +32,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,33 @@ def test_refit_gloo_pairs_steps_by_round():
     assert refit_gloo._paired([], []) is None
     assert refit_gloo.missed_targets({"case": "gtp", "ms": {"naive": 30.0, "layoutlang": 10.0,
                                                             "hand_p2p": 10.0}}) == []
+
+
+def test_refit_gloo_balances_the_order_of_the_methods():
+    """A Williams design (its definition, checked here): over n rounds (2n for odd n) every
+    method takes every position equally often and every ordered pair of methods is adjacent
+    equally often; across rounds no method runs twice in a row."""
+    import refit_gloo
+
+    for n in (4, 5, 6):
+        methods = [f"m{k}" for k in range(n)]
+        rows = [refit_gloo.round_order(methods, i) for i in range(n if n % 2 == 0 else 2 * n)]
+        per = len(rows) // n
+        assert all(sorted(r) == methods for r in rows)
+        for pos in range(n):
+            assert Counter(r[pos] for r in rows) == {m: per for m in methods}
+        pairs = Counter((r[j], r[j + 1]) for r in rows for j in range(n - 1))
+        assert pairs == {(a, b): per for a in methods for b in methods if a != b}
+        # 25 timed rounds, each started after the previous round's last method
+        last, seq = None, []
+        for i in range(26):
+            row = refit_gloo.round_order(methods, i, last)
+            seq += row
+            last = row[-1]
+        assert all(a != b for a, b in zip(seq, seq[1:]))
+    # even n: the turn for `before` is never needed, so the balance above is what runs
+    assert refit_gloo.round_order(["a", "b", "c", "d"], 1, "d") == ["b", "c", "a", "d"]
+    assert refit_gloo.round_order(["a"], 3, "a") == ["a"]
 
 
 def test_refit_gloo_interval_of_the_paired_median():
