@@ -40,6 +40,8 @@ Refitter's phases and a cProfile of one step are printed, and at the default siz
 at any size, on a wrong result or a failed rank). Correctness (untimed, once per case): layoutlang's and both hand p2ps'
 destinations with `layoutlang.runtime.fill.check_destination`; naive's and
 DTensor's compared element for element with layoutlang's checked result.
+The run's last line pools every round of every case: the median of all paired
+ratios of layoutlang and of hand again to hand p2p, each with its 95 % interval.
 "Net MiB" is network bytes summed over ranks per step (layoutlang: the plan's;
 naive: all-gather and broadcast receipts). Local copies are not counted.
 
@@ -260,11 +262,12 @@ def summarize(world: int, specs: list[dict], results: list[dict | None]) -> list
             row["ms"][m], row["best_ms"][m] = 1e3 * med, 1e3 * best
             row["errors"] += [f"{m}: {e}" for c in per_rank for e in c["methods"][m]["errors"]]
         hand = _steps([c["methods"]["hand_p2p"]["seconds"] for c in per_rank])
-        row["paired"], row["paired_interval"] = {}, {}
+        row["paired"], row["paired_ratios"], row["paired_interval"] = {}, {}, {}
         for m in ("layoutlang", "hand_again"):
             steps = _steps([c["methods"][m]["seconds"] for c in per_rank])
             row["paired"][m] = _paired(steps, hand)
-            row["paired_interval"][m] = _median_interval(_paired_ratios(steps, hand))
+            row["paired_ratios"][m] = _paired_ratios(steps, hand)
+            row["paired_interval"][m] = _median_interval(row["paired_ratios"][m])
         row["phases"] = {k: max(c["phases"].get(k, 0.0) for c in per_rank) for k in per_rank[0]["phases"]}
         busiest = per_rank[0]["plan_stats"]["busiest_receiver"]
         row["profile_rank"] = busiest
@@ -338,6 +341,23 @@ def missed_targets(row: dict) -> list[str]:
 def _interval_text(row: dict, m: str, name: str) -> str:
     lo, hi = row["paired_interval"][m]
     return f"{name} paired {row['paired'][m]:.3f}, 95 % interval of its median {lo:.3f}-{hi:.3f}"
+
+
+def pooled(rows: list[dict]) -> str | None:
+    """Every round of every case in one line: the median of all the rounds' paired ratios of
+    layoutlang and of hand again to hand p2p, each with its 95 % interval (`_median_interval`).
+    One case's rounds leave an interval several per cent wide; all cases' rounds together give
+    a narrower one: whether layoutlang's steady step costs more than the hand exchange at all,
+    with hand again/hand beside it as what equal work reads."""
+    parts = []
+    for m, name in (("layoutlang", "layoutlang/hand"), ("hand_again", "hand again/hand")):
+        ratios = [x for r in rows for x in r.get("paired_ratios", {}).get(m, [])]
+        interval = _median_interval(ratios)
+        if interval is None:
+            return None
+        parts.append(f"{name} {statistics.median(ratios):.3f} (95 % interval {interval[0]:.3f}-{interval[1]:.3f})")
+    n = sum(len(r["paired_ratios"]["layoutlang"]) for r in rows)
+    return f"all {len(rows)} cases pooled, {n} rounds, median of the paired ratios: " + "; ".join(parts)
 
 
 def notes(world: int, rows: list[dict]) -> str:
@@ -446,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
                 print(f"W={world}: {len(rows)} of {len(specs)} cases reported", file=sys.stderr)
             all_rows += rows
+    summary = pooled(all_rows)
+    if summary:
+        print("\n" + summary)
     if args.json:
         args.json.write_text(json.dumps(all_rows, indent=1))
     print("result: " + ("ok" if not failed else "FAILED (a wrong result, a failed rank or a missed target: see above)"))

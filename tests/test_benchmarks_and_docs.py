@@ -209,6 +209,19 @@ def test_refit_gloo_pairs_steps_by_round():
                                                             "hand_p2p": 10.0}}) == []
 
 
+def test_refit_gloo_pools_every_round_of_every_case():
+    """Two cases of 3 rounds each pool into 6 ratios; sorted 0.9, 0.95, 1.0, 1.0, 1.05, 1.1: the
+    median is 1.0 and, for n = 6, the 95 % interval is the whole range (see the test above)."""
+    import refit_gloo
+
+    rows = [{"paired_ratios": {"layoutlang": [1.0, 0.9, 1.1], "hand_again": [1.0] * 3}},
+            {"paired_ratios": {"layoutlang": [1.05, 0.95, 1.0], "hand_again": [0.98, 1.0, 1.02]}}]
+    assert refit_gloo.pooled(rows) == (
+        "all 2 cases pooled, 6 rounds, median of the paired ratios: layoutlang/hand 1.000 (95 % interval "
+        "0.900-1.100); hand again/hand 1.000 (95 % interval 0.980-1.020)")
+    assert refit_gloo.pooled(rows[:1]) is None  # 3 rounds: too few for a 95 % interval
+
+
 def test_refit_gloo_balances_the_order_of_the_methods():
     """A Williams design (its definition, checked here): over n rounds (2n for odd n) every
     method takes every position equally often and every ordered pair of methods is adjacent

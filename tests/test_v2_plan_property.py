@@ -20,6 +20,7 @@ value (values by key and index in the key), never from the plan itself.
 
 import dataclasses
 import itertools
+import os
 import types
 from dataclasses import dataclass
 
@@ -77,7 +78,8 @@ def pairs(draw):
     return draw(sides(extents, 0)), draw(sides(extents, 8))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=int(os.environ.get("PLAN_EXAMPLES", 120)),  # more: PLAN_EXAMPLES=N
+          deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(pairs())
 def test_random_decompositions_plan_exactly(pair):
     src_text, dst_text = pair
@@ -425,7 +427,8 @@ def test_the_model_writes_a_stacked_side_as_the_spec_does():
     assert len(inst.regions) == 8
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("PLAN_EXAMPLES", 150)),  # more: PLAN_EXAMPLES=N
+          deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stacked_pairs())
 def test_random_stacked_decompositions_plan_exactly(pair):
     _check_stacked_pair(*pair, note=event)
