@@ -121,6 +121,22 @@ def test_gpu_refit_selfcheck_on_cpu():
 
 
 @pytest.mark.timeout(300)
+def test_refit_gloo_small_run_checks_every_method():
+    """The gloo benchmark end to end at a tiny size (4 worker processes, two cases): every
+    method's destinations checked (the table's last column), the pooled line printed, and
+    exit 0 (the targets are for the default sizes only)."""
+    proc = _run("benchmarks/refit_gloo.py", "--worlds", "4", "--tensors", "2", "--rows", "256", "--cols", "256",
+                "--steps", "6", "--slow-steps", "1", "--cases", "tp4-tp2-d0,gtp", "--timeout", "200", timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| TP4 -> TP2, dim 0 |", "| TP2 x GTP2 -> TP2,"))]
+    assert len(rows) == 2 and all(line.endswith("| ok |") for line in rows), out
+    assert re.search(r"\nall 2 cases pooled, 12 rounds, median of the paired ratios: layoutlang/hand \d\.\d{3} "
+                     r"\(95 % interval \d\.\d{3}-\d\.\d{3}\); hand again/hand", out), out
+    assert out.rstrip().endswith("result: ok")
+
+
+@pytest.mark.timeout(300)
 def test_plan_scale_quick():
     proc = _run("benchmarks/plan_scale.py", "--quick", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
