@@ -260,7 +260,7 @@ def test_refit_gloo_balances_the_order_of_the_methods():
             seq += row
             last = row[-1]
         assert all(a != b for a, b in zip(seq, seq[1:]))
-    # even n: the turn for `before` is never needed, so the balance above is what runs
+    # row 1 of n = 4 by hand: row 0 is 0, 1, 3, 2; plus 1 is 1, 2, 0, 3 (d ran last: no turn needed)
     assert refit_gloo.round_order(["a", "b", "c", "d"], 1, "d") == ["b", "c", "a", "d"]
     assert refit_gloo.round_order(["a"], 3, "a") == ["a"]
 
