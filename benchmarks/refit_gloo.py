@@ -38,8 +38,8 @@ hand again with a 95 % interval of each one's median (order statistics, no assum
 steps spread: an interval that holds 1.0 is a miss this run cannot tell from noise), the
 Refitter's phases and a cProfile of one step are printed, and at the default sizes the run exits 1 (as it does,
 at any size, on a wrong result or a failed rank). Every method writes into the same destination
-tensors (the same memory: where the allocator placed a method's own tensors would move its copies'
-speed). Correctness (untimed, once per case): per method, one more step into NaN-filled
+tensors (the same memory: where the allocator would place a method's own tensors is no difference
+between the methods). Correctness (untimed, once per case): per method, one more step into NaN-filled
 destinations, checked element by element with `layoutlang.runtime.fill.check_destination`.
 The run's last line pools every round of every case: the median of all paired
 ratios of layoutlang and of hand again to hand p2p, each with its 95 % interval.

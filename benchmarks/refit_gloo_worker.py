@@ -381,8 +381,8 @@ def run_case(case: dict, rank: int, steps: int, slow_steps: int, timeout: timede
         return [e for t in dst_ts for e in [check_destination(t, rank, dst[t.name], plan)] if e]
 
     # Every method writes into the same destination tensors, as an engine holds one set of
-    # weights: where the allocator placed a method's own tensors (their alignment against
-    # the sources' moves a copy's speed by a few per cent) favours none. The methods take
+    # weights: where the allocator would place a method's own tensors (their caches, their
+    # alignment against the sources) is no difference between the methods. The methods take
     # turns step by step (one warm-up round, then timed rounds: `steps` for layoutlang and
     # hand p2p, the first `slow_steps` of them for naive and DTensor), in a balanced
     # order (refit_gloo.round_order), so a change in the machine's load during the case
