@@ -175,7 +175,11 @@ def cmd_fmt(ns, out: Console, err: Console) -> int:
     for path in paths:
         try:  # a regular file under the size cap (never a FIFO or a device), as UTF-8
             text = read_source(str(path)).text
-        except LayoutError as e:  # cannot be read, or not UTF-8 (positioned)
+        except UsageError as e:  # cannot be read: a usage error (docs/cli.md "Exit codes"); go on
+            _print_error(e, err)
+            status = max(status, EXIT_USAGE)
+            continue
+        except LayoutError as e:  # not UTF-8 (positioned)
             _print_error(e, err)
             status = max(status, EXIT_DIAGNOSTICS)
             continue
@@ -198,7 +202,12 @@ def cmd_fmt(ns, out: Console, err: Console) -> int:
                 else:
                     out.print("".join(diff), markup=False, end="")
         else:
-            path.write_text(formatted, "utf-8")
+            try:
+                path.write_text(formatted, "utf-8")
+            except OSError as exc:
+                _print_error(UsageError(f"cannot write {path}: {exc.strerror or exc}"), err)
+                status = max(status, EXIT_USAGE)
+                continue
             out.print(f"reformatted {path}", markup=False)
     return status
 

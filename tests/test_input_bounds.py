@@ -158,17 +158,18 @@ def _fmt(args: list[str]) -> tuple[int, str]:
 def test_fmt_refuses_a_fifo_and_an_oversized_file_like_an_unreadable_one(tmp_path):
     """`layoutc fmt` reads with the same bounded reader: a FIFO does not block it,
     a huge file does not exhaust memory; each is a diagnostic, and the others are
-    still formatted."""
+    still formatted. A file that cannot be read is a usage error: exit 2 (docs/cli.md
+    "Exit codes"), as for `layoutc check`."""
     missing = tmp_path / "missing.layout"
     code, output = _fmt([str(missing)])
-    assert code == 1 and f"error: cannot read {missing}: No such file or directory" in output
+    assert code == 2 and f"error: cannot read {missing}: No such file or directory" in output
     fifo, big, ok = tmp_path / "pipe.layout", tmp_path / "big.layout", tmp_path / "ok.layout"
     os.mkfifo(fifo)
     with open(big, "wb") as fh:  # sparse: 64 MiB + 1 byte on paper
         fh.truncate(limits.MAX_FILE_BYTES + 1)
     ok.write_text("mesh m(tp=2)\n")
     code, output = _fmt([str(fifo), str(big), str(ok)])
-    assert code == 1 and "Traceback" not in output
+    assert code == 2 and "Traceback" not in output
     assert f"reformatted {ok}\n" in output
     assert output.endswith(
         f"error: cannot read {fifo}: not a regular file but a FIFO (named pipe)\n"
@@ -177,14 +178,42 @@ def test_fmt_refuses_a_fifo_and_an_oversized_file_like_an_unreadable_one(tmp_pat
         "help: a layout file is far smaller: check that the path names the right file\n")
     assert ok.read_text() == "mesh m (tp=2)\n"  # formatted
     code, output = _fmt([str(tmp_path)])  # a folder walked: its FIFO is refused, not opened
-    assert code == 1 and "FIFO" in output
+    assert code == 2 and "FIFO" in output
 
 
 @FAST
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
 def test_fmt_refuses_a_device():
     code, output = _fmt(["/dev/zero"])
-    assert code == 1 and "error: cannot read /dev/zero: not a regular file but a character device" in output
+    assert code == 2 and "error: cannot read /dev/zero: not a regular file but a character device" in output
+
+
+@FAST
+def test_fmt_exit_codes_follow_the_documented_table(tmp_path, monkeypatch):
+    """docs/cli.md "Exit codes": a file that is not UTF-8 is a diagnostic (1, at its
+    line and column); a file that cannot be written is a usage error (2), and the other
+    files are still formatted."""
+    bad = tmp_path / "bad.layout"
+    bad.write_bytes(b"mesh m (tp=2)\n\xff\n")
+    code, output = _fmt([str(bad)])
+    assert code == 1
+    assert output.startswith(f"{bad}:2:1: error: the file is not UTF-8 text (byte 0xff)\n")
+    locked, ok = tmp_path / "a_locked.layout", tmp_path / "b_ok.layout"
+    locked.write_text("mesh m(tp=2)\n")
+    ok.write_text("mesh m(tp=2)\n")
+    real_write = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self == locked:
+            raise PermissionError(13, "Permission denied")
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    code, output = _fmt([str(tmp_path)])
+    assert code == 2 and "Traceback" not in output
+    assert f"error: cannot write {locked}: Permission denied\n" in output
+    assert f"reformatted {ok}\n" in output and f"reformatted {locked}" not in output
+    assert locked.read_text() == "mesh m(tp=2)\n" and ok.read_text() == "mesh m (tp=2)\n"
 
 
 # ---- include depth -----------------------------------------------------------------
