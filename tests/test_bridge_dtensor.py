@@ -50,3 +50,39 @@ def test_tp_then_fsdp2_is_over_tp_then_chunk_dp_and_refits_whole():
     assert "error: parameter `w`: placement Partial(sum) on mesh dim `dp` holds partial sums" in partial
     assert "help: reduce it" in partial
     assert "error: parameter `b` is a plain tensor among DTensors" in results[0].result["plain"]
+
+
+def test_flattened_mesh_dims_are_the_root_dims_they_enumerate():
+    """torchtitan's FSDP2 meshes: a flattened dim (`dp_shard_cp`, `cp_tp`) is the run of root dims
+    it enumerates, first one major, read from the ranks; each layout refits into a whole copy
+    equal to torch's `full_tensor` (tests/dtensor_flat_program.py asserts it on rank 0)."""
+    results = launch({}, 8, timeout=240, program=str(Path(__file__).with_name("dtensor_flat_program.py")))
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
+    texts = results[0].result["texts"]
+    assert "mesh dp_shard_cp_tp (dp_shard=2, cp=2, tp=2)" in texts["fsdp_flat"]
+    assert "tensor 0.weight [7 over (dp_shard, cp) ragged, 5] fp32" in texts["fsdp_flat"]
+    assert "tensor 1.weight [3 over (dp_shard, cp) ragged, 7] fp32" in texts["fsdp_flat"]
+    # HSDP: Replicate over dp_shard (no cut), Shard(0) over the flattened (cp, tp).
+    assert "tensor 0.weight [7 over (cp, tp) ragged, 5] fp32" in texts["hsdp"]
+    assert "tensor 0.bias [7 over (cp, tp) ragged] fp32" in texts["hsdp"]
+    # CP off: `dp_shard_flat` flattens dp_shard alone, so FSDP2 over TP chunks over dp_shard.
+    assert "mesh dp_shard_tp (dp_shard=4, tp=2)" in texts["tp_fsdp_one"]
+    assert "tensor 0.weight [7 over tp ragged chunk dp_shard ragged, 5] fp32" in texts["tp_fsdp_one"]
+    assert "tensor 1.weight [3 over dp_shard ragged, 7 over tp ragged] fp32" in texts["tp_fsdp_one"]
+    # Local shapes from torch.chunk's rule. Root 1: rank = 4 dp_shard + 2 cp + tp, so the flattened
+    # (dp_shard, cp) index is rank // 2 and (cp, tp) is rank % 4: 7 rows over 4 -> 2, 2, 2, 1 and
+    # 3 rows -> 1, 1, 1, 0. Root 2: rank = 2 dp_shard + tp; 7 rows over tp -> 4 | 3, each over 4.
+    shapes = {r.rank: r.result["local_shapes"] for r in results}
+    assert [shapes[r]["fsdp_flat"]["0.weight"][0] for r in range(8)] == [2, 2, 2, 2, 2, 2, 1, 1]
+    assert [shapes[r]["fsdp_flat"]["1.weight"][0] for r in range(8)] == [1, 1, 1, 1, 1, 1, 0, 0]
+    assert [shapes[r]["hsdp"]["0.weight"][0] for r in range(8)] == [2, 2, 2, 1, 2, 2, 2, 1]
+    assert [shapes[r]["tp_fsdp_one"]["0.weight"][0] for r in range(8)] == [1, 1, 1, 1, 1, 1, 1, 0]
+    assert [shapes[r]["tp_fsdp_one"]["1.weight"] for r in range(8)] == [[1, 4], [1, 3]] * 3 + [[0, 4], [0, 3]]
+    refused = results[0].result["refused"]
+    assert refused.startswith("error: parameter `0.weight`: dim 0 would be `chunk (dp_shard, cp)`, and `chunk` "
+                              "takes one mesh axis (LANGUAGE.md 3)")
+    assert "help: FSDP2 over TP on a flattened dim of several root dims (CP > 1) is not expressible yet" in refused
+    unflattened = results[0].result["unflattened"]
+    assert unflattened.startswith("error: parameter `w`: mesh dim `inner` (2 ranks) is not a row-major "
+                                  "enumeration of whole dims of the root mesh")

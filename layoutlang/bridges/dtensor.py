@@ -13,15 +13,22 @@ is all a layout needs, so `describe` reads it and writes the text:
   FSDP2-over-TP's `_StridedShard(d, sf=S)` + `Shard(d)` (the later mesh dim
   cuts first, then the earlier one cuts each block): `over A ragged chunk B
   ragged`;
-- `Replicate()` (and a mesh dim the parameter's submesh lacks): a replica axis.
+- `Replicate()` (and a mesh dim the parameter's submesh lacks): a replica axis;
+- a flattened mesh dim (`mesh["dp_shard", "cp"]._flatten("dp_shard_cp")`, as
+  torchtitan shards with FSDP2, also over one root dim when CP is off) is the
+  root dims it enumerates, first one major: `over (dp_shard, cp) ragged`. It is
+  read from the ranks themselves (which root coordinates vary along the dim, and
+  in which order), not from its name.
 
 Anything else (`Partial`, three cuts of one dim, non-consecutive ranks, a
-plain tensor among DTensors) is a `BridgeError` naming the parameter and the
-placement. torch.distributed.tensor is imported inside the calls.
+plain tensor among DTensors, `chunk` over a flattened dim of several root dims,
+a mesh dim that is only part of a root dim) is a `BridgeError` naming the
+parameter and the placement. torch.distributed.tensor is imported inside the calls.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -93,6 +100,7 @@ def layout_text(params: Iterable[tuple[str, object]], *, keys=None, forms=None, 
 
     root = None
     lines: list[str] = []
+    spans: dict = {}  # (id of a mesh, dim) -> the root dims it enumerates, for this call
     for pname, p in params:
         if not isinstance(p, DTensor):
             raise BridgeError(f"parameter `{pname}` is a plain tensor among DTensors: which ranks hold it, "
@@ -107,7 +115,7 @@ def layout_text(params: Iterable[tuple[str, object]], *, keys=None, forms=None, 
             raise BridgeError(f"parameter `{pname}` lives on another device mesh "
                               f"({_mesh_text(this_root)}) than the first parameter ({_mesh_text(root)})",
                               help="describe each mesh's parameters with their own `describe` call")
-        lines.append(_tensor_line(pname, p, root, keys, forms))
+        lines.append(_tensor_line(pname, p, root, keys, forms, spans))
     axes = _axis_names(root)
     sizes = tuple(root.mesh.shape)
     offset = _offset(root)
@@ -119,25 +127,26 @@ def layout_text(params: Iterable[tuple[str, object]], *, keys=None, forms=None, 
     return "\n".join(header + lines) + "\n"
 
 
-def _tensor_line(pname: str, p, root, keys, forms) -> str:
+def _tensor_line(pname: str, p, root, keys, forms, spans: dict) -> str:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    names = _axis_names(root)
     sub = p.device_mesh
-    sub_names = _axis_names(sub) if sub is not root else names
-    cuts: dict[int, list[tuple[int, str]]] = {}  # tensor dim -> [(order, axis)] cuts, applied in order
-    for i, (axis, placement) in enumerate(zip(sub_names, p.placements)):
-        if axis not in names:
-            raise BridgeError(f"parameter `{pname}`: mesh dim `{axis}` is not a dim of the root mesh "
-                              f"({', '.join(names)})", help="flattened mesh dims are not supported yet")
+    sub_names = _axis_names(sub)
+    cuts: dict[int, list[tuple[int, tuple[str, ...]]]] = {}  # tensor dim -> [(order, root axes)], in order
+    for i, (name, placement) in enumerate(zip(sub_names, p.placements)):
+        if (id(sub), i) not in spans:
+            spans[(id(sub), i)] = _root_axes(pname, sub, i, name, root)
+        axis = spans[(id(sub), i)]
+        if not axis and isinstance(placement, Shard):
+            continue  # a flattened dim of one rank: its one block is the whole dim
         if isinstance(placement, _StridedShard):
             sf = placement.split_factor
             later = [j for j in range(i + 1, len(p.placements))
                      if isinstance(p.placements[j], Shard) and not isinstance(p.placements[j], _StridedShard)
                      and p.placements[j].dim == placement.dim]
             if len(later) != 1 or sub.mesh.shape[later[0]] != sf:
-                raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{axis}` is not the "
+                raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{name}` is not the "
                                   "FSDP-over-TP pattern (a later Shard of the same dim, of size sf)",
                                   help="only `_StridedShard(d, sf=S)` followed by `Shard(d)` on a mesh dim of "
                                        "size S can be expressed")
@@ -149,10 +158,10 @@ def _tensor_line(pname: str, p, root, keys, forms) -> str:
         elif isinstance(placement, Replicate):
             continue
         elif isinstance(placement, Partial):
-            raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{axis}` holds partial "
+            raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{name}` holds partial "
                               "sums, not a cut of the weight", help="reduce it (redistribute to Replicate) first")
         else:
-            raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{axis}` is not known "
+            raise BridgeError(f"parameter `{pname}`: placement {placement!r} on mesh dim `{name}` is not known "
                               "to the bridge")
     form = forms(pname, p) if forms is not None else None
     shape = tuple(p.shape)
@@ -162,10 +171,17 @@ def _tensor_line(pname: str, p, root, keys, forms) -> str:
     for d, extent in enumerate(shape):
         mode = form.dims[d] if form is not None else str(extent)
         plain = form is None or mode.strip().isdigit()
-        order = [axis for _, axis in sorted(cuts.get(d, []))]
+        cut_axes = [axes for _, axes in sorted(cuts.get(d, []))]
+        order = [_axes_text(axes) for axes in cut_axes]
+        chunked = cut_axes[-1] if cut_axes and (len(cut_axes) == 2 or not plain) else ()  # `chunk`'s axes
         if len(order) > 2:
             raise BridgeError(f"parameter `{pname}`: dim {d} is cut over {len(order)} mesh dims "
                               f"({', '.join(order)}); a layout expresses at most two")
+        if len(chunked) > 1:
+            raise BridgeError(f"parameter `{pname}`: dim {d} would be `chunk {order[-1]}`, and `chunk` takes one "
+                              "mesh axis (LANGUAGE.md 3): the flattened mesh dim enumerates several root dims",
+                              help="FSDP2 over TP on a flattened dim of several root dims (CP > 1) is not "
+                                   "expressible yet; shard over one root dim, or describe this tensor by hand")
         if len(order) == 1:
             mode += f" over {order[0]} ragged" if plain else f" chunk {order[0]} ragged"
         elif len(order) == 2:
@@ -185,6 +201,36 @@ def _tensor_line(pname: str, p, root, keys, forms) -> str:
     clause = f" as {key}" if key is not None and key != pname else ""
     tail = " transposed" if form is not None and form.transposed else ""
     return f"tensor {pname}{clause} [{', '.join(dims)}] {dtype}{tail}"
+
+
+def _root_axes(pname: str, sub, i: int, name: str, root) -> tuple[str, ...]:
+    """The root mesh dims that dim `i` of `sub` enumerates, first one major: a root dim is
+    itself, a flattened dim the root dims whose coordinates vary along it (row-major in root
+    order, as `_flatten` lays them out), a flattened dim of one rank (). Read from this rank's
+    group of ranks along the dim, so a flattened dim's name (`dp_shard_cp`) says nothing here."""
+    names = _axis_names(root)
+    if sub is root or _same_mesh(sub, root):
+        return (names[i],)
+    coordinate = sub.get_coordinate()
+    index = tuple(slice(None) if d == i else c for d, c in enumerate(coordinate))
+    group = sub.mesh[index].flatten().tolist()  # the ranks along dim i through this rank
+    shape = tuple(root.mesh.shape)
+    where = dict(zip(root.mesh.flatten().tolist(), itertools.product(*map(range, shape))))
+    coords = [where[r] for r in group if r in where]
+    varying = [d for d in range(len(shape)) if len({c[d] for c in coords}) > 1]
+    row_major = list(itertools.product(*(range(shape[d]) for d in varying)))
+    if len(coords) != len(group) or [tuple(c[d] for d in varying) for c in coords] != row_major:
+        raise BridgeError(f"parameter `{pname}`: mesh dim `{name}` ({len(group)} ranks) is not a row-major "
+                          f"enumeration of whole dims of the root mesh ({_mesh_text(root)})",
+                          help="a layout axis is a root mesh dim or a flattened run of them; a mesh dim "
+                               "that splits a root dim is not expressible yet")
+    if not varying and name in names and root.mesh.shape[names.index(name)] == 1:
+        return (name,)  # a root dim of one rank, sliced: itself (its cut is the whole dim)
+    return tuple(names[d] for d in varying)
+
+
+def _axes_text(axes: tuple[str, ...]) -> str:
+    return axes[0] if len(axes) == 1 else f"({', '.join(axes)})"
 
 
 def _axis_names(mesh) -> tuple[str, ...]:

@@ -1,0 +1,124 @@
+"""One worker of tests/test_bridge_dtensor.py: FSDP2 on flattened mesh dims, as torchtitan shards.
+
+Run on 8 gloo ranks by `launch(job, 8, program=__file__)`. On a root mesh
+(dp_shard=2, cp=2, tp=2) it shards three tiny models the way torchtitan does and
+describes each with the DTensor bridge:
+
+- `fsdp_flat`: FSDP2 over `dp_shard_cp`, the flattened (dp_shard, cp);
+- `hsdp`: HSDP, replicated over dp_shard and sharded over `cp_tp`, the flattened (cp, tp);
+- `refused`: TP over tp, then FSDP2 over `dp_shard_cp` (a chunk over two root dims);
+
+and on a second root mesh (dp_shard=4, tp=2), torchtitan with CP off:
+- `tp_fsdp_one`: TP over tp, then FSDP2 over `dp_shard_flat` flattened from dp_shard alone;
+- `unflattened`: a DTensor on a mesh dim that is half of a root dim (refused).
+
+Each layout that is written is refit into a whole copy on rank 0 and compared
+with torch's own gather (`full_tensor`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+WHOLE = ("mesh one (r=1)\ntensor 0.weight [7, 5] fp32\ntensor 0.bias [7] fp32\n"
+         "tensor 1.weight [3, 7] fp32\n")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7, bias=True), torch.nn.Linear(7, 3, bias=False))
+
+
+def _refit_whole(model, text: str, rank: int) -> dict[str, list[int]]:
+    """Refit the described model into a whole copy on rank 0; assert it equals `full_tensor`."""
+    from layoutlang.bridges import dtensor
+    from layoutlang.compiler import compile_plan
+    from layoutlang.elaborate import loads
+    from layoutlang.runtime import Refitter
+
+    plan = compile_plan(loads(text, path="<described>"), loads(WHOLE, path="<whole>"))
+    dst = {n: torch.full(tuple(p.shape), float("nan")) for n, p in model.named_parameters()} if rank == 0 else {}
+    local = dtensor.tensors(model)
+    Refitter(plan, timeout=60).refit(local, dst)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        for n, want in full.items():
+            assert torch.equal(dst[n], want), f"{n} differs"
+    return {n: list(t.shape) for n, t in local.items()}
+
+
+def _refusal(module) -> str:
+    from layoutlang.bridges import dtensor
+
+    try:
+        dtensor.describe(module)
+    except dtensor.BridgeError as e:
+        return e.render() if hasattr(e, "render") else str(e)
+    return "not refused"
+
+
+def main(job_path: str, out_path: str) -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from layoutlang.bridges import dtensor
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report: dict = {"rank": rank, "texts": {}, "local_shapes": {}}
+    tp_plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+
+    # The flattened meshes are used as `_flatten` returns them (slicing a root by a flattened
+    # name finds a mesh by name across roots: torch deprecates it).
+    root = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+    dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+    cp_tp = root["cp", "tp"]._flatten("cp_tp")
+    flat = _model()
+    fully_shard(flat, mesh=dp_shard_cp)
+    hsdp = _model()
+    fully_shard(hsdp, mesh=DeviceMesh._concatenate([root["dp_shard"], cp_tp]))
+    for label, model in (("fsdp_flat", flat), ("hsdp", hsdp)):
+        text = dtensor.describe(model, name=label)
+        report["texts"][label] = text
+        report["local_shapes"][label] = _refit_whole(model, text, rank)
+    refused = _model()
+    parallelize_module(refused, root["tp"], tp_plan)
+    fully_shard(refused, mesh=dp_shard_cp)
+    report["refused"] = _refusal(refused)
+
+    other = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+    one = _model()
+    parallelize_module(one, other["tp"], tp_plan)
+    # (its own name: FSDP2 slices the root by the flattened dim's name, and torch 2.13 finds a
+    # flattened name across roots, so the first root's `dp_shard_cp` would be taken)
+    fully_shard(one, mesh=other["dp_shard"]._flatten("dp_shard_flat"))
+    text = dtensor.describe(one, name="tp_fsdp_one")
+    report["texts"]["tp_fsdp_one"] = text
+    report["local_shapes"]["tp_fsdp_one"] = _refit_whole(one, text, rank)
+
+    world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+    halves = world._unflatten(0, (4, 2), ("outer", "inner"))
+    split = torch.nn.Module()
+    split.w = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), halves["inner"], [Shard(0)]))
+    report["unflattened"] = _refusal(split)
+    dist.barrier()
+    report["ok"] = True
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1], sys.argv[2])
+    except BaseException as e:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, f)
+        sys.exit(1)
