@@ -1,6 +1,8 @@
 """One worker of tests/test_bridge_dtensor.py: FSDP2 on flattened mesh dims, as torchtitan shards.
 
-Run on 8 gloo ranks by `launch(job, 8, program=__file__)`. On a root mesh
+Run on 8 gloo ranks by `launch({"part": "flat" or "titan"}, 8, program=__file__)`
+(two launches: torch 2.13 finds a mesh dim by name across roots, so two roots in one
+process must not share a dim name). Part "flat": on a root mesh
 (dp_shard=2, cp=2, tp=2) it shards three tiny models the way torchtitan does and
 describes each with the DTensor bridge:
 
@@ -10,7 +12,12 @@ describes each with the DTensor bridge:
 
 and on a second root mesh (dp_shard=4, tp=2), torchtitan with CP off:
 - `tp_fsdp_one`: TP over tp, then FSDP2 over `dp_shard_flat` flattened from dp_shard alone;
-- `unflattened`: a DTensor on a mesh dim that is half of a root dim (refused).
+
+Part "titan": as torchtitan builds its meshes now, two meshes unflattened from a 1-D world of 8
+(`_unflatten`): dense (dp_shard_cp=4, tp=2) and expert (dp_shard_in_ep=2, ep=4):
+- `titan`: FSDP2 over dense `dp_shard_cp`, plus an expert weight on the expert mesh;
+- `titan_refused`: TP over dense `tp`, then FSDP2 over dense `dp_shard_cp`, which the
+  expert mesh cuts in two (a chunk over two axes).
 
 Each layout that is written is refit into a whole copy on rank 0 and compared
 with torch's own gather (`full_tensor`).
@@ -34,14 +41,14 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7, bias=True), torch.nn.Linear(7, 3, bias=False))
 
 
-def _refit_whole(model, text: str, rank: int) -> dict[str, list[int]]:
+def _refit_whole(model, text: str, rank: int, extra: str = "") -> dict[str, list[int]]:
     """Refit the described model into a whole copy on rank 0; assert it equals `full_tensor`."""
     from layoutlang.bridges import dtensor
     from layoutlang.compiler import compile_plan
     from layoutlang.elaborate import loads
     from layoutlang.runtime import Refitter
 
-    plan = compile_plan(loads(text, path="<described>"), loads(WHOLE, path="<whole>"))
+    plan = compile_plan(loads(text, path="<described>"), loads(WHOLE + extra, path="<whole>"))
     dst = {n: torch.full(tuple(p.shape), float("nan")) for n, p in model.named_parameters()} if rank == 0 else {}
     local = dtensor.tensors(model)
     Refitter(plan, timeout=60).refit(local, dst)
@@ -63,17 +70,31 @@ def _refusal(module) -> str:
 
 
 def main(job_path: str, out_path: str) -> None:
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from layoutlang.bridges import dtensor
-
+    with open(job_path) as f:
+        part = json.load(f)["part"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     report: dict = {"rank": rank, "texts": {}, "local_shapes": {}}
     tp_plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    if part == "titan":
+        _titan(report, rank, tp_plan)
+    else:
+        _flat(report, rank, tp_plan)
+    dist.barrier()
+    report["ok"] = True
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+def _flat(report: dict, rank: int, tp_plan: dict) -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from layoutlang.bridges import dtensor
 
     # The flattened meshes are used as `_flatten` returns them (slicing a root by a flattened
     # name finds a mesh by name across roots: torch deprecates it).
@@ -103,16 +124,33 @@ def main(job_path: str, out_path: str) -> None:
     report["texts"]["tp_fsdp_one"] = text
     report["local_shapes"]["tp_fsdp_one"] = _refit_whole(one, text, rank)
 
+
+def _titan(report: dict, rank: int, tp_plan: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from layoutlang.bridges import dtensor
+
     world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
-    halves = world._unflatten(0, (4, 2), ("outer", "inner"))
-    split = torch.nn.Module()
-    split.w = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), halves["inner"], [Shard(0)]))
-    report["unflattened"] = _refusal(split)
-    dist.barrier()
-    report["ok"] = True
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    dense = world._unflatten(0, (4, 2), ("dp_shard_cp", "tp"))
+    expert = world._unflatten(0, (2, 4), ("dp_shard_in_ep", "ep"))
+    torch.manual_seed(1)
+    experts = torch.randn(4, 6)  # 4 experts over ep, each expert's 6 columns over dp_shard_in_ep
+    titan = _model()
+    fully_shard(titan, mesh=dense["dp_shard_cp"])
+    titan.register_parameter("expert_w", torch.nn.Parameter(
+        distribute_tensor(experts.clone(), expert, [Shard(1), Shard(0)])))
+    text = dtensor.describe(titan, name="titan")
+    report["texts"]["titan"] = text
+    report["local_shapes"]["titan"] = _refit_whole(titan, text, rank, extra="tensor expert_w [4, 6] fp32\n")
+    titan_refused = _model()
+    parallelize_module(titan_refused, dense["tp"], tp_plan)
+    fully_shard(titan_refused, mesh=dense["dp_shard_cp"])
+    titan_refused.register_parameter("expert_w", torch.nn.Parameter(
+        distribute_tensor(experts.clone(), expert, [Shard(1), Shard(0)])))
+    report["titan_refused"] = _refusal(titan_refused)
 
 
 if __name__ == "__main__":

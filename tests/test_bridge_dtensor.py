@@ -53,13 +53,18 @@ def test_tp_then_fsdp2_is_over_tp_then_chunk_dp_and_refits_whole():
     assert "error: parameter `b` is a plain tensor among DTensors" in results[0].result["plain"]
 
 
+def _flat_program(part: str) -> list:
+    results = launch({"part": part}, 8, timeout=240, program=str(Path(__file__).with_name("dtensor_flat_program.py")))
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
+    return results
+
+
 def test_flattened_mesh_dims_are_the_root_dims_they_enumerate():
     """torchtitan's FSDP2 meshes: a flattened dim (`dp_shard_cp`, `cp_tp`) is the run of root dims
     it enumerates, first one major, read from the ranks; each layout refits into a whole copy
     equal to torch's `full_tensor` (tests/dtensor_flat_program.py asserts it on rank 0)."""
-    results = launch({}, 8, timeout=240, program=str(Path(__file__).with_name("dtensor_flat_program.py")))
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
+    results = _flat_program("flat")
     texts = results[0].result["texts"]
     assert "mesh dp_shard_cp_tp (dp_shard=2, cp=2, tp=2)" in texts["fsdp_flat"]
     assert "tensor 0.weight [7 over (dp_shard, cp) ragged, 5] fp32" in texts["fsdp_flat"]
@@ -83,16 +88,31 @@ def test_flattened_mesh_dims_are_the_root_dims_they_enumerate():
     refused = results[0].result["refused"]
     assert refused.startswith("error: parameter `0.weight`: dim 0 would be `chunk (dp_shard, cp)`, and `chunk` "
                               "takes one mesh axis (LANGUAGE.md 3)")
-    assert "help: FSDP2 over TP on a flattened dim of several root dims (CP > 1) is not expressible yet" in refused
-    unflattened = results[0].result["unflattened"]
-    assert unflattened.startswith("error: parameter `w`: mesh dim `inner` (2 ranks) is not a row-major "
-                                  "enumeration of whole dims of the root mesh")
+    assert "help: FSDP2 over TP on a mesh dim that is several axes" in refused
+
+
+def test_unflattened_dense_and_expert_meshes_share_one_layout_mesh():
+    """torchtitan now unflattens a 1-D world of 8 into a dense mesh (dp_shard_cp=4, tp=2) and an
+    expert mesh (dp_shard_in_ep=2, ep=4): the layout's axes are the rank index's digits that both
+    cut (strides 4, 2, 1), each named after the dim that is exactly it, else DIM_k."""
+    results = _flat_program("titan")
+    text = results[0].result["texts"]["titan"]
+    # rank = 4 dp_shard_in_ep + ep = 2 dp_shard_cp + tp: dp_shard_cp is the digits (4, 2), ep (2, 1).
+    assert "mesh dp_shard_in_ep_ep_0_ep_1 (dp_shard_in_ep=2, ep_0=2, ep_1=2)" in text
+    assert "tensor expert_w [4 over (ep_0, ep_1) ragged, 6 over dp_shard_in_ep ragged] fp32" in text
+    assert "tensor 0.weight [7 over (dp_shard_in_ep, ep_0) ragged, 5] fp32" in text
+    shapes = {r.rank: r.result["local_shapes"]["titan"] for r in results}
+    assert [shapes[r]["0.weight"][0] for r in range(8)] == [2, 2, 2, 2, 2, 2, 1, 1]  # 7 over rank // 2
+    assert all(shapes[r]["expert_w"] == [1, 3] for r in range(8))  # 4 over ep, 6 over dp_shard_in_ep
+    refused = results[0].result["titan_refused"]
+    assert refused.startswith("error: parameter `0.weight`: dim 0 would be `chunk (dp_shard_in_ep, ep_0)`")
 
 
 def test_random_meshes_and_placements_refit_exactly():
     """The bridge against torch's own sharding on random cases (tests/dtensor_random_program.py):
-    root meshes of 8 ranks in four shapes, slices, flattened runs and a slice concatenated with
-    a run; Shard(0) / Shard(1) / Replicate per mesh dim on ragged [1..9, 1..9] tensors. Every
+    root meshes of 8 ranks in four shapes, slices, flattened runs, a slice concatenated with a
+    run, unflattenings of a 1-D world, and pairs of weights on two meshes of one root;
+    Shard(0) / Shard(1) / Replicate per mesh dim on ragged [1..9, 1..9] tensors. Every
     layout refits into a whole copy equal to the tensor; every refusal is one the language's
     limit requires. `BRIDGE_CASES=N` draws N cases (default 60; the seed fixed for CI)."""
     cases = int(os.environ.get("BRIDGE_CASES", "60"))
@@ -105,5 +125,5 @@ def test_random_meshes_and_placements_refit_exactly():
     assert report["wrong"] == [], "\n".join(report["wrong"])
     assert report["checked"] + report["refused"] == cases
     assert report["checked"] >= cases * 3 // 4  # most cases are expressible, and each was refit
-    if (seed, cases) == (2, 60):  # the default draw exercises refusals too (2 of its 60 cases)
-        assert report["refused"] >= 1
+    if (seed, cases) == (2, 60):  # the default draw exercises refusals and pairs too (3 and 21 of 60)
+        assert report["refused"] >= 1 and report["pairs"] >= 10

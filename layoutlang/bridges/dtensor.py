@@ -4,8 +4,10 @@ FSDP2 (`fully_shard`), `parallelize_module` and torchtitan keep every parameter
 as a DTensor: a global shape, a DeviceMesh and one placement per mesh dim. That
 is all a layout needs, so `describe` reads it and writes the text:
 
-- the mesh is the DeviceMesh's root mesh (submeshes name some of its dims); its
-  ranks must be consecutive, row-major (`mesh NAME (a=.., b=..) at OFFSET`);
+- the mesh covers the DeviceMesh's root mesh, whose ranks must be consecutive,
+  row-major (`mesh NAME (a=.., b=..) at OFFSET`); its axes are the digits of the
+  rank index that the parameters' mesh dims cut (`MeshAxes`): the root's dims
+  where every parameter lives on them or on slices of them;
 - `Shard(d)` on one mesh dim cuts tensor dim d like torch.chunk: `over AXIS
   ragged` on a plain extent, `chunk AXIS ragged` on a fused one (DTensor cuts
   the stored rows, not each part: LANGUAGE.md 8.5);
@@ -14,21 +16,21 @@ is all a layout needs, so `describe` reads it and writes the text:
   cuts first, then the earlier one cuts each block): `over A ragged chunk B
   ragged`;
 - `Replicate()` (and a mesh dim the parameter's submesh lacks): a replica axis;
-- a flattened mesh dim (`mesh["dp_shard", "cp"]._flatten("dp_shard_cp")`, as
-  torchtitan shards with FSDP2, also over one root dim when CP is off) is the
-  root dims it enumerates, first one major: `over (dp_shard, cp) ragged`. It is
-  read from the ranks themselves (which root coordinates vary along the dim, and
-  in which order), not from its name.
+- a flattened mesh dim (`root["dp_shard", "cp"]._flatten("dp_shard_cp")`) is the
+  run of axes it enumerates, first one major: `over (dp_shard, cp) ragged`; the
+  dims of meshes unflattened from one world (`_unflatten`: torchtitan's dense and
+  expert meshes) are the axes their strides cut. Both are read from the ranks
+  along each dim, never from names.
 
 Anything else (`Partial`, three cuts of one dim, non-consecutive ranks, a
-plain tensor among DTensors, `chunk` over a flattened dim of several root dims,
-a mesh dim that is only part of a root dim) is a `BridgeError` naming the
-parameter and the placement. torch.distributed.tensor is imported inside the calls.
+plain tensor among DTensors, `chunk` over a dim that is several axes, meshes
+whose strides do not nest) is a `BridgeError` naming the parameter and the
+placement. torch.distributed.tensor is imported inside the calls.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -99,8 +101,7 @@ def layout_text(params: Iterable[tuple[str, object]], *, keys=None, forms=None, 
     from torch.distributed.tensor import DTensor
 
     root = None
-    lines: list[str] = []
-    spans: dict = {}  # (id of a mesh, dim) -> the root dims it enumerates, for this call
+    params = list(params)
     for pname, p in params:
         if not isinstance(p, DTensor):
             raise BridgeError(f"parameter `{pname}` is a plain tensor among DTensors: which ranks hold it, "
@@ -115,11 +116,15 @@ def layout_text(params: Iterable[tuple[str, object]], *, keys=None, forms=None, 
             raise BridgeError(f"parameter `{pname}` lives on another device mesh "
                               f"({_mesh_text(this_root)}) than the first parameter ({_mesh_text(root)})",
                               help="describe each mesh's parameters with their own `describe` call")
-        lines.append(_tensor_line(pname, p, root, keys, forms, spans))
-    axes = _axis_names(root)
-    sizes = tuple(root.mesh.shape)
     offset = _offset(root)
-    mesh_line = f"mesh {mesh_name or '_'.join(axes)} (" + ", ".join(f"{a}={s}" for a, s in zip(axes, sizes)) + ")"
+    axes = MeshAxes(root)
+    for pname, p in params:
+        axes.add(pname, p.device_mesh)
+    axes.finish()
+    lines = [_tensor_line(pname, p, axes, keys, forms) for pname, p in params]
+    names = [a for a, _ in axes.atoms]
+    mesh_line = (f"mesh {mesh_name or '_'.join(names)} ("
+                 + ", ".join(f"{a}={s}" for a, s in axes.atoms) + ")")
     if offset:
         mesh_line += f" at {offset}"
     header = [f"# Described by layoutlang.bridges.dtensor from the live module's DTensor placements.",
@@ -127,19 +132,17 @@ def layout_text(params: Iterable[tuple[str, object]], *, keys=None, forms=None, 
     return "\n".join(header + lines) + "\n"
 
 
-def _tensor_line(pname: str, p, root, keys, forms, spans: dict) -> str:
+def _tensor_line(pname: str, p, axes: "MeshAxes", keys, forms) -> str:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     sub = p.device_mesh
     sub_names = _axis_names(sub)
-    cuts: dict[int, list[tuple[int, tuple[str, ...]]]] = {}  # tensor dim -> [(order, root axes)], in order
+    cuts: dict[int, list[tuple[int, tuple[str, ...]]]] = {}  # tensor dim -> [(order, mesh axes)], in order
     for i, (name, placement) in enumerate(zip(sub_names, p.placements)):
-        if (id(sub), i) not in spans:
-            spans[(id(sub), i)] = _root_axes(pname, sub, i, name, root)
-        axis = spans[(id(sub), i)]
+        axis = axes.of(sub, i)
         if not axis and isinstance(placement, Shard):
-            continue  # a flattened dim of one rank: its one block is the whole dim
+            continue  # a mesh dim of one rank (not a root dim): its one block is the whole dim
         if isinstance(placement, _StridedShard):
             sf = placement.split_factor
             later = [j for j in range(i + 1, len(p.placements))
@@ -179,9 +182,9 @@ def _tensor_line(pname: str, p, root, keys, forms, spans: dict) -> str:
                               f"({', '.join(order)}); a layout expresses at most two")
         if len(chunked) > 1:
             raise BridgeError(f"parameter `{pname}`: dim {d} would be `chunk {order[-1]}`, and `chunk` takes one "
-                              "mesh axis (LANGUAGE.md 3): the flattened mesh dim enumerates several root dims",
-                              help="FSDP2 over TP on a flattened dim of several root dims (CP > 1) is not "
-                                   "expressible yet; shard over one root dim, or describe this tensor by hand")
+                              "mesh axis (LANGUAGE.md 3): the mesh dim enumerates several axes of the mesh",
+                              help="FSDP2 over TP on a mesh dim that is several axes (a flattened run, or a "
+                                   "dim that another parameter's mesh splits) is not expressible yet")
         if len(order) == 1:
             mode += f" over {order[0]} ragged" if plain else f" chunk {order[0]} ragged"
         elif len(order) == 2:
@@ -203,30 +206,107 @@ def _tensor_line(pname: str, p, root, keys, forms, spans: dict) -> str:
     return f"tensor {pname}{clause} [{', '.join(dims)}] {dtype}{tail}"
 
 
-def _root_axes(pname: str, sub, i: int, name: str, root) -> tuple[str, ...]:
-    """The root mesh dims that dim `i` of `sub` enumerates, first one major: a root dim is
-    itself, a flattened dim the root dims whose coordinates vary along it (row-major in root
-    order, as `_flatten` lays them out), a flattened dim of one rank (). Read from this rank's
-    group of ranks along the dim, so a flattened dim's name (`dp_shard_cp`) says nothing here."""
-    names = _axis_names(root)
-    if sub is root or _same_mesh(sub, root):
-        return (names[i],)
-    coordinate = sub.get_coordinate()
-    index = tuple(slice(None) if d == i else c for d, c in enumerate(coordinate))
-    group = sub.mesh[index].flatten().tolist()  # the ranks along dim i through this rank
-    shape = tuple(root.mesh.shape)
-    where = dict(zip(root.mesh.flatten().tolist(), itertools.product(*map(range, shape))))
-    coords = [where[r] for r in group if r in where]
-    varying = [d for d in range(len(shape)) if len({c[d] for c in coords}) > 1]
-    row_major = list(itertools.product(*(range(shape[d]) for d in varying)))
-    if len(coords) != len(group) or [tuple(c[d] for d in varying) for c in coords] != row_major:
-        raise BridgeError(f"parameter `{pname}`: mesh dim `{name}` ({len(group)} ranks) is not a row-major "
-                          f"enumeration of whole dims of the root mesh ({_mesh_text(root)})",
-                          help="a layout axis is a root mesh dim or a flattened run of them; a mesh dim "
-                               "that splits a root dim is not expressible yet")
-    if not varying and name in names and root.mesh.shape[names.index(name)] == 1:
-        return (name,)  # a root dim of one rank, sliced: itself (its cut is the whole dim)
-    return tuple(names[d] for d in varying)
+class MeshAxes:
+    """The axes of the layout's one mesh, from every parameter's DeviceMesh over one root.
+
+    A mesh dim steps through ranks with one or more (size, stride) modes: a root dim is one
+    mode, a flattened dim (`_flatten`) several, a dim of an unflattened mesh (`_unflatten`,
+    torchtitan's staggered dense and expert meshes over a 1-D world) part of a root dim. The
+    layout's axes are the finest common cut of all of them: every mode's strides `t` and
+    `t * size` cut the rank index into digits, and each digit is an axis; a mesh dim is then
+    the run of axes its modes cover, first one major (`over (a, b)`). An axis takes the name of
+    the dim that is exactly it (root dims first), else `DIM_k` (the k-th axis of the first dim
+    holding it). The modes are read from the ranks along each dim, never from names.
+    """
+
+    def __init__(self, root):
+        self.root, self.size = root, root.mesh.numel()
+        self.dims: dict = {}  # (id(mesh), dim) -> (name, modes major first)
+        self.meshes: dict = {}  # id -> mesh: held, so that an id stays its mesh's
+        shape, names = tuple(root.mesh.shape), _axis_names(root)
+        self.root_dims = [(names[j], [(shape[j], math.prod(shape[j + 1:]))] if shape[j] > 1 else [])
+                          for j in range(len(shape))]
+        self.atoms: list[tuple[str, int]] = []  # (name, size), major first
+        self._of: dict = {}
+
+    def add(self, pname: str, mesh) -> None:
+        if id(mesh) in self.meshes:
+            return
+        self.meshes[id(mesh)] = mesh
+        names, coordinate = _axis_names(mesh), mesh.get_coordinate()
+        for i in range(mesh.mesh.dim()):
+            index = tuple(slice(None) if d == i else c for d, c in enumerate(coordinate))
+            group = mesh.mesh[index].flatten().tolist()  # the ranks along dim i through this rank
+            modes = _modes(group)
+            if modes is None:
+                raise BridgeError(f"parameter `{pname}`: mesh dim `{names[i]}` steps through ranks {group}, "
+                                  "not in (size, stride) runs of the rank index",
+                                  help="a layout axis is a digit of the rank index: a mesh dim must step "
+                                       "through ranks at fixed strides")
+            self.dims[(id(mesh), i)] = (names[i], modes)
+
+    def finish(self) -> None:
+        modes = [m for _, ms in self.root_dims for m in ms] + [m for _, ms in self.dims.values() for m in ms]
+        cuts = sorted({1, self.size} | {t for _, t in modes} | {t * s for s, t in modes})
+        if any(b % a for a, b in zip(cuts, cuts[1:])):
+            raise BridgeError(f"the parameters' device meshes cut the rank index at strides {cuts}, which do not "
+                              "nest (each must divide the next): no one mesh holds them all",
+                              help="describe the parameters of each mesh with their own `describe` call")
+        digits = [(b // a, a) for a, b in zip(cuts, cuts[1:])][::-1]  # (size, stride), major first
+
+        def covered(ms):
+            return [k for s, t in ms for k, (_, stride) in enumerate(digits) if t <= stride < t * s]
+
+        named: dict[int, str] = {}
+        candidates = list(self.root_dims) + list(self.dims.values())
+        for dim, ms in candidates:
+            ks = covered(ms)
+            if len(ks) == 1 and ks[0] not in named and dim not in named.values():
+                named[ks[0]] = dim
+        for dim, ms in list(self.dims.values()) + list(self.root_dims):
+            for j, k in enumerate(covered(ms)):
+                if k not in named:
+                    base, n = f"{dim}_{j}", 0
+                    while (base if not n else f"{base}_{n}") in named.values():
+                        n += 1
+                    named[k] = base if not n else f"{base}_{n}"
+        atoms = [(named[k], s, t) for k, (s, t) in enumerate(digits)]
+        # a root dim of one rank is an axis of its own (its cut is the whole dim), where the root has it
+        for j, (dim, ms) in enumerate(self.root_dims):
+            if not ms:
+                stride = math.prod(tuple(self.root.mesh.shape)[j + 1:])
+                at = next((k for k, (_, _, t) in enumerate(atoms) if t < stride), len(atoms))
+                atoms.insert(at, (dim, 1, stride))
+        self.atoms = [(a, s) for a, s, _ in atoms]
+        for key, (dim, ms) in self.dims.items():
+            axes = tuple(named[k] for k in covered(ms))
+            if not axes and any(d == dim and not rms for d, rms in self.root_dims):
+                axes = (dim,)
+            self._of[key] = axes
+
+    def of(self, mesh, i: int) -> tuple[str, ...]:
+        """The axes that dim `i` of `mesh` enumerates, first one major (() for a dim of one rank)."""
+        return self._of[(id(mesh), i)]
+
+
+def _modes(group: list[int]) -> list[tuple[int, int]] | None:
+    """The (size, stride) modes, major first, of ranks a mesh dim enumerates row-major (None if
+    they are not a mixed-radix run: e.g. a stride that is not positive). Two modes that are
+    contiguous (stride = the faster one's size x stride) read as one, which is the same cut."""
+    d = [r - group[0] for r in group]
+    modes = []
+    while len(d) > 1:
+        t, s = d[1], 2
+        while s < len(d) and d[s] == s * t:
+            s += 1
+        if t <= 0 or len(d) % s:
+            return None
+        blocks = [d[k:k + s] for k in range(0, len(d), s)]
+        if any(b != [b[0] + j * t for j in range(s)] for b in blocks):
+            return None
+        modes.append((s, t))
+        d = [b[0] for b in blocks]
+    return modes[::-1]
 
 
 def _axes_text(axes: tuple[str, ...]) -> str:
