@@ -25,12 +25,9 @@ with torch's own gather (`full_tensor`).
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-
 import torch
-import torch.distributed as dist
+
+from bridge_program import run  # tests/bridge_program.py: the frame of a launched program
 
 WHOLE = ("mesh one (r=1)\ntensor 0.weight [7, 5] fp32\ntensor 0.bias [7] fp32\n"
          "tensor 1.weight [3, 7] fp32\n")
@@ -69,24 +66,17 @@ def _refusal(module) -> str:
     return "not refused"
 
 
-def main(job_path: str, out_path: str) -> None:
+def main(job: dict, rank: int) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    with open(job_path) as f:
-        part = json.load(f)["part"]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    part = job["part"]
     report: dict = {"rank": rank, "texts": {}, "local_shapes": {}}
     tp_plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
     if part == "titan":
         _titan(report, rank, tp_plan)
     else:
         _flat(report, rank, tp_plan)
-    dist.barrier()
-    report["ok"] = True
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 def _flat(report: dict, rank: int, tp_plan: dict) -> None:
@@ -154,9 +144,4 @@ def _titan(report: dict, rank: int, tp_plan: dict) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])
-    except BaseException as e:
-        with open(sys.argv[2], "w") as f:
-            json.dump({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, f)
-        sys.exit(1)
+    run(main)

@@ -18,13 +18,11 @@ meshes were built: `axes_per_dim`).
 
 from __future__ import annotations
 
-import json
 import random
-import sys
-import traceback
 
 import torch
-import torch.distributed as dist
+
+from bridge_program import run  # tests/bridge_program.py: the frame of a launched program
 
 
 def _meshes():
@@ -86,7 +84,7 @@ def must_refuse(placements, dim_axes) -> bool:
     return False
 
 
-def main(job_path: str, out_path: str) -> None:
+def main(job: dict, rank: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from layoutlang.bridges import dtensor
@@ -94,10 +92,6 @@ def main(job_path: str, out_path: str) -> None:
     from layoutlang.elaborate import loads
     from layoutlang.runtime import Refitter
 
-    with open(job_path) as f:
-        job = json.load(f)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     meshes, roots = _meshes()
     rng = random.Random(job["seed"])
     report: dict = {"rank": rank, "checked": 0, "refused": 0, "pairs": 0, "wrong": [], "texts": []}
@@ -137,17 +131,8 @@ def main(job_path: str, out_path: str) -> None:
             if rank == 0 and not torch.equal(dst[n], want):
                 report["wrong"].append(f"{case}: {n} refit differs from the tensor\n{text}")
         report["checked"] += 1
-    dist.barrier()
-    report["ok"] = True
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])
-    except BaseException as e:
-        with open(sys.argv[2], "w") as f:
-            json.dump({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, f)
-        sys.exit(1)
+    run(main)

@@ -8,15 +8,12 @@ test to check their wording.
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-
 import torch
-import torch.distributed as dist
+
+from bridge_program import run  # tests/bridge_program.py: the frame of a launched program
 
 
-def main(job_path: str, out_path: str) -> None:
+def main(job: dict, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Partial, distribute_tensor
@@ -27,8 +24,6 @@ def main(job_path: str, out_path: str) -> None:
     from layoutlang.elaborate import loads
     from layoutlang.runtime import Refitter
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     report: dict = {"rank": rank}
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7, bias=True), torch.nn.Linear(7, 3, bias=False))
@@ -60,17 +55,8 @@ def main(job_path: str, out_path: str) -> None:
             dtensor.describe(module)
         except dtensor.BridgeError as e:
             report[case] = e.render() if hasattr(e, "render") else str(e)
-    dist.barrier()
-    report["ok"] = True
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])
-    except BaseException as e:
-        with open(sys.argv[2], "w") as f:
-            json.dump({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, f)
-        sys.exit(1)
+    run(main)

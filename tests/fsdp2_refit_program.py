@@ -11,12 +11,10 @@ the plan under test.
 from __future__ import annotations
 
 import copy
-import json
-import sys
-import traceback
 
 import torch
-import torch.distributed as dist
+
+from bridge_program import run  # tests/bridge_program.py: the frame of a launched program
 
 V, H, F, Q, KV, D, L = 37, 16, 24, 4, 2, 4, 2
 TP = 2
@@ -94,7 +92,7 @@ def vllm_expected(full: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tens
     return out
 
 
-def main(job_path: str, out_path: str) -> None:
+def main(job: dict, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
@@ -104,8 +102,6 @@ def main(job_path: str, out_path: str) -> None:
     from layoutlang.elaborate import loads
     from layoutlang.runtime import Refitter
 
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
-    rank = dist.get_rank()
     report: dict = {"rank": rank, "checked": 0}
     torch.manual_seed(0)
     trainer = LlamaForCausalLM(config()).float()
@@ -153,17 +149,8 @@ def main(job_path: str, out_path: str) -> None:
                 got_logits = whole(tokens).logits
             report[f"max_logit_diff_{step}"] = float((want_logits - got_logits).abs().max())
             assert torch.equal(want_logits, got_logits), f"step {step}: logits differ"
-    dist.barrier()
-    report["ok"] = True
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])
-    except BaseException as e:  # the test reads the reason from the result file
-        with open(sys.argv[2], "w") as f:
-            json.dump({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, f)
-        sys.exit(1)
+    run(main)
