@@ -1,6 +1,7 @@
 """One worker of tests/test_bridge_dtensor.py: FSDP2 on flattened mesh dims, as torchtitan shards.
 
 Run on 8 gloo ranks by `launch({"part": "flat" or "titan"}, 8, program=__file__)`
+(part "nest" on 6: see `_nest`)
 (two launches: torch 2.13 finds a mesh dim by name across roots, so two roots in one
 process must not share a dim name). Part "flat": on a root mesh
 (dp_shard=2, cp=2, tp=2) it shards three tiny models the way torchtitan does and
@@ -74,6 +75,8 @@ def main(job: dict, rank: int) -> dict:
     tp_plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
     if part == "titan":
         _titan(report, rank, tp_plan)
+    elif part == "nest":
+        _nest(report, rank)
     else:
         _flat(report, rank, tp_plan)
     return report
@@ -141,6 +144,27 @@ def _titan(report: dict, rank: int, tp_plan: dict) -> None:
     titan_refused.register_parameter("expert_w", torch.nn.Parameter(
         distribute_tensor(experts.clone(), expert, [Shard(1), Shard(0)])))
     report["titan_refused"] = _refusal(titan_refused)
+
+
+
+def _nest(report: dict, rank: int) -> None:
+    """Part "nest", on 6 ranks: a world unflattened as (2, 3) and as (3, 2). One weight on
+    the 3 of the first is its own layout; beside a weight on the 2 of the second, the two
+    cut the rank index at 1, 2, 3 and 6, and 2 does not divide 3: no one mesh holds both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from layoutlang.bridges import dtensor
+
+    world = init_device_mesh("cpu", (6,), mesh_dim_names=("world",))
+    twos, threes = world._unflatten(0, (2, 3), ("a2", "a3")), world._unflatten(0, (3, 2), ("b3", "b2"))
+    alone = torch.nn.Module()
+    alone.w = torch.nn.Parameter(distribute_tensor(torch.arange(10.0).reshape(5, 2), twos["a3"], [Shard(0)]))
+    report["texts"]["alone"] = dtensor.describe(alone, name="alone")
+    both = torch.nn.Module()
+    both.w = alone.w
+    both.v = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), threes["b2"], [Shard(0)]))
+    report["not_nested"] = _refusal(both)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ def test_tp_then_fsdp2_is_over_tp_then_chunk_dp_and_refits_whole():
     assert "error: parameter `b` is a plain tensor among DTensors" in results[0].result["plain"]
 
 
-def _flat_program(part: str) -> list:
-    results = launch({"part": part}, 8, timeout=240, program=str(Path(__file__).with_name("dtensor_flat_program.py")))
+def _flat_program(part: str, ranks: int = 8) -> list:
+    results = launch({"part": part}, ranks, timeout=240,
+                     program=str(Path(__file__).with_name("dtensor_flat_program.py")))
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
     return results
@@ -106,6 +107,19 @@ def test_unflattened_dense_and_expert_meshes_share_one_layout_mesh():
     assert all(shapes[r]["expert_w"] == [1, 3] for r in range(8))  # 4 over ep, 6 over dp_shard_in_ep
     refused = results[0].result["titan_refused"]
     assert refused.startswith("error: parameter `0.weight`: dim 0 would be `chunk (dp_shard_in_ep, ep_0)`")
+
+
+def test_meshes_whose_strides_do_not_nest_are_refused():
+    """A world of 6 unflattened as (2, 3) and as (3, 2): one weight on the 3 describes alone;
+    beside one on the 2 it cannot share one layout mesh (strides 1, 2, 3, 6 do not nest)."""
+    results = _flat_program("nest", ranks=6)
+    # the 2 is cut out of the root's one dim `world` by the 3 alone: it is `world_0`, the first axis of `world`
+    assert "mesh world_0_a3 (world_0=2, a3=3)" in results[0].result["texts"]["alone"]
+    assert "tensor w [5 over a3 ragged, 2] fp32" in results[0].result["texts"]["alone"]
+    refused = results[0].result["not_nested"]
+    assert refused.startswith("error: the parameters' device meshes cut the rank index at strides [1, 2, 3, 6], "
+                              "which do not nest (each must divide the next): no one mesh holds them all")
+    assert "help: describe the parameters of each mesh with their own `describe` call" in refused
 
 
 def test_random_meshes_and_placements_refit_exactly():
