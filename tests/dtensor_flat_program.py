@@ -1,9 +1,8 @@
 """One worker of tests/test_bridge_dtensor.py: FSDP2 on flattened mesh dims, as torchtitan shards.
 
-Run on 8 gloo ranks by `launch({"part": "flat" or "titan"}, 8, program=__file__)`
-(part "nest" on 6: see `_nest`)
-(two launches: torch 2.13 finds a mesh dim by name across roots, so two roots in one
-process must not share a dim name). Part "flat": on a root mesh
+Run on 8 gloo ranks by `launch({"part": "flat" or "titan"}, 8, program=__file__)`, one
+launch per part (torch 2.13 finds a mesh dim by name across roots, so two roots in one
+process must not share a dim name); part "nest" runs on 6 (see `_nest`). Part "flat": on a root mesh
 (dp_shard=2, cp=2, tp=2) it shards three tiny models the way torchtitan does and
 describes each with the DTensor bridge:
 
