@@ -174,8 +174,8 @@ def _tensor_line(pname: str, p, axes: "MeshAxes", keys, forms) -> str:
     for d, extent in enumerate(shape):
         mode = form.dims[d] if form is not None else str(extent)
         plain = form is None or mode.strip().isdigit()
-        cut_axes = [axes for _, axes in sorted(cuts.get(d, []))]
-        order = [_axes_text(axes) for axes in cut_axes]
+        cut_axes = [run for _, run in sorted(cuts.get(d, []))]
+        order = [_axes_text(run) for run in cut_axes]
         chunked = cut_axes[-1] if cut_axes and (len(cut_axes) == 2 or not plain) else ()  # `chunk`'s axes
         if len(order) > 2:
             raise BridgeError(f"parameter `{pname}`: dim {d} is cut over {len(order)} mesh dims "
