@@ -1,0 +1,38 @@
+"""Weights that say which version they are, for the programs of examples/jobs/.
+
+Every logical element of version v is `fill.values(key, index) * (-1)**v * 2**(v % 3)`:
+exact in bf16 and fp32 (a sign and a power of two), different in every version
+(what a stale element would show), and checkable on an engine rank from its own
+layout alone (`runtime/fill.py`: no source, no plan).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor
+
+
+def factor(version: int) -> float:
+    return (-1.0) ** version * 2.0 ** (version % 3)
+
+
+def trainer_tensors(layout, rank: int, version: int) -> dict[str, torch.Tensor]:
+    """This trainer rank's tensors of `version` (padding NaN: it must never travel)."""
+    return {t.name: source_tensor(t, rank) * factor(version) for t in layout.tensors if t.holds(rank)}
+
+
+def engine_tensors(layout, rank: int) -> dict[str, torch.Tensor]:
+    """This engine rank's tensors before any refit: NaN, which no version holds."""
+    return {t.name: empty_destination(t, rank=rank) for t in layout.tensors if t.holds(rank)}
+
+
+def problems(layout, rank: int, tensors: dict, version: int) -> list[str]:
+    """Every element checked against `version` (padding must be zero)."""
+    out = []
+    for t in layout.tensors:
+        if t.holds(rank):
+            problem = check_destination(t, rank, tensors[t.name] / factor(version))
+            if problem:
+                out.append(problem)
+    return out

@@ -1,0 +1,268 @@
+"""The groups of a refit between jobs, and the walk of one rank's steps through them.
+
+A trainer job (N ranks, its own world) feeds K engine replicas (R ranks each,
+their own worlds). Their plan (compiler/members.py) numbers trainer rank r as
+plan rank r and replica i's local rank t as N + t*K + i. Bytes never cross
+replicas (relays are off between jobs: docs/jobs.md), so the ranks that meet on
+a wire are a trainer rank and a rank of ONE replica, and each replica gets a
+process group of its own: the N trainer ranks (group ranks 0..N-1) and its R
+ranks (group ranks N..N+R-1), built from the job's store under the group's
+name, never through `init_process_group` and never the default group.
+
+Why one group per replica: a replica that dies or stalls breaks the
+connections of its own group only; the trainer drops it and keeps sending to
+the others through theirs. Gloo groups are built lazily (TORCH_GLOO_LAZY_INIT:
+a pair connects when it first exchanges bytes), so building one costs no
+connection the plan does not use and never waits for a rank that is not there
+yet; NCCL creates its point-to-point communicators per pair on first use too.
+Both are the one code path of `build_group`.
+
+`JobWalk` is a Refitter (runtime/refit.py) over such groups: the same steps,
+buckets, staging, quantizing and verification, walked once per refit, with
+three differences the job's protocol (runtime/jobs.py) relies on: no store
+meetings (the job meets), one deadline for the whole walk, and on a trainer
+rank a failed transfer drops the replica at its other end instead of failing
+the step (its later messages are not posted, the walk goes on for the others).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from layoutlang.compiler import Plan
+
+from .errors import RefitError
+from .refit import Refitter, StagingMeter, _as_given, _first_line, _strided
+
+
+@contextmanager
+def _lazy_gloo():
+    """Gloo reads TORCH_GLOO_LAZY_INIT when a group is built; set it for ours alone."""
+    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = before
+
+
+def build_group(store, name: str, rank: int, size: int, device: torch.device, timeout: timedelta):
+    """A process group of `size` ranks named `name` in `store`: gloo for CPU tensors, NCCL for
+    CUDA ones (the caller has set its CUDA device), nothing else differs."""
+    prefix = dist.PrefixStore(f"group/{name}/", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, rank, size, options)
+    with _lazy_gloo():
+        return dist.ProcessGroupGloo(prefix, rank, size, timeout)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who takes part in one refit: N trainer ranks, then the member replicas in slot order.
+
+    >>> m = Membership(4, 2, ("a", "b", "c"), (None, None, None))
+    >>> m.slot_of(4), m.slot_of(9), m.group_rank(9), m.slot_of(3)
+    (0, 2, 5, None)
+    """
+
+    trainer: int                    # N
+    replica_ranks: int              # R, every replica's size
+    replicas: tuple[str, ...]       # replica ids, slot i = index
+    groups: tuple                   # per slot, its process group (None where not built on this rank)
+
+    @property
+    def copies(self) -> int:
+        return len(self.replicas)
+
+    def slot_of(self, plan_rank: int) -> int | None:
+        """The replica slot of an engine's plan rank; None for a trainer rank."""
+        return None if plan_rank < self.trainer else (plan_rank - self.trainer) % self.copies
+
+    def local_of(self, plan_rank: int) -> int:
+        return (plan_rank - self.trainer) // self.copies
+
+    def group_rank(self, plan_rank: int) -> int:
+        """The rank in its replica's group: a trainer rank is itself, an engine rank N + local."""
+        return plan_rank if plan_rank < self.trainer else self.trainer + self.local_of(plan_rank)
+
+
+@dataclass
+class _Message:
+    """One message of a round, as JobWalk posts it (a `dist.P2POp` needs a registered group)."""
+
+    sending: bool
+    tensor: torch.Tensor
+    slot: int
+    group: object
+    peer: int       # the other end's rank in `group`
+    tag: int = 0
+
+
+class _Done:
+    """The work of a message not posted (its replica was dropped): waiting on it is a no-op."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+class ReplicaLost(Exception):
+    """Raised inside an engine's walk: this replica cannot complete the refit."""
+
+
+class JobWalk(Refitter):
+    """One rank's steps of one membership plan, walked through the replicas' groups.
+
+    On a trainer rank, `dropped` (slot -> reason) collects the replicas whose transfers
+    failed in this walk; on an engine rank any failure raises (its replica is lost).
+    """
+
+    def __init__(self, plan: Plan, *, rank: int, membership: Membership, device=None,
+                 budget_bytes: int | None = None, verify: bool = False, overlap: bool = False,
+                 keep_staging: bool | None = None, hooks=None, timeout: timedelta = timedelta(seconds=60)):
+        self._job_rank = rank
+        self.membership = membership
+        self.dropped: dict[int, str] = {}
+        self.deadline = math.inf
+        super().__init__(plan, device=device, budget_bytes=budget_bytes, timeout=timeout, verify=verify,
+                         hooks=hooks, overlap=overlap, keep_staging=keep_staging)
+        self.trainer_side = rank < membership.trainer
+
+    # ---- what a Refitter takes from its group, taken from the job ------------------
+    def _place(self, group) -> tuple[int, int]:
+        return self._job_rank, self.plan.world
+
+    def _rendezvous(self):
+        return None  # the job meets (runtime/jobs.py); a walk has no store meeting
+
+    def _device(self, tensors) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        for t in tensors:
+            data = t if isinstance(t, torch.Tensor) else getattr(t, "data", None)
+            if isinstance(data, torch.Tensor):
+                return data.device
+        return torch.device("cpu")
+
+    # ---- the walk ----------------------------------------------------------------
+    def walk(self, refit: int, src_tensors, dst_tensors, deadline: float) -> list[str]:
+        """Every bucket's steps, each wait bounded by `deadline` (time.monotonic()); returns
+        this rank's verification mismatches (engine ranks; `verify`)."""
+        self._step, self.deadline, self.dropped = refit, deadline, {}
+        src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
+        device = self._device(list(src.values()) + list(dst.values()))
+        # Buckets must be cut alike on every rank of every job, and ranks of different jobs do not
+        # agree on strides before the refit: count staging for every transfer (as for strided tensors).
+        schedule = self.schedule(True)
+        self.meter = StagingMeter()
+        self._pending = self._ahead = None
+        mismatches: list[str] = []
+        last = schedule.buckets[-1].index if schedule.buckets else 0
+        with torch.no_grad():
+            for b in schedule.buckets:
+                self._phase = f"bucket {b.index}"
+                self.hooks.before_bucket(self, refit, b.index)
+                mismatches += self._bucket(schedule, b.index, src, dst, device)
+                if b.index == last:
+                    mismatches += self._finish_pending()
+        return mismatches
+
+    def strided(self, src_tensors, dst_tensors) -> bool:
+        return any(_strided(v) for v in list((src_tensors or {}).values()) + list((dst_tensors or {}).values()))
+
+    # ---- messages through the replicas' groups -----------------------------------
+    def _p2p(self, sending: bool, buf: torch.Tensor, rank: int) -> _Message:
+        m = self.membership
+        slot = m.slot_of(rank if self.trainer_side else self.rank)
+        return _Message(sending, buf, slot, m.groups[slot], m.group_rank(rank))
+
+    def _resolved(self, messages: list):
+        return None  # a walk is never recorded (no steady steps between jobs)
+
+    def _post(self, p2p: list, what: str, calls=None) -> list:
+        """Each message in its replica's group; a dropped replica's are not posted. A backend
+        that groups messages (NCCL) gets each group's messages of the round as one group."""
+        works: list = [DONE] * len(p2p)
+        by_group: dict[int, list[int]] = {}
+        for i, m in enumerate(p2p):
+            if m.slot not in self.dropped:
+                by_group.setdefault(m.slot, []).append(i)
+        for slot, idx in by_group.items():
+            group = p2p[idx[0]].group
+            try:
+                coalesce = bool(getattr(group, "supports_coalescing", False)) and p2p[idx[0]].tensor.is_cuda
+                if coalesce:
+                    group._start_coalescing(p2p[idx[0]].tensor.device)
+                posted = [(group.send if p2p[i].sending else group.recv)([p2p[i].tensor], p2p[i].peer, p2p[i].tag)
+                          for i in idx]
+                if coalesce:
+                    work = group._end_coalescing(p2p[idx[0]].tensor.device)
+                    posted = [work] * len(idx)
+            except Exception as exc:  # noqa: BLE001 - the replica's group is broken
+                self._lost(slot, f"posting {len(idx)} {what} failed: {_first_line(exc)}", None)
+                continue
+            for i, work in zip(idx, posted):
+                works[i] = work
+        return works
+
+    def _wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
+        """Wait for these transfers by the walk's one deadline; a failure loses the replica at the
+        other end (trainer: dropped, the walk goes on; engine: raised)."""
+        deadline = min(deadline if deadline is not None else math.inf, self.deadline)
+        m = self.membership
+        for work, op in zip(works, ops):
+            if work is DONE:
+                continue
+            peer = self._other_end(op)
+            slot = m.slot_of(peer if self.trainer_side else self.rank)
+            if slot in self.dropped:
+                continue
+            left = deadline - time.monotonic()
+            try:
+                ok = work.wait(left if left > 0.001 else 0.001)
+            except Exception as exc:  # noqa: BLE001 - every transport error loses the replica
+                text = _first_line(exc)
+                if "timed out" in text.lower() or "timeout" in text.lower():
+                    ok, text = False, ""
+                else:
+                    self._lost(slot, f"{what} of op {op.id} (`{op.key}`) with {self._who(peer)} failed: {text}", peer)
+                    continue
+            if ok is False:
+                self._lost(slot, f"{self._who(peer)} did not complete {what} of op {op.id} (`{op.key}`) "
+                                 f"within the refit's {self.timeout.total_seconds():g} s (stalled or dead)", peer)
+
+    def _who(self, plan_rank: int) -> str:
+        m = self.membership
+        if plan_rank < m.trainer:
+            return f"trainer rank {plan_rank}"
+        return f"replica {m.replicas[m.slot_of(plan_rank)]} rank {m.local_of(plan_rank)}"
+
+    def _lost(self, slot: int, reason: str, peer: int | None) -> None:
+        if self.trainer_side:
+            self.dropped.setdefault(slot, reason)
+            return
+        raise ReplicaLost(reason)
+
+
+def failure_text(exc: BaseException) -> str:
+    """What a walk's unexpected error says (a RefitError's detail, else its first line)."""
+    if isinstance(exc, RefitError):
+        return exc.detail
+    if isinstance(exc, ReplicaLost):
+        return str(exc)
+    return f"{type(exc).__name__}: {_first_line(exc)}"

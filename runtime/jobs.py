@@ -1,0 +1,778 @@
+"""Refit between separately launched jobs: a trainer job feeding engine replicas that come and go.
+
+    job = TrainerJob("train.layout", "infer.layout", address="host:port", rank=r, world_size=N)
+    report = job.refit(trainer_tensors, version=step)     # every trainer rank, every RL step
+    eng = EngineJob("infer.layout", address="host:port", replica="rollout-3", rank=t, world_size=R)
+    version = eng.receive(engine_tensors)                  # every rank of one replica
+
+Each side keeps its own world (torchrun, vLLM's workers): nothing here touches it.
+Trainer rank 0 hosts a TCPStore at `address` (or the caller passes a store); every
+decision of a refit is a short UTF-8 or JSON value there (no pickle), and bytes move
+through one process group per replica (runtime/jobgroups.py).
+
+One refit n, as the keys say it (all under `layoutlang/jobs/`)::
+
+    engine rank t     replica/R/wait/t = "<nonce>/<call>"          it waits in `receive`
+    trainer rank 0    refit/n = {members, their waits and groups, refused, plan digest}
+    trainer ranks     meet "start" (each one's tensors checked), then rank 0: refit/n/go
+    every rank        walks its steps of plan(K) until the one deadline (go + timeout)
+    engine rank t     refit/n/done/R/t = "ok" or "fail\\n<why>"
+    trainer ranks     meet "end" (each one's dropped replicas as its note)
+    trainer rank 0    refit/n/verdict = {refit: [...], missed: {R: why}} (or {abort: why})
+    everyone else     reads the verdict, then adds 1 to refit/n/read
+
+A replica is a member of refit n when every one of its ranks waits (has called
+`receive`) when rank 0 opens it; later ones join refit n+1. A replica whose transfers
+fail, time out or do not finish by the deadline is missed: the trainer and the other
+replicas finish the step, its ranks raise `RefitError`, its tensors are marked
+`interrupted` and keep their previous version. Its wait values are cleared and its
+group is not used again: a restarted (or retrying) replica gets a new group and the
+whole of its weights at the next refit. Rank 0 reads `refit/n/read` before it lets its
+store go (`close`), so the store's host may exit right after `close` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from layoutlang.compiler import members
+from layoutlang.diagnostics import UsageError
+from layoutlang.elaborate import load, loads
+from layoutlang.ir import Layout
+
+from .errors import RefitError
+from .jobgroups import JobWalk, Membership, build_group, failure_text
+from .refit import _shape_problem
+from .rendezvous import Abandoned, Rendezvous, StoreUnreachable
+
+NAMESPACE = "layoutlang/jobs/"
+GRACE = 1.0          # s a reader waits for a verdict past its own deadline (the writer's is no later)
+POLL = 0.5           # s between looks at `trainer/closed` while an engine waits for the next refit
+REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class JobReport:
+    """What one `TrainerJob.refit` did: which replicas hold `version` now, which were dropped and why."""
+
+    refit: int
+    version: object
+    replicas: tuple[str, ...]            # refit exactly this step
+    missed: tuple[str, ...]              # members dropped this step, and replicas refused
+    reasons: dict[str, str] = field(default_factory=dict)  # missed id -> why
+    seconds: float = 0.0
+
+
+class _Store:
+    """The job's store calls, each failure one of two: TimeoutError, or StoreUnreachable
+    (its host, trainer rank 0, is gone)."""
+
+    def __init__(self, store, where: str):
+        self.store, self.where = store, where
+
+    def call(self, fn, *args):
+        try:
+            return fn(*args)
+        except dist.DistStoreError as exc:
+            if "timeout" in str(exc).lower():
+                raise TimeoutError(str(exc).splitlines()[0]) from None
+            raise StoreUnreachable(self._gone(exc)) from None
+        except (dist.DistError, RuntimeError, OSError) as exc:
+            raise StoreUnreachable(self._gone(exc)) from None
+
+    def _gone(self, exc) -> str:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"the trainer job's store{self.where} is unreachable (trainer rank 0 hosts it; it ended or died): {first}"
+
+    def set(self, key: str, value: str) -> None:
+        self.call(self.store.set, key, value)
+
+    def get(self, key: str) -> str:
+        return self.call(self.store.get, key).decode("utf-8", errors="replace")
+
+    def has(self, *keys: str) -> bool:
+        return bool(self.call(self.store.check, list(keys)))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.call(self.store.add, key, amount))
+
+    def wait(self, keys: list[str], deadline: float) -> None:
+        """Until every key exists, or TimeoutError at `deadline` (time.monotonic())."""
+        self.call(self.store.wait, keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+    def many(self, keys: list[str]) -> list[str]:
+        return [v.decode("utf-8", errors="replace") for v in self.call(self.store.multi_get, keys)] if keys else []
+
+    def clear(self, key: str, expected: str) -> None:
+        """Empty `key` if it still holds `expected` (a newer value is somebody's current one)."""
+        self.call(self.store.compare_set, key, expected, "")
+
+    def delete(self, key: str) -> None:
+        try:
+            self.call(self.store.delete_key, key)
+        except (StoreUnreachable, TimeoutError):
+            pass
+
+
+def _connect(address: str | None, store, rank0: bool, timeout: timedelta) -> tuple[_Store, object]:
+    """The job's store: the caller's, or a TCPStore at `address` that trainer rank 0 hosts."""
+    if store is None:
+        if not address or ":" not in address:
+            raise UsageError(f"address {address!r}: expected HOST:PORT (trainer rank 0 hosts the store there)")
+        host, port = address.rsplit(":", 1)
+        try:
+            store = dist.TCPStore(host, int(port), None, rank0, timeout, wait_for_workers=False)
+        except (dist.DistError, RuntimeError, OSError) as exc:
+            raise RefitError(f"cannot {'host' if rank0 else 'reach'} the trainer job's store at {address}: "
+                             f"{(str(exc).strip().splitlines() or [''])[0]}", phase="setup",
+                             help="check the address and that trainer rank 0 runs (it hosts the store)") from None
+        where = f" at {address}"
+    else:
+        where = ""
+    owner = store
+    return _Store(dist.PrefixStore(NAMESPACE, store), where), owner
+
+
+def _as_timeout(t) -> timedelta:
+    return t if isinstance(t, timedelta) else timedelta(seconds=t)
+
+
+def _as_layout(x, args) -> Layout:
+    return x if isinstance(x, Layout) else load(os.fspath(x), args, unknown_args="ignore")
+
+
+def tensor_problems(layout: Layout, rank: int, tensors, side: str) -> list[str]:
+    """What is wrong with a rank's tensors against its layout: missing, shape, dtype."""
+    held = [t for t in layout.tensors if t.holds(rank)]
+    if held and tensors is None:
+        return [f"{side} tensors are None but this rank holds {len(held)} {side} tensors"]
+    problems = []
+    for t in held:
+        if t.name not in tensors:
+            problems.append(f"{side} tensor `{t.name}` is missing")
+        else:
+            problem = _shape_problem(t, tensors[t.name], rank)
+            if problem:
+                problems.append(f"{side} tensor `{t.name}`: {problem}")
+        if len(problems) > 8:
+            break
+    return problems
+
+
+def signature(layout: Layout) -> list:
+    """Each tensor of a replica's layout as data: name, dtype, local shape on every rank."""
+    return [[t.name, t.dtype, [list(t.local_shape_at(r)) if t.holds(r) else None for r in range(layout.ranks)]]
+            for t in layout.tensors]
+
+
+def layout_difference(expected: Layout, theirs: dict) -> str | None:
+    """Why an engine's layout (its `signature` and digest) is not the one the trainer plans for."""
+    if theirs.get("digest") == expected.digest:
+        return None
+    mine = {name: (dtype, shapes) for name, dtype, shapes in signature(expected)}
+    given = {name: (dtype, shapes) for name, dtype, shapes in theirs.get("tensors", [])}
+    if theirs.get("ranks") != expected.ranks:
+        return f"its layout spans {theirs.get('ranks')} ranks, the trainer's {expected.path} spans {expected.ranks}"
+    for name in mine:
+        if name not in given:
+            return f"its layout has no tensor `{name}` ({expected.path} has)"
+        if given[name] != mine[name]:
+            (d0, s0), (d1, s1) = mine[name], given[name]
+            return f"tensor `{name}`: the trainer expects {d0} {s0}, the replica's layout says {d1} {s1}"
+    extra = sorted(set(given) - set(mine))
+    if extra:
+        return f"its layout has tensor `{extra[0]}`, which {expected.path} does not"
+    return (f"its layout's text or args differ from {expected.path} (digest {str(theirs.get('digest'))[:12]}, "
+            f"expected {expected.digest[:12]})")
+
+
+def _error(who: str, n: int, phase: str, detail: str, *, reusable: bool, help: str, replica: str | None = None,
+           rank: int | None = None, peers=()) -> RefitError:
+    err = RefitError(f"{who}: refit {n}, {phase}: {detail}" if n else f"{who}: {phase}: {detail}", rank=rank,
+                     step=n, phase=phase, peers=tuple(peers), reusable=reusable, detail=detail, help=help)
+    err.replica = replica
+    return err
+
+
+TRAINER_AGAIN = "nothing was moved: call refit again on every trainer rank"
+TRAINER_BROKEN = ("a trainer rank failed while bytes moved: the replicas keep their previous version "
+                  "(marked interrupted); restart the trainer job")
+ENGINE_AGAIN = ("call receive again on every rank of this replica: the next refit it takes part in "
+                "rewrites every element")
+
+
+class _Plans:
+    """Membership plans by replica count: geometry shared, each new count costs its picks."""
+
+    def __init__(self, src: Layout, one: Layout):
+        planner = getattr(members, "MemberPlanner", None)
+        self.src, self.one = src, one
+        self.planner = planner(src, one) if planner is not None else None
+        self.by_count: dict[int, object] = {}
+
+    def plan(self, copies: int):
+        if copies not in self.by_count:
+            if self.planner is not None:
+                self.by_count[copies] = self.planner.plan(copies)
+            else:
+                from layoutlang.compiler import compile_plan
+                self.by_count[copies] = compile_plan(self.src, members.replicate(self.one, copies, self.src.ranks),
+                                                     relay=False)
+        return self.by_count[copies]
+
+
+class TrainerJob:
+    """Every trainer rank: refit the member engine replicas from this rank's tensors.
+
+    `train` / `infer`: the trainer's layout and ONE replica's (paths or loaded layouts; args
+    through `src_args` / `dst_args`). `address`: HOST:PORT of the job's store, hosted by rank
+    0 (or pass `store=`). `timeout` bounds one refit: the start (every trainer rank present),
+    then everything from go to the verdict, so set it above one refit's transfer time.
+    `budget_bytes`, `overlap`, `verify`, `keep_staging`, `device` as for Refitter; the engines
+    take the first three from the trainer.
+    """
+
+    def __init__(self, train, infer, *, address: str | None = None, rank: int, world_size: int, store=None,
+                 timeout: timedelta | float = timedelta(seconds=60), budget_bytes: int | None = None,
+                 verify: bool = False, overlap: bool = False, keep_staging: bool | None = None, device=None,
+                 src_args: dict | None = None, dst_args: dict | None = None, hooks=None,
+                 connect_timeout: timedelta | float | None = None):
+        self.src, self.one = _as_layout(train, src_args), _as_layout(infer, dst_args)
+        self.rank, self.world = rank, world_size
+        self.who = f"trainer rank {rank}"
+        if self.src.ranks != world_size:
+            raise UsageError(f"{self.src.path} spans {self.src.ranks} ranks but the trainer job has {world_size}")
+        if len(self.src.sources) > 1:
+            raise UsageError(f"{self.src.path} includes other files: a trainer layout travels to the engines as "
+                             "one text, so write it without `include` for a refit between jobs")
+        self.timeout = _as_timeout(timeout)
+        self.options = dict(budget_bytes=budget_bytes, verify=verify, overlap=overlap)
+        self.keep_staging, self.device, self.hooks = keep_staging, device, hooks
+        self.kv, self._owner = _connect(address, store, rank == 0, _as_timeout(connect_timeout or timeout))
+        self._rv = Rendezvous(self.kv.store, rank, world_size, "trainer")
+        self._plans = _Plans(self.src, self.one)
+        self._walks: dict[int, JobWalk] = {}
+        self._groups: dict[str, object] = {}
+        self._retired: list = []          # groups of dropped replicas (kept: a broken pair must not block a destructor)
+        self._n = 0
+        self._broken: str | None = None
+        self._mine: dict[int, list[str]] = {}   # refit -> keys this rank set (deleted two refits later)
+        self._last_read: tuple[int, int] | None = None  # (refit, readers) rank 0 lets go of at close
+        # rank 0's view of the replicas: registration order, layouts checked, group generations
+        self._known: list[str] = []
+        self._seen = 0
+        self._layout_verdict: dict[str, tuple[str, str | None]] = {}
+        self._generation: dict[str, tuple[tuple[str, ...], int]] = {}
+        self._next_generation: dict[str, int] = {}
+        if rank == 0:
+            text = {"text": self.src.source_text, "args": dict(self.src.args), "path": self.src.path,
+                    "digest": self.src.digest, "ranks": self.src.ranks, **self.options}
+            self.kv.set("trainer/layout", json.dumps(text))
+            self.kv.set("trainer/closed", "")
+
+    # ---- one refit ------------------------------------------------------------------
+    def refit(self, tensors, version) -> JobReport:
+        """Move this rank's tensors into every member replica; return who got `version`.
+
+        Raises RefitError when the trainer itself cannot refit (a rank late, missing, with
+        wrong tensors, or failing while bytes move); a replica that fails is not an error
+        here, it is in `report.missed`."""
+        if self._broken is not None:
+            raise _error(self.who, self._n + 1, "setup", f"this trainer job cannot refit again: {self._broken}",
+                         reusable=False, help=TRAINER_BROKEN, rank=self.rank)
+        json.dumps(version)  # a version travels as JSON
+        self._n += 1
+        n, began = self._n, time.monotonic()
+        self._forget(n - 2)
+        try:
+            report = self._refit(n, tensors, version, began)
+        except StoreUnreachable as exc:
+            self._broken = str(exc)
+            raise _error(self.who, n, "setup", str(exc), reusable=False, help=TRAINER_BROKEN, rank=self.rank) from None
+        except RefitError as exc:
+            if not exc.reusable:
+                self._broken = f"refit {n} failed in {exc.phase}: {exc.detail}"
+            raise
+        return report
+
+    def _refit(self, n: int, tensors, version, began: float) -> JobReport:
+        ann = self._announce(n, version) if self.rank == 0 else self._announcement(n, began + self.timeout.total_seconds())
+        members = ann["members"]
+        problems = tensor_problems(self.src, self.rank, tensors, "source")
+        walk = self._walk(len(members)) if members else None
+        membership = self._membership(ann, tensors) if members else None
+        self._start(n, problems, ann)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        dropped: dict[str, str] = {}
+        if walk is not None:
+            walk.membership = membership
+            try:
+                walk.walk(n, tensors, None, deadline)
+            except Exception as exc:  # noqa: BLE001 - a trainer rank that fails fails the refit everywhere
+                reason = f"trainer rank {self.rank} failed in {walk._phase}: {failure_text(exc)}"
+                self._rv.give_up(self._rv.key(n, "end"), reason, (self.rank,))
+                self._abort(n, reason)
+                raise _error(self.who, n, walk._phase, failure_text(exc), reusable=False, help=TRAINER_BROKEN,
+                             rank=self.rank) from exc
+            dropped = {membership.replicas[s]: why for s, why in walk.dropped.items()}
+        marked = self._end(n, dropped, deadline)
+        verdict = self._verdict(n, ann, dropped, marked, deadline) if self.rank == 0 else self._read_verdict(n, deadline)
+        if "abort" in verdict:
+            raise _error(self.who, n, "verdict", verdict["abort"], reusable=False, help=TRAINER_BROKEN, rank=self.rank)
+        missed = dict(verdict["missed"])
+        for rid in missed:
+            self._retire(rid, ann)
+        return JobReport(n, version, tuple(verdict["refit"]), tuple(missed), missed, time.monotonic() - began)
+
+    # ---- rank 0 decides who takes part ---------------------------------------------
+    def _announce(self, n: int, version) -> dict:
+        self._register()
+        members, refused = [], {}
+        ranks = self.one.ranks
+        for rid in self._known:
+            base = f"replica/{rid}"
+            waits_keys = [f"{base}/wait/{t}" for t in range(ranks)]
+            if not self.kv.has(f"{base}/layout", *waits_keys):
+                continue  # not every rank has connected yet
+            waits = self.kv.many(waits_keys)
+            if not all(waits):
+                continue  # some rank is not waiting in `receive`
+            why = self._refusal(rid)
+            if why:
+                refused[rid] = {"reason": why, "waits": waits}
+                for key, value in zip(waits_keys, waits):
+                    self.kv.clear(key, value)
+                continue
+            nonces = tuple(w.split("/", 1)[0] for w in waits)
+            known = self._generation.get(rid)
+            if known is None or known[0] != nonces:
+                generation = self._next_generation.get(rid, 0)
+                self._next_generation[rid] = generation + 1
+                known = self._generation[rid] = (nonces, generation)
+            members.append({"id": rid, "waits": waits, "group": f"{rid}.{known[1]}"})
+        plan = self._plans.plan(len(members)) if members else None
+        ann = {"refit": n, "version": version, "trainer": self.world, "members": members, "refused": refused,
+               "plan": plan.digest if plan is not None else ""}
+        self.kv.set(f"refit/{n}", json.dumps(ann))
+        self.kv.set("refit/latest", str(n))
+        return ann
+
+    def _register(self) -> None:
+        """Replicas that connected since the last look, in the order they did."""
+        count = self.kv.add("replicas/count", 0)
+        while self._seen < count:
+            key = f"replicas/{self._seen}"
+            if not self.kv.has(key):
+                break  # its id is set right after its number: next time
+            rid = self.kv.get(key)
+            if rid not in self._known:
+                self._known.append(rid)
+            self._seen += 1
+
+    def _refusal(self, rid: str) -> str | None:
+        text = self.kv.get(f"replica/{rid}/layout")
+        cached = self._layout_verdict.get(rid)
+        if cached is None or cached[0] != text:
+            try:
+                why = layout_difference(self.one, json.loads(text))
+            except (ValueError, TypeError) as exc:
+                why = f"its layout description cannot be read: {exc}"
+            cached = self._layout_verdict[rid] = (text, why)
+        return cached[1]
+
+    # ---- every trainer rank -----------------------------------------------------------
+    def _announcement(self, n: int, deadline: float) -> dict:
+        try:
+            self.kv.wait([f"refit/{n}"], deadline)
+        except TimeoutError:
+            raise _error(self.who, n, "agreement", f"trainer rank 0 did not open refit {n} within "
+                         f"{self.timeout.total_seconds():g} s (stalled or dead)", reusable=True, help=TRAINER_AGAIN,
+                         rank=self.rank, peers=(0,)) from None
+        return json.loads(self.kv.get(f"refit/{n}"))
+
+    def _walk(self, copies: int) -> JobWalk:
+        if copies not in self._walks:
+            plan = self._plans.plan(copies)
+            self._walks[copies] = JobWalk(plan, rank=self.rank, membership=Membership(self.world, self.one.ranks,
+                                          ("",) * copies, (None,) * copies), device=self.device,
+                                          keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout,
+                                          **self.options)
+        return self._walks[copies]
+
+    def _membership(self, ann: dict, tensors) -> Membership:
+        device = _device_of(tensors, self.device)
+        groups = []
+        for m in ann["members"]:
+            name = m["group"]
+            if name not in self._groups:
+                self._groups[name] = build_group(self.kv.store, name, self.rank, self.world + self.one.ranks,
+                                                 device, self.timeout)
+            groups.append(self._groups[name])
+        return Membership(self.world, self.one.ranks, tuple(m["id"] for m in ann["members"]), tuple(groups))
+
+    def _retire(self, rid: str, ann: dict) -> None:
+        """A dropped replica's group is never used again (its pairs may be broken)."""
+        for m in ann["members"]:
+            if m["id"] == rid and m["group"] in self._groups:
+                self._retired.append(self._groups.pop(m["group"]))
+        if self.rank == 0:
+            self._generation.pop(rid, None)
+
+    def _start(self, n: int, problems: list[str], ann: dict) -> None:
+        """Every trainer rank present with the right tensors; then rank 0 tells the engines to go."""
+        prefix = self._rv.key(n, "start")
+        self._note_keys(n, prefix)
+        try:
+            (troubled,) = self._rv.meet(prefix, self.timeout, what=f"start refit {n}",
+                                        note="; ".join(problems)[:4000], marks=(bool(problems),))
+        except Abandoned as exc:
+            self._abort(n, f"the trainer did not start: {exc.reason}")
+            raise _error(self.who, n, "agreement", exc.reason, reusable=True, help=TRAINER_AGAIN, rank=self.rank,
+                         peers=exc.peers) from None
+        if troubled:
+            notes = self._rv.notes(prefix)
+            bad = "; ".join(f"trainer rank {r}: {note}" for r, note in enumerate(notes) if note)
+            self._rv.meet(self._rv.key(n, "start-read"), self.timeout, what="read the others' notes")
+            self._abort(n, f"the trainer's tensors do not match its layout, nothing was moved: {bad}")
+            raise _error(self.who, n, "agreement", f"local tensors do not match the layouts, nothing was moved: {bad}",
+                         reusable=True, help=TRAINER_AGAIN, rank=self.rank)
+        if self.rank == 0:
+            self.kv.set(f"refit/{n}/go", "go")
+
+    def _abort(self, n: int, reason: str) -> None:
+        """Rank 0 tells the member replicas that refit n will not complete."""
+        if self.rank != 0:
+            return
+        try:
+            if not self.kv.has(f"refit/{n}/go"):
+                self.kv.set(f"refit/{n}/go", "abort\n" + reason)
+            self.kv.set(f"refit/{n}/verdict", json.dumps({"abort": reason}))
+        except (StoreUnreachable, TimeoutError):
+            pass
+
+    def _end(self, n: int, dropped: dict[str, str], deadline: float) -> int:
+        """Every trainer rank finished its walk; how many of them dropped some replica."""
+        prefix = self._rv.key(n, "end")
+        self._note_keys(n, prefix)
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            (marked,) = self._rv.meet(prefix, left, what=f"finish refit {n}",
+                                      note=json.dumps(dropped) if dropped else "", marks=(bool(dropped),))
+            return marked
+        except Abandoned as exc:
+            self._abort(n, exc.reason)
+            raise _error(self.who, n, "finish", exc.reason, reusable=False, help=TRAINER_BROKEN, rank=self.rank,
+                         peers=exc.peers) from None
+
+    def _verdict(self, n: int, ann: dict, dropped: dict[str, str], marked: int, deadline: float) -> dict:
+        """Rank 0: a replica is refit when no trainer rank dropped it and each of its ranks said ok."""
+        if marked:
+            for note in self._rv.notes(self._rv.key(n, "end")):
+                if note:
+                    for rid, why in json.loads(note).items():
+                        dropped.setdefault(rid, why)
+        ranks = self.one.ranks
+        pending = [m for m in ann["members"] if m["id"] not in dropped]
+        keys = [f"refit/{n}/done/{m['id']}/{t}" for m in pending for t in range(ranks)]
+        try:
+            self.kv.wait(keys, deadline)
+            present = keys
+        except TimeoutError:
+            present = [k for k in keys if self.kv.has(k)]
+        said = dict(zip(present, self.kv.many(present)))
+        self._mine.setdefault(n, []).extend(keys)
+        missed = {rid: f"replica {rid}: {why}" for rid, why in dropped.items()}
+        refit = []
+        for m in pending:
+            rid = m["id"]
+            for t in range(ranks):
+                value = said.get(f"refit/{n}/done/{rid}/{t}")
+                if value is None:
+                    missed.setdefault(rid, f"replica {rid} rank {t} did not finish refit {n} within "
+                                           f"{self.timeout.total_seconds():g} s (stalled or dead)")
+                elif value != "ok":
+                    missed.setdefault(rid, f"replica {rid} rank {t}: {value.split(chr(10), 1)[-1]}")
+            if rid not in missed:
+                refit.append(rid)
+        for rid, entry in ann["refused"].items():
+            missed[rid] = f"replica {rid} refused: {entry['reason']}"
+        for m in ann["members"]:
+            if m["id"] in missed:  # its ranks wait no more (a dead one would be listed again)
+                for t, value in enumerate(m["waits"]):
+                    self.kv.clear(f"replica/{m['id']}/wait/{t}", value)
+        verdict = {"refit": refit, "missed": missed}
+        self.kv.set(f"refit/{n}/verdict", json.dumps(verdict))
+        # who reads this verdict: the other trainer ranks, and every engine rank that said ok (one that
+        # failed raised at once); `close` waits for them before the store may go
+        self._last_read = (n, self.world - 1 + sum(1 for v in said.values() if v == "ok"))
+        return verdict
+
+    def _read_verdict(self, n: int, deadline: float) -> dict:
+        try:
+            self.kv.wait([f"refit/{n}/verdict"], deadline + GRACE)
+        except TimeoutError:
+            raise _error(self.who, n, "verdict", f"trainer rank 0 gave no verdict on refit {n} within "
+                         f"{self.timeout.total_seconds():g} s", reusable=False, help=TRAINER_BROKEN,
+                         rank=self.rank, peers=(0,)) from None
+        verdict = json.loads(self.kv.get(f"refit/{n}/verdict"))
+        self.kv.add(f"refit/{n}/read", 1)
+        return verdict
+
+    # ---- keys and the end -------------------------------------------------------------
+    def _note_keys(self, n: int, prefix: str) -> None:
+        keys = self._mine.setdefault(n, [f"{prefix}/here/{self.rank}"])
+        if f"{prefix}/here/{self.rank}" not in keys:
+            keys.append(f"{prefix}/here/{self.rank}")
+        if self.rank == 0:
+            keys += [f"{prefix}/count", f"{prefix}/gate"]
+
+    def _forget(self, n: int) -> None:
+        """Keys of refit n (two refits ago) that nobody reads any more."""
+        keys = self._mine.pop(n, [])
+        if self.rank == 0 and n > 0:
+            keys += [f"refit/{n}", f"refit/{n}/go", f"refit/{n}/verdict", f"refit/{n}/read"]
+            keys += [f"{self._rv.key(n, 'start-read')}/{k}" for k in ("count", "gate")]
+        for key in keys:
+            self.kv.delete(key)
+
+    def close(self) -> None:
+        """Rank 0 waits (at most `timeout`) until every rank that took part in the last refit
+        has read its verdict, so that its store can go; then tells waiting engines the job is over."""
+        if self.rank == 0 and self._owner is not None:
+            if self._last_read is not None:
+                n, readers = self._last_read
+                deadline = time.monotonic() + self.timeout.total_seconds()
+                try:
+                    while self.kv.add(f"refit/{n}/read", 0) < readers and time.monotonic() < deadline:
+                        time.sleep(0.002)
+                except (StoreUnreachable, TimeoutError):
+                    pass
+            try:
+                self.kv.set("trainer/closed", "closed")
+            except (StoreUnreachable, TimeoutError):
+                pass
+        self._groups.clear()
+        self._walks.clear()
+
+
+def _device_of(tensors, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for value in (tensors or {}).values():
+        data = value if isinstance(value, torch.Tensor) else getattr(value, "data", None)
+        if isinstance(data, torch.Tensor):
+            return data.device
+    return torch.device("cpu")
+
+
+class EngineJob:
+    """Every rank of one engine replica: take the trainer's weights into this rank's tensors.
+
+    `infer`: the replica's layout (its ranks 0..world_size-1); `replica`: its id (letters,
+    digits, `.`, `_`, `-`), the same on every rank of the replica and unique among live
+    replicas; a restarted replica may reuse it. `version` is the version every element of
+    this rank's tensors holds (None before the first refit); `interrupted` is True while they
+    are partly written by a refit that did not complete.
+    """
+
+    def __init__(self, infer, *, address: str | None = None, replica: str, rank: int, world_size: int,
+                 store=None, timeout: timedelta | float = timedelta(seconds=60), device=None,
+                 keep_staging: bool | None = None, args: dict | None = None, hooks=None,
+                 connect_timeout: timedelta | float | None = None):
+        if not isinstance(replica, str) or not REPLICA_ID.fullmatch(replica):
+            raise UsageError(f"replica id {replica!r}: expected letters, digits, `.`, `_` or `-` (at most 128)")
+        self.one = _as_layout(infer, args)
+        self.replica, self.rank, self.world = replica, rank, world_size
+        self.who = f"replica {replica} rank {rank}"
+        if self.one.ranks != world_size:
+            raise UsageError(f"{self.one.path} spans {self.one.ranks} ranks but replica {replica} has {world_size}")
+        self.timeout = _as_timeout(timeout)
+        self.device, self.keep_staging, self.hooks = device, keep_staging, hooks
+        self.kv, self._owner = _connect(address, store, False, _as_timeout(connect_timeout or timeout))
+        self.version = None
+        self.interrupted = False
+        self.nonce = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        self._calls = 0
+        self._trainer: tuple[str, Layout, _Plans, dict] | None = None  # (its digest, layout, plans, options)
+        self._walks: dict[tuple[int, int], JobWalk] = {}
+        self._group: tuple[str, object] | None = None
+        self._retired: list = []
+        base = f"replica/{replica}"
+        self.kv.set(f"{base}/wait/{rank}", "")
+        if rank == 0:
+            self.kv.set(f"{base}/layout", json.dumps({"digest": self.one.digest, "ranks": self.one.ranks,
+                                                      "tensors": signature(self.one)}))
+            number = self.kv.add("replicas/count", 1) - 1
+            self.kv.set(f"replicas/{number}", replica)
+
+    def receive(self, tensors, *, wait: timedelta | float | None = None):
+        """Block until the next refit this replica takes part in, write it into `tensors` in place,
+        and return its version. Raises RefitError if this replica could not complete it (then
+        `interrupted` says whether the tensors were touched) or if the trainer job is gone.
+        `wait`: how long to wait for the trainer to open a refit (default: for ever)."""
+        try:
+            return self._receive(tensors, None if wait is None else _as_timeout(wait).total_seconds())
+        except StoreUnreachable as exc:
+            raise _error(self.who, self._calls, "waiting", str(exc), reusable=False, replica=self.replica,
+                         rank=self.rank, help="the trainer job is gone: start a new one, then this replica") from None
+
+    def _receive(self, tensors, wait: float | None):
+        problems = tensor_problems(self.one, self.rank, tensors, "destination")
+        if problems:
+            raise _error(self.who, 0, "check", "local tensors do not match the layout, nothing was moved: "
+                         + "; ".join(problems), reusable=True, help=ENGINE_AGAIN, replica=self.replica, rank=self.rank)
+        give_up = None if wait is None else time.monotonic() + wait
+        while True:
+            n, ann, member = self._wait_for_refit(give_up)
+            if self.kv.has(f"refit/{n}/verdict"):
+                continue  # we were listed but came too late (stalled): that refit is over, wait again
+            return self._take_part(n, ann, member, tensors)
+
+    def _wait_for_refit(self, give_up: float | None) -> tuple[int, dict, int]:
+        """Announce that this rank waits, then the first refit that lists this wait (n, its
+        announcement, this replica's slot)."""
+        self._calls += 1
+        value = f"{self.nonce}/{self._calls}"
+        mine = f"replica/{self.replica}/wait/{self.rank}"
+        self.kv.set(mine, value)
+        latest = int(self.kv.get("refit/latest")) if self.kv.has("refit/latest") else 0
+        n = max(latest, 1)
+        while True:
+            key = f"refit/{n}"
+            while True:
+                try:
+                    self.kv.wait([key], time.monotonic() + POLL)
+                    break
+                except TimeoutError:
+                    if self.kv.has("trainer/closed") and self.kv.get("trainer/closed") == "closed":
+                        self.kv.clear(mine, value)
+                        raise _error(self.who, 0, "waiting", "the trainer job closed", reusable=False,
+                                     replica=self.replica, rank=self.rank,
+                                     help="no refit will come from that trainer job: close this EngineJob")
+                    if give_up is not None and time.monotonic() > give_up:
+                        self.kv.clear(mine, value)
+                        raise _error(self.who, 0, "waiting", "no refit started within the wait given",
+                                     reusable=True, replica=self.replica, rank=self.rank, help=ENGINE_AGAIN)
+            ann = json.loads(self.kv.get(key))
+            refused = ann["refused"].get(self.replica)
+            if refused is not None and value in refused["waits"]:
+                raise _error(self.who, n, "membership", f"the trainer refused this replica: {refused['reason']}",
+                             reusable=False, replica=self.replica, rank=self.rank,
+                             help="give this replica the layout the trainer job was started with")
+            for slot, m in enumerate(ann["members"]):
+                if m["id"] == self.replica and m["waits"][self.rank] == value:
+                    self.kv.clear(mine, value)
+                    return n, ann, slot
+            n += 1
+
+    def _take_part(self, n: int, ann: dict, slot: int, tensors):
+        member = ann["members"][slot]
+        copies = len(ann["members"])
+        walk, fail = None, None
+        try:
+            walk = self._walk(ann, copies, slot)
+            group = self._group_for(member["group"], ann["trainer"], tensors)
+            walk.membership = Membership(ann["trainer"], self.one.ranks, tuple(m["id"] for m in ann["members"]),
+                                         tuple(group if i == slot else None for i in range(copies)))
+        except RefitError as exc:
+            fail = exc.detail
+        opened = time.monotonic()
+        try:
+            self.kv.wait([f"refit/{n}/go"], opened + self.timeout.total_seconds() + GRACE)
+        except TimeoutError:
+            raise self._fail(n, "start", f"the trainer did not start refit {n} within "
+                             f"{self.timeout.total_seconds():g} s", touched=False) from None
+        go = self.kv.get(f"refit/{n}/go")
+        if go != "go":
+            raise self._fail(n, "start", go.split("\n", 1)[-1], touched=False)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        self.interrupted = True   # from here on, bytes may land
+        if fail is None:
+            try:
+                mismatches = walk.walk(n, None, tensors, deadline)
+                if mismatches:
+                    fail = "verification failed: destination contents differ from the source: " + "; ".join(mismatches)
+            except Exception as exc:  # noqa: BLE001 - any failure loses this replica's step
+                fail = failure_text(exc)
+        self.kv.set(f"refit/{n}/done/{self.replica}/{self.rank}", "ok" if fail is None else "fail\n" + fail[:2000])
+        if fail is not None:
+            raise self._fail(n, walk._phase if walk is not None else "setup", fail, touched=True)
+        try:
+            self.kv.wait([f"refit/{n}/verdict"], deadline + GRACE)
+        except TimeoutError:
+            raise self._fail(n, "verdict", f"trainer rank 0 gave no verdict on refit {n} in time",
+                             touched=True) from None
+        verdict = json.loads(self.kv.get(f"refit/{n}/verdict"))
+        self.kv.add(f"refit/{n}/read", 1)
+        if "abort" in verdict:
+            raise self._fail(n, "verdict", verdict["abort"], touched=True)
+        if self.replica not in verdict["refit"]:
+            raise self._fail(n, "verdict", verdict["missed"].get(self.replica, "the trainer dropped this replica"),
+                             touched=True)
+        self.version, self.interrupted = ann["version"], False
+        return self.version
+
+    def _fail(self, n: int, phase: str, detail: str, *, touched: bool) -> RefitError:
+        """This replica did not complete refit n: its group goes (its pairs may be broken)."""
+        if self._group is not None:
+            self._retired.append(self._group[1])
+            self._group = None
+        help = ENGINE_AGAIN + ("" if touched else " (nothing was written: the tensors hold version "
+                                                  f"{self.version})")
+        return _error(self.who, n, phase, detail, reusable=True, help=help, replica=self.replica, rank=self.rank)
+
+    def _walk(self, ann: dict, copies: int, slot: int) -> JobWalk:
+        trainer = self._trainer_layout()
+        _, src, plans, options = trainer
+        key = (copies, slot)
+        if key not in self._walks:
+            plan = plans.plan(copies)
+            if plan.digest != ann["plan"]:
+                raise _error(self.who, ann["refit"], "setup", f"this replica's plan for {copies} replicas "
+                             f"({plan.digest[:12]}) differs from the trainer's ({ann['plan'][:12]}): different "
+                             "layouts or layoutlang versions", reusable=True, help=ENGINE_AGAIN,
+                             replica=self.replica, rank=self.rank)
+            rank = ann["trainer"] + self.rank * copies + slot
+            self._walks[key] = JobWalk(plan, rank=rank, membership=Membership(ann["trainer"], self.one.ranks,
+                                       ("",) * copies, (None,) * copies), device=self.device,
+                                       keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout,
+                                       **options)
+        return self._walks[key]
+
+    def _trainer_layout(self):
+        """The trainer's layout, as its rank 0 left it in the store (text and args: data)."""
+        text = json.loads(self.kv.get("trainer/layout"))
+        if self._trainer is None or self._trainer[0] != text["digest"]:
+            src = loads(text["text"], text["path"], {k: int(v) for k, v in text["args"].items()},
+                        unknown_args="ignore")
+            options = {k: text[k] for k in ("budget_bytes", "verify", "overlap")}
+            self._trainer = (text["digest"], src, _Plans(src, self.one), options)
+            self._walks.clear()
+        return self._trainer
+
+    def _group_for(self, name: str, trainer: int, tensors):
+        if self._group is None or self._group[0] != name:
+            if self._group is not None:
+                self._retired.append(self._group[1])
+            pg = build_group(self.kv.store, name, trainer + self.rank, trainer + self.one.ranks,
+                             _device_of(tensors, self.device), self.timeout)
+            self._group = (name, pg)
+        return self._group[1]
+
+    def close(self) -> None:
+        """Stop waiting for refits (this rank leaves the next memberships)."""
+        try:
+            self.kv.set(f"replica/{self.replica}/wait/{self.rank}", "")
+        except (StoreUnreachable, TimeoutError):
+            pass
+        self._group = None
+        self._walks.clear()
