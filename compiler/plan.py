@@ -391,12 +391,13 @@ class Plan:
     piece, sender, the source alternative it holds, bytes, candidate senders);
     `ops`, `ops_for_rank`, statistics, the step graph, the renderers and the
     runtime all read it (or `templates` and `picks`, its grouped form).
-    Compilation runs the stages of `PIPELINE` in order.
+    Compilation runs the stages of `PIPELINE` in order (or `pipeline`: a planner's own
+    versions of them that make the same plan, compiler/members.py).
     """
 
     def __init__(self, src: Layout, dst: Layout, *, ranks_per_node: int | None = None,
                  selector: str = "balanced", split: bool = True, wire: str = "auto", relay: bool = True,
-                 progress=None):
+                 progress=None, pipeline=None):
         self.src, self.dst = src, dst
         self.ranks_per_node = ranks_per_node
         self.selector_name = selector
@@ -410,7 +411,10 @@ class Plan:
         self.world = max(src.ranks, dst.ranks)
         self._progress = progress or (lambda stage, done, total: None)
         self._cache = PlanCache()
-        for _, stage in PIPELINE:
+        # `pipeline`: the stages to run, PIPELINE unless a planner that knows more runs its own
+        # versions of them (compiler/members.py: the same plan, what the replica count does not
+        # change computed once)
+        for _, stage in PIPELINE if pipeline is None else pipeline:
             stage(self)
         # the memos and the selector served compilation; the plan keeps only what it needs
         self._cache = self._selector = None
@@ -627,14 +631,22 @@ def match_stage(plan: Plan) -> None:
 
 def template_stage(plan: Plan) -> None:
     """Instances that cut and place alike share one geometry: pieces, proof, requests, senders."""
+    plan.templates, plan._instance = group_templates(plan.matches, plan._cache, plan.wire, plan._progress)
+    plan._offsets = _offsets(plan._instance, plan.templates)
+
+
+def group_templates(matches: list[Match], cache: PlanCache, wire_mode: str = "auto",
+                    progress=None) -> tuple[tuple[Template, ...], list[tuple[int, int]]]:
+    """(templates, per match its (template, member ordinal)): matches that cut and place alike
+    share one geometry, built for the first of them."""
     by_sig: dict[tuple, int] = {}
     geometries: list[Geometry] = []
     members: list[list[int]] = []
-    plan._instance = []
-    total = len(plan.matches)
-    for i, m in enumerate(plan.matches):
-        if i % 512 == 0:
-            plan._progress("templates", i, total)
+    instance: list[tuple[int, int]] = []
+    total = len(matches)
+    for i, m in enumerate(matches):
+        if progress and i % 512 == 0:
+            progress("templates", i, total)
         wire = ELEMENT_BYTES[wire_dtype(m.dst.dtype)]
         # Identity of the (shared, immutable) mesh and dims objects plus the
         # placement coordinates: equal keys mean equal placements, and hashing
@@ -650,13 +662,13 @@ def template_stage(plan: Plan) -> None:
         if ti is None:
             ti = by_sig[sig] = len(geometries)
             geometries.append(build_geometry(m, placement_of(m.dst), tuple(placement_of(s) for s in m.src),
-                                             wire, plan._cache, dst_box, src_boxes, plan.wire))
+                                             wire, cache, dst_box, src_boxes, wire_mode))
             members.append([])
-        plan._instance.append((ti, len(members[ti])))
+        instance.append((ti, len(members[ti])))
         members[ti].append(i)
-    plan.templates = tuple(Template(g, tuple(ms)) for g, ms in zip(geometries, members))
-    plan._offsets = _offsets(plan._instance, plan.templates)
-    plan._progress("templates", total, total)
+    if progress:
+        progress("templates", total, total)
+    return tuple(Template(g, tuple(ms)) for g, ms in zip(geometries, members)), instance
 
 
 def select_stage(plan: Plan) -> None:
@@ -691,7 +703,7 @@ def _select(plan: Plan, templates: tuple[Template, ...]):
     return picks, selector
 
 
-def split_stage(plan: Plan) -> None:
+def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None) -> None:
     """Cut the requests that overload the busiest senders into parts along their outer dim.
 
     When usable senders outnumber the pieces, each piece goes whole to one
@@ -710,28 +722,43 @@ def split_stage(plan: Plan) -> None:
     stay exactly as they were. Every choice is a function of the two layouts:
     the same on every rank. Only the balanced selector splits (round_robin is
     kept as Megatron-LM's rule).
+
+    A caller that knows them may pass `floor` (what `_send_floor` gives) and
+    `cuttable` (per template, the indices of the requests that could be cut at
+    all, in any order: two or more candidate senders and at least two
+    SPLIT_MIN_BYTES; `Balanced.parts` keeps every other one whole), so that the
+    first round looks at those only (compiler/members.py); the plan is the same.
     """
     if not plan.split or plan.selector_name != "balanced" or not plan.templates:
         return
     base = plan.templates
-    floor = _send_floor(base)
+    floor = _send_floor(base) if floor is None else floor
     line = SPLIT_TRIGGER * floor
     if not floor or max(plan.send_load) <= line:
         return
     grain = floor / SPLIT_GRAIN
-    quanta = [_split_quanta(plan, t) for t in base]
+    known: dict[int, tuple[int, ...]] = {}
+
+    def quanta(i: int) -> tuple[int, ...]:  # computed for the templates a cut is tried on only
+        q = known.get(i)
+        if q is None:
+            q = known[i] = _split_quanta(plan, base[i])
+        return q
+
     marks: list[dict[int, int]] = [{} for _ in base]  # per template: request index -> parts
-    # per template, the request of `base` each current request is (None: a part of a split one)
-    origin: list[tuple[int | None, ...]] = [tuple(range(len(t.geometry.requests))) for t in base]
+    # per template, the request of `base` each current request is (None: a part of a split one;
+    # a range while the template is whole)
+    origin: list[range | tuple[int | None, ...]] = [range(len(t.geometry.requests)) for t in base]
     templates, picks, selector = base, plan._picks, plan._selector
     best = (max(selector.load), templates, picks, selector.load, origin)
     for _ in range(SPLIT_ROUNDS):
-        fresh = _mark(base, picks, selector, origin, marks, quanta, line, grain)
+        fresh = _mark(base, picks, selector, origin, marks, quanta, line, grain,
+                      cuttable if templates is base else None)
         if not fresh:
             break
         rebuilt, origin = list(templates), list(origin)
         for i in fresh:
-            g, origin[i] = split_geometry(base[i].geometry, marks[i], quanta[i])
+            g, origin[i] = split_geometry(base[i].geometry, marks[i], quanta(i))
             rebuilt[i] = Template(g, base[i].members)
         templates = tuple(rebuilt)
         picks, selector = _select(plan, templates)
@@ -761,14 +788,18 @@ def _send_floor(templates: tuple[Template, ...]) -> float:
     return total / usable if usable else 0.0
 
 
-def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: float) -> list[int]:
+def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: float, rows=None) -> list[int]:
     """Add to `marks` every whole request of `base` picked (for any member) from a sender above
-    `line` that `selector.parts` cuts and that its outer dim can cut; the templates marked anew."""
+    `line` that `selector.parts` cuts and that its outer dim can cut; the templates marked anew.
+    `quanta(i)`: template i's cut quanta; `rows`: per template the request indices to look at
+    (None: every one)."""
     over = {r for r, sent in enumerate(selector.load) if sent > line}
     fresh = []
     for i, t in enumerate(base):
         g, new = t.geometry, False
-        for j, got in enumerate(picks[i]):
+        row = picks[i]
+        for j in range(len(row)) if rows is None else rows[i]:
+            got = row[j]
             if over.isdisjoint(got):
                 continue
             k = origin[i][j]
@@ -776,7 +807,7 @@ def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: floa
                 continue
             req = g.requests[k]
             parts = selector.parts(req.rank, req.senders, req.bytes, line, grain)
-            if parts > 1 and _cuts(g, g.pieces[req.piece], parts, quanta[i]):
+            if parts > 1 and _cuts(g, g.pieces[req.piece], parts, quanta(i)):
                 marks[i][k] = parts
                 new = True
         if new:
@@ -911,6 +942,16 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
     sends quantized data and scales where an op covers whole scale blocks
     (compiler/wire.py, LANGUAGE.md 4.1).
     """
+    check_options(selector=selector, wire=wire, ranks_per_node=ranks_per_node)
+    src_layout, dst_layout = load_pair(src, dst, args=args, src_args=src_args, dst_args=dst_args,
+                                       progress=progress)
+    with gc_paused():
+        return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, split=split,
+                    wire=wire, relay=relay, progress=progress)
+
+
+def check_options(*, selector: str = "balanced", wire: str = "auto", ranks_per_node: int | None = None) -> None:
+    """compile_plan's options, checked before anything is loaded (a UsageError naming the allowed values)."""
     from layoutlang.diagnostics import UsageError
 
     if selector not in SELECTORS:
@@ -919,6 +960,14 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
         raise UsageError(f"wire {wire!r}: expected one of {', '.join(WIRE_MODES)}")
     if ranks_per_node is not None and ranks_per_node < 1:
         raise UsageError(f"ranks_per_node {ranks_per_node}: expected a positive integer")
+
+
+def load_pair(src, dst, *, args: dict[str, int] | None = None, src_args: dict[str, int] | None = None,
+              dst_args: dict[str, int] | None = None, progress=None) -> tuple[Layout, Layout]:
+    """The two layouts of compile_plan (paths are loaded with their args; loaded layouts pass
+    through), each arg checked against the layouts that declare it."""
+    from layoutlang.diagnostics import UsageError
+
     common = dict(args or {})
     s_args = {**common, **(src_args or {})}
     d_args = {**common, **(dst_args or {})}
@@ -939,6 +988,4 @@ def compile_plan(src, dst, *, args: dict[str, int] | None = None,
                                  help=f"its args: {', '.join(n for n, _ in layout.args) or 'none'}")
     if progress:
         progress("layouts", 2, 2)
-    with gc_paused():
-        return Plan(src_layout, dst_layout, ranks_per_node=ranks_per_node, selector=selector, split=split,
-                    wire=wire, relay=relay, progress=progress)
+    return src_layout, dst_layout

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 
 from .ranks import RankSet
 
@@ -65,7 +66,7 @@ class Balanced:
             if cands[0] != receiver:
                 load[cands[0]] += n * nbytes
             return [cands[0]] * n
-        if len(cands) >= self.HEAP_FROM and cands is ranks.ranks:
+        if len(cands) >= self.HEAP_FROM and cands is ranks.ranks and n < len(cands):
             return self._from_heap(cands, n, nbytes)
         loads = [load[r] for r in cands]
         if max(loads) - min(loads) < nbytes:
@@ -77,6 +78,8 @@ class Balanced:
             for i, r in enumerate(order[:k if rounds else extra]):
                 load[r] += (rounds + (1 if i < extra else 0)) * nbytes
             return (order * (rounds + 1))[:n]
+        if n >= len(cands) and nbytes > 0:
+            return self._levels(cands, loads, n, nbytes)
         if n <= len(cands):
             # The n least loaded, if none of them would be picked twice (the n-th is
             # within one request of the least): the greedy takes them in order.
@@ -103,6 +106,12 @@ class Balanced:
             load[r] = lo
         return out
 
+    @staticmethod
+    def cuttable(ranks: RankSet, nbytes: int) -> bool:
+        """Whether `parts` could cut a request for these candidates and bytes, whatever the loads:
+        two candidates or more, and room for two parts of SPLIT_MIN_BYTES."""
+        return len(ranks) >= 2 and nbytes // SPLIT_MIN_BYTES >= 2
+
     def parts(self, receiver: int, ranks: RankSet, nbytes: int, line: float, grain: float) -> int:
         """Into how many parts to cut a request picked from a sender above `line` (1: keep it whole).
 
@@ -112,6 +121,8 @@ class Balanced:
         every candidate is above the line already (cutting would only move the overload).
         Read once picking is over: `load` is final.
         """
+        if not self.cuttable(ranks, nbytes):
+            return 1
         count = min(math.ceil(nbytes / grain), nbytes // SPLIT_MIN_BYTES)
         if count < 2:
             return 1
@@ -125,6 +136,36 @@ class Balanced:
             if shared:
                 self._lowest[id(cands)] = low  # the set outlives this selector, so the id stays unique
         return min(count, len(cands)) if low <= line else 1
+
+    def _levels(self, cands, loads: list[int], n: int, nbytes: int) -> list[int]:
+        """The greedy rule's n picks at once, for at least as many picks as candidates (a batch
+        of requests that share one candidate set, compiler/members.py).
+
+        Picking the least loaded (lowest rank on ties) and adding `nbytes`, n times, takes
+        rank r for the k-th time (k >= 0) at load L_r + k * nbytes, which is
+        lo + (b_r + k) * nbytes + e_r with lo the least load and (b_r, e_r) = divmod(L_r - lo,
+        nbytes): the picks are these (load, rank) pairs in ascending order, so level by level
+        (b_r + k = 0, 1, ...), each level holding the ranks with b_r <= level in (e_r, rank)
+        order. Between two levels at which ranks join, every level repeats the same ranks.
+        """
+        lo = min(loads)
+        keyed = sorted(((x - lo) % nbytes, r, (x - lo) // nbytes) for r, x in zip(cands, loads))
+        joins = sorted({b for _, _, b in keyed})  # the levels at which ranks join
+        out: list[int] = []
+        need = n
+        for i, level in enumerate(joins):
+            active = [r for _, r, b in keyed if b <= level]
+            span = joins[i + 1] - level if i + 1 < len(joins) else need  # levels until the next join
+            full = min(span, need // len(active))
+            out += active * full
+            need -= full * len(active)
+            if full < span:  # the last level taken, partly
+                out += active[:need]
+                break
+        load = self.load
+        for r, times in Counter(out).items():
+            load[r] += times * nbytes
+        return out
 
     def _from_heap(self, cands, n: int, nbytes: int) -> list[int]:
         """The greedy rule over a large shared candidate set, O(log n) a pick.

@@ -227,11 +227,19 @@ class Schedule:
     steps: tuple[tuple[Step, ...], ...]
 
 
-def schedule(plan: Plan, rank: int, budget_bytes: int | None, strided: bool = False) -> Schedule:
-    """The buckets `rank` walks and its steps in each (every rank cuts the same buckets)."""
+def schedule(plan: Plan, rank: int, budget_bytes: int | None, strided: bool = False,
+             cut: bool | None = None) -> Schedule:
+    """The buckets `rank` walks and its steps in each (every rank cuts the same buckets).
+
+    `strided`: this rank's steps stage every transfer (some tensor is not contiguous). `cut`:
+    the buckets as cut for that flag (None: `strided`). Cutting with True on every rank and
+    building the steps with each rank's own flag is exact as well: a message is one op's bytes,
+    contiguous on the wire whether either end stages it, and staging only what a rank's own
+    tensors need stays under what the cut counted (runtime/jobgroups.py: ranks of separate jobs
+    cannot agree on strides before they meet)."""
     from .graph import buckets
 
-    bucket_list = buckets(plan, budget_bytes, strided)
+    bucket_list = buckets(plan, budget_bytes, strided if cut is None else cut)
     stops = [b.stop_op for b in bucket_list]
     ops: list[list[Op]] = [[] for _ in bucket_list]
     mine = plan.ops_for_rank(rank) if rank < plan.world else ()

@@ -27,11 +27,13 @@ the step (its later messages are not posted, the walk goes on for the others).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -59,14 +61,63 @@ def _lazy_gloo():
 
 def build_group(store, name: str, rank: int, size: int, device: torch.device, timeout: timedelta):
     """A process group of `size` ranks named `name` in `store`: gloo for CPU tensors, NCCL for
-    CUDA ones (the caller has set its CUDA device), nothing else differs."""
+    CUDA ones (the caller has set its CUDA device), nothing else differs. The group lives as
+    long as the process (`_kept`)."""
     prefix = dist.PrefixStore(f"group/{name}/", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefix, rank, size, options)
+        return _kept(dist.ProcessGroupNCCL(prefix, rank, size, options))
     with _lazy_gloo():
-        return dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        return _kept(dist.ProcessGroupGloo(prefix, rank, size, timeout))
+
+
+def _kept(pg):
+    """Never destroy a job's group: a group whose peer died (or whose messages never completed)
+    can block its destructor forever (gloo joins its transport loop, which waits on the broken
+    pair; seen at interpreter exit, after every call had returned). A job cannot know which of
+    its groups are sound, so it keeps one more reference to every group it builds, which nothing
+    drops: the process's exit closes their sockets. Groups are per replica generation, so a
+    long-lived trainer keeps one for each replica (re)start it served."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+    return pg
+
+
+HELLO = 1 << 20   # the tag of a pair's first message (`hello`), apart from the plan's (tag 0)
+
+
+@dataclass(eq=False)
+class ReplicaGroup:
+    """One replica's process group, and the group ranks this rank has exchanged a first message
+    with (`hello`): connected pairs, which a walk's messages never wait to connect."""
+
+    name: str
+    pg: object
+    connected: set = field(default_factory=set)
+
+
+def hello(group: ReplicaGroup, peers, sending: bool, device: torch.device, deadline: float) -> str | None:
+    """Connect this rank to `peers` (ranks in the group) before any byte of the plan moves: one
+    one-element message each, sent by the trainer side, by `deadline`. None, or why not.
+
+    Why: a lazily built group connects a pair when the pair first exchanges a message, and a
+    connect to a rank that died can block for longer than any deadline; done here, in a
+    thread per replica, a dead replica costs only its own thread. Once connected, a peer's
+    death fails a transfer at once ("Connection closed by peer")."""
+    todo = sorted(p for p in peers if p not in group.connected)
+    if not todo:
+        return None
+    bufs = [torch.zeros(1, device=device) for _ in todo]
+    try:
+        works = [(group.pg.send if sending else group.pg.recv)([b], p, HELLO) for b, p in zip(bufs, todo)]
+        for work in works:
+            left = deadline - time.monotonic()
+            if work.wait(left if left > 0.001 else 0.001) is False:
+                return "its ranks did not connect in time"
+    except Exception as exc:  # noqa: BLE001 - a transport error: this replica cannot take part
+        return f"connecting failed: {_first_line(exc)}"
+    group.connected.update(todo)
+    return None
 
 
 @dataclass(frozen=True)
@@ -81,7 +132,7 @@ class Membership:
     trainer: int                    # N
     replica_ranks: int              # R, every replica's size
     replicas: tuple[str, ...]       # replica ids, slot i = index
-    groups: tuple                   # per slot, its process group (None where not built on this rank)
+    groups: tuple                   # per slot, its ReplicaGroup (None where not built on this rank)
 
     @property
     def copies(self) -> int:
@@ -90,6 +141,10 @@ class Membership:
     def slot_of(self, plan_rank: int) -> int | None:
         """The replica slot of an engine's plan rank; None for a trainer rank."""
         return None if plan_rank < self.trainer else (plan_rank - self.trainer) % self.copies
+
+    def plan_ranks(self, slot: int) -> range:
+        """The plan ranks of the replica in `slot` (its local ranks 0..R-1)."""
+        return range(self.trainer + slot, self.trainer + self.copies * self.replica_ranks, self.copies)
 
     def local_of(self, plan_rank: int) -> int:
         return (plan_rank - self.trainer) // self.copies
@@ -108,6 +163,7 @@ class _Message:
     slot: int
     group: object
     peer: int       # the other end's rank in `group`
+    rank: int       # the other end's plan rank
     tag: int = 0
 
 
@@ -138,6 +194,7 @@ class JobWalk(Refitter):
         self._job_rank = rank
         self.membership = membership
         self.dropped: dict[int, str] = {}
+        self.skip: set[int] = set()      # plan ranks this rank no longer posts to (gone, unreachable)
         self.deadline = math.inf
         super().__init__(plan, device=device, budget_bytes=budget_bytes, timeout=timeout, verify=verify,
                          hooks=hooks, overlap=overlap, keep_staging=keep_staging)
@@ -150,25 +207,53 @@ class JobWalk(Refitter):
     def _rendezvous(self):
         return None  # the job meets (runtime/jobs.py); a walk has no store meeting
 
-    def _device(self, tensors) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        for t in tensors:
-            data = t if isinstance(t, torch.Tensor) else getattr(t, "data", None)
-            if isinstance(data, torch.Tensor):
-                return data.device
-        return torch.device("cpu")
+    def _backend_device(self) -> torch.device:
+        return torch.device("cpu")  # no tensor said one: a walk's groups are built for the tensors' device
 
     # ---- the walk ----------------------------------------------------------------
+    def connect(self, device: torch.device, deadline: float) -> None:
+        """Connect every pair this rank's ops use, before the refit's go (`hello`). A trainer rank
+        drops the replicas it cannot reach (one thread each: a dead one costs only its own);
+        an engine rank raises ReplicaLost."""
+        m = self.membership
+        peers: dict[int, set[int]] = {}
+        for op in self.ops:
+            if op.src_rank != op.dst_rank:
+                other = self._other_end(op)
+                peers.setdefault(m.slot_of(other if self.trainer_side else self.rank), set()).add(m.group_rank(other))
+        self.dropped, self.skip = {}, set()
+        if not self.trainer_side:
+            for slot, ranks in peers.items():
+                why = hello(m.groups[slot], ranks, False, device, deadline)
+                if why:
+                    raise ReplicaLost(f"the trainer's ranks could not reach it: {why}")
+            return
+        found: dict[int, str | None] = {}
+
+        def one(slot: int, ranks: set[int]) -> None:
+            found[slot] = hello(m.groups[slot], ranks, True, device, deadline)
+
+        threads = {slot: threading.Thread(target=one, args=(slot, ranks), daemon=True) for slot, ranks in peers.items()}
+        for t in threads.values():
+            t.start()
+        for slot, t in threads.items():
+            t.join(max(deadline - time.monotonic(), 0.0))
+            why = found.get(slot, f"its ranks did not connect within {self.timeout.total_seconds():g} s")
+            if why:
+                self.dropped[slot] = f"replica {m.replicas[slot]}: {why}"
+                self.skip.update(m.plan_ranks(slot))
+
     def walk(self, refit: int, src_tensors, dst_tensors, deadline: float) -> list[str]:
         """Every bucket's steps, each wait bounded by `deadline` (time.monotonic()); returns
-        this rank's verification mismatches (engine ranks; `verify`)."""
-        self._step, self.deadline, self.dropped = refit, deadline, {}
+        this rank's verification mismatches (engine ranks; `verify`). Replicas `connect` dropped
+        stay dropped."""
+        self._step, self.deadline = refit, deadline
         src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
         # Buckets must be cut alike on every rank of every job, and ranks of different jobs do not
-        # agree on strides before the refit: count staging for every transfer (as for strided tensors).
-        schedule = self.schedule(True)
+        # agree on strides before the refit: the cut counts staging for every transfer (as for
+        # strided tensors), the steps stage only what this rank's own tensors need.
+        schedule = self.schedule(self.strided(src_tensors, dst_tensors), cut=True)
         self.meter = StagingMeter()
         self._pending = self._ahead = None
         mismatches: list[str] = []
@@ -189,35 +274,42 @@ class JobWalk(Refitter):
     def _p2p(self, sending: bool, buf: torch.Tensor, rank: int) -> _Message:
         m = self.membership
         slot = m.slot_of(rank if self.trainer_side else self.rank)
-        return _Message(sending, buf, slot, m.groups[slot], m.group_rank(rank))
+        return _Message(sending, buf, slot, m.groups[slot].pg, m.group_rank(rank), rank)
 
     def _resolved(self, messages: list):
         return None  # a walk is never recorded (no steady steps between jobs)
 
     def _post(self, p2p: list, what: str, calls=None) -> list:
-        """Each message in its replica's group; a dropped replica's are not posted. A backend
-        that groups messages (NCCL) gets each group's messages of the round as one group."""
+        """Each message in its replica's group; none to or from a rank in `skip` (gone, or never
+        connected). A dropped replica's other ranks keep getting theirs: they are waiting for
+        them, and a rank left waiting would hold up every trainer rank that sends to it. A
+        backend that groups messages (NCCL) gets each group's messages of the round as one group."""
         works: list = [DONE] * len(p2p)
         by_group: dict[int, list[int]] = {}
         for i, m in enumerate(p2p):
-            if m.slot not in self.dropped:
+            if m.rank not in self.skip:
                 by_group.setdefault(m.slot, []).append(i)
         for slot, idx in by_group.items():
             group = p2p[idx[0]].group
+            coalesce = bool(getattr(group, "supports_coalescing", False)) and p2p[idx[0]].tensor.is_cuda
             try:
-                coalesce = bool(getattr(group, "supports_coalescing", False)) and p2p[idx[0]].tensor.is_cuda
                 if coalesce:
                     group._start_coalescing(p2p[idx[0]].tensor.device)
-                posted = [(group.send if p2p[i].sending else group.recv)([p2p[i].tensor], p2p[i].peer, p2p[i].tag)
-                          for i in idx]
-                if coalesce:
+                    for i in idx:
+                        (group.send if p2p[i].sending else group.recv)([p2p[i].tensor], p2p[i].peer, p2p[i].tag)
                     work = group._end_coalescing(p2p[idx[0]].tensor.device)
-                    posted = [work] * len(idx)
+                    for i in idx:
+                        works[i] = work
+                    continue
             except Exception as exc:  # noqa: BLE001 - the replica's group is broken
                 self._lost(slot, f"posting {len(idx)} {what} failed: {_first_line(exc)}", None)
                 continue
-            for i, work in zip(idx, posted):
-                works[i] = work
+            for i in idx:
+                m = p2p[i]
+                try:
+                    works[i] = (group.send if m.sending else group.recv)([m.tensor], m.peer, m.tag)
+                except Exception as exc:  # noqa: BLE001 - the pair is broken: its rank is gone
+                    self._lost(slot, f"posting {what} with {self._who(m.rank)} failed: {_first_line(exc)}", m.rank)
         return works
 
     def _wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
@@ -229,16 +321,16 @@ class JobWalk(Refitter):
             if work is DONE:
                 continue
             peer = self._other_end(op)
-            slot = m.slot_of(peer if self.trainer_side else self.rank)
-            if slot in self.dropped:
+            if peer in self.skip:
                 continue
+            slot = m.slot_of(peer if self.trainer_side else self.rank)
             left = deadline - time.monotonic()
             try:
                 ok = work.wait(left if left > 0.001 else 0.001)
             except Exception as exc:  # noqa: BLE001 - every transport error loses the replica
                 text = _first_line(exc)
                 if "timed out" in text.lower() or "timeout" in text.lower():
-                    ok, text = False, ""
+                    ok = False
                 else:
                     self._lost(slot, f"{what} of op {op.id} (`{op.key}`) with {self._who(peer)} failed: {text}", peer)
                     continue
@@ -253,10 +345,15 @@ class JobWalk(Refitter):
         return f"replica {m.replicas[m.slot_of(plan_rank)]} rank {m.local_of(plan_rank)}"
 
     def _lost(self, slot: int, reason: str, peer: int | None) -> None:
-        if self.trainer_side:
-            self.dropped.setdefault(slot, reason)
-            return
-        raise ReplicaLost(reason)
+        """A trainer rank drops the replica (the first reason stands) and stops talking to `peer`
+        (None: to the whole replica); an engine rank's replica is lost."""
+        if not self.trainer_side:
+            raise ReplicaLost(reason)
+        self.dropped.setdefault(slot, reason)
+        if peer is None:
+            self.skip.update(self.membership.plan_ranks(slot))
+        else:
+            self.skip.add(peer)
 
 
 def failure_text(exc: BaseException) -> str:

@@ -50,11 +50,12 @@ from layoutlang.elaborate import load, loads
 from layoutlang.ir import Layout
 
 from .errors import RefitError
-from .jobgroups import JobWalk, Membership, build_group, failure_text
+from .jobgroups import JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, failure_text
 from .refit import _shape_problem
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable
 
 NAMESPACE = "layoutlang/jobs/"
+MEET_GRACE = 0.4     # s the trainer's "end" meeting waits past the walks' deadline
 GRACE = 1.0          # s a reader waits for a verdict past its own deadline (the writer's is no later)
 POLL = 0.5           # s between looks at `trainer/closed` while an engine waits for the next refit
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -262,7 +263,6 @@ class TrainerJob:
         self._plans = _Plans(self.src, self.one)
         self._walks: dict[int, JobWalk] = {}
         self._groups: dict[str, object] = {}
-        self._retired: list = []          # groups of dropped replicas (kept: a broken pair must not block a destructor)
         self._n = 0
         self._broken: str | None = None
         self._mine: dict[int, list[str]] = {}   # refit -> keys this rank set (deleted two refits later)
@@ -309,12 +309,14 @@ class TrainerJob:
         members = ann["members"]
         problems = tensor_problems(self.src, self.rank, tensors, "source")
         walk = self._walk(len(members)) if members else None
-        membership = self._membership(ann, tensors) if members else None
-        self._start(n, problems, ann)
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        if walk is not None:
+            walk.membership = self._membership(ann, tensors)
+            walk.connect(_device_of(tensors, self.device), began + self.timeout.total_seconds())
+        deadline = began + self.timeout.total_seconds()  # one deadline bounds the whole refit
+        self._start(n, problems, ann, deadline)
         dropped: dict[str, str] = {}
         if walk is not None:
-            walk.membership = membership
+            membership = walk.membership
             try:
                 walk.walk(n, tensors, None, deadline)
             except Exception as exc:  # noqa: BLE001 - a trainer rank that fails fails the refit everywhere
@@ -340,18 +342,24 @@ class TrainerJob:
         ranks = self.one.ranks
         for rid in self._known:
             base = f"replica/{rid}"
+            if not self.kv.has(f"{base}/layout"):
+                continue  # it has not connected yet
+            why = self._refusal(rid)
+            if why:  # every rank of it that waits now hears why (its rank count may not be ours)
+                theirs = _ranks_of(self.kv.get(f"{base}/layout"))
+                waiting = [k for k in (f"{base}/wait/{t}" for t in range(max(ranks, theirs))) if self.kv.has(k)]
+                held = [(k, w) for k, w in zip(waiting, self.kv.many(waiting) if waiting else []) if w]
+                if held:
+                    refused[rid] = {"reason": why, "waits": [w for _, w in held]}
+                    for key, value in held:
+                        self.kv.clear(key, value)
+                continue
             waits_keys = [f"{base}/wait/{t}" for t in range(ranks)]
-            if not self.kv.has(f"{base}/layout", *waits_keys):
+            if not self.kv.has(*waits_keys):
                 continue  # not every rank has connected yet
             waits = self.kv.many(waits_keys)
             if not all(waits):
                 continue  # some rank is not waiting in `receive`
-            why = self._refusal(rid)
-            if why:
-                refused[rid] = {"reason": why, "waits": waits}
-                for key, value in zip(waits_keys, waits):
-                    self.kv.clear(key, value)
-                continue
             nonces = tuple(w.split("/", 1)[0] for w in waits)
             known = self._generation.get(rid)
             if known is None or known[0] != nonces:
@@ -414,8 +422,8 @@ class TrainerJob:
         for m in ann["members"]:
             name = m["group"]
             if name not in self._groups:
-                self._groups[name] = build_group(self.kv.store, name, self.rank, self.world + self.one.ranks,
-                                                 device, self.timeout)
+                self._groups[name] = ReplicaGroup(name, build_group(self.kv.store, name, self.rank,
+                                                  self.world + self.one.ranks, device, self.timeout))
             groups.append(self._groups[name])
         return Membership(self.world, self.one.ranks, tuple(m["id"] for m in ann["members"]), tuple(groups))
 
@@ -423,16 +431,16 @@ class TrainerJob:
         """A dropped replica's group is never used again (its pairs may be broken)."""
         for m in ann["members"]:
             if m["id"] == rid and m["group"] in self._groups:
-                self._retired.append(self._groups.pop(m["group"]))
+                self._groups.pop(m["group"])  # never destroyed (jobgroups._kept): only never used again
         if self.rank == 0:
             self._generation.pop(rid, None)
 
-    def _start(self, n: int, problems: list[str], ann: dict) -> None:
+    def _start(self, n: int, problems: list[str], ann: dict, deadline: float) -> None:
         """Every trainer rank present with the right tensors; then rank 0 tells the engines to go."""
         prefix = self._rv.key(n, "start")
         self._note_keys(n, prefix)
         try:
-            (troubled,) = self._rv.meet(prefix, self.timeout, what=f"start refit {n}",
+            (troubled,) = self._rv.meet(prefix, _until(deadline), what=f"start refit {n}",
                                         note="; ".join(problems)[:4000], marks=(bool(problems),))
         except Abandoned as exc:
             self._abort(n, f"the trainer did not start: {exc.reason}")
@@ -463,7 +471,9 @@ class TrainerJob:
         """Every trainer rank finished its walk; how many of them dropped some replica."""
         prefix = self._rv.key(n, "end")
         self._note_keys(n, prefix)
-        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        # the walks end by `deadline` (a wait that runs out drops its replica); the ranks that
+        # walked meet just after it, so the one that did not arrive is the one named
+        left = _until(deadline + MEET_GRACE)
         try:
             (marked,) = self._rv.meet(prefix, left, what=f"finish refit {n}",
                                       note=json.dumps(dropped) if dropped else "", marks=(bool(dropped),))
@@ -484,7 +494,7 @@ class TrainerJob:
         pending = [m for m in ann["members"] if m["id"] not in dropped]
         keys = [f"refit/{n}/done/{m['id']}/{t}" for m in pending for t in range(ranks)]
         try:
-            self.kv.wait(keys, deadline)
+            self.kv.wait(keys, deadline + MEET_GRACE)
             present = keys
         except TimeoutError:
             present = [k for k in keys if self.kv.has(k)]
@@ -564,6 +574,19 @@ class TrainerJob:
         self._walks.clear()
 
 
+def _ranks_of(text: str) -> int:
+    """The rank count a replica's layout record says (0 if it says none)."""
+    try:
+        return int(json.loads(text).get("ranks", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _until(deadline: float) -> timedelta:
+    """The time left until `deadline` (time.monotonic()), at least a millisecond."""
+    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+
 def _device_of(tensors, device) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -605,7 +628,6 @@ class EngineJob:
         self._trainer: tuple[str, Layout, _Plans, dict] | None = None  # (its digest, layout, plans, options)
         self._walks: dict[tuple[int, int], JobWalk] = {}
         self._group: tuple[str, object] | None = None
-        self._retired: list = []
         base = f"replica/{replica}"
         self.kv.set(f"{base}/wait/{rank}", "")
         if rank == 0:
@@ -622,7 +644,7 @@ class EngineJob:
         try:
             return self._receive(tensors, None if wait is None else _as_timeout(wait).total_seconds())
         except StoreUnreachable as exc:
-            raise _error(self.who, self._calls, "waiting", str(exc), reusable=False, replica=self.replica,
+            raise _error(self.who, 0, "waiting", str(exc), reusable=False, replica=self.replica,
                          rank=self.rank, help="the trainer job is gone: start a new one, then this replica") from None
 
     def _receive(self, tensors, wait: float | None):
@@ -683,8 +705,9 @@ class EngineJob:
             group = self._group_for(member["group"], ann["trainer"], tensors)
             walk.membership = Membership(ann["trainer"], self.one.ranks, tuple(m["id"] for m in ann["members"]),
                                          tuple(group if i == slot else None for i in range(copies)))
-        except RefitError as exc:
-            fail = exc.detail
+            walk.connect(_device_of(tensors, self.device), time.monotonic() + self.timeout.total_seconds())
+        except (RefitError, ReplicaLost) as exc:
+            fail = failure_text(exc)
         opened = time.monotonic()
         try:
             self.kv.wait([f"refit/{n}/go"], opened + self.timeout.total_seconds() + GRACE)
@@ -723,9 +746,7 @@ class EngineJob:
 
     def _fail(self, n: int, phase: str, detail: str, *, touched: bool) -> RefitError:
         """This replica did not complete refit n: its group goes (its pairs may be broken)."""
-        if self._group is not None:
-            self._retired.append(self._group[1])
-            self._group = None
+        self._group = None  # never destroyed (jobgroups._kept): only never used again
         help = ENGINE_AGAIN + ("" if touched else " (nothing was written: the tensors hold version "
                                                   f"{self.version})")
         return _error(self.who, n, phase, detail, reusable=True, help=help, replica=self.replica, rank=self.rank)
@@ -761,11 +782,9 @@ class EngineJob:
 
     def _group_for(self, name: str, trainer: int, tensors):
         if self._group is None or self._group[0] != name:
-            if self._group is not None:
-                self._retired.append(self._group[1])
             pg = build_group(self.kv.store, name, trainer + self.rank, trainer + self.one.ranks,
                              _device_of(tensors, self.device), self.timeout)
-            self._group = (name, pg)
+            self._group = (name, ReplicaGroup(name, pg))
         return self._group[1]
 
     def close(self) -> None:

@@ -153,8 +153,7 @@ class Refitter:
         self.keep_staging = keep_staging
         self.steady = steady
         self._arenas: list[StagingArena] = []  # bucket b carves from arena b % len (2 with overlap)
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank, self.world = self._place(group)
         if self.world < plan.world:
             raise RefitError.at(self.rank, 0, "setup", f"the plan spans {plan.world} ranks but the process group "
                                 f"has {self.world}", reusable=False)
@@ -187,6 +186,10 @@ class Refitter:
         self._replayable: dict[int, tuple[bool, bool]] = {}  # id(schedule) -> (plain steps, stages)
         self._coalescing: dict[torch.device, bool] = {}  # device -> backend groups messages (`_post`)
 
+    def _place(self, group) -> tuple[int, int]:
+        """(this rank, the ranks the plan runs on): the group's (runtime/jobs.py: the job's)."""
+        return dist.get_rank(group), dist.get_world_size(group)
+
     @property
     def staging_held(self) -> int:
         """Bytes of staging this Refitter keeps between steps (`keep_staging`)."""
@@ -213,29 +216,32 @@ class Refitter:
         """False after a failure that left transfers in flight (see `refit`)."""
         return self._broken is None
 
-    def schedule(self, strided: bool) -> Schedule:
+    def schedule(self, strided: bool, cut: bool | None = None) -> Schedule:
         """The buckets and steps this rank walks (compiler/steps.py); `strided` when some rank's
-        tensors are not contiguous."""
-        if strided not in self._schedules:
+        tensors are not contiguous; `cut`: the buckets as cut for that flag instead (None: `strided`)."""
+        key = (strided, strided if cut is None else cut)
+        if key not in self._schedules:
             budget = self.budget_bytes
             if self.overlap and budget is not None:
                 budget = max(1, budget // 2)  # two buckets' buffers live at once
-            self._schedules[strided] = schedule(self.plan, self.rank, budget, strided)
-        return self._schedules[strided]
+            self._schedules[key] = schedule(self.plan, self.rank, budget, strided, cut=key[1])
+        return self._schedules[key]
 
     def _rendezvous(self) -> Rendezvous:
         """Meetings in the default store, under a namespace of this group and Refitter.
 
         The n-th Refitter created on a rank (for this group) meets the n-th on every other rank.
+        The rank that is global rank 0 (under env:// init its process hosts the store) is the
+        meetings' host: it leaves a step only after every other rank's last store request of it.
         """
         store = _default_store()
         if store is None:
             raise RefitError.at(self.rank, 0, "setup", "the process group has no store to meet in "
                                 "(initialize it with torch.distributed.init_process_group)", reusable=False)
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world)
+        ranks = list(dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world))
         members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:8]
         base = f"layoutlang/{members}"  # not the plan's digest: ranks with different plans must meet
-        rv = Rendezvous(store, self.rank, self.world, base)
+        rv = Rendezvous(store, self.rank, self.world, base, host=ranks.index(0) if 0 in ranks else None)
         try:
             generation = rv.add(f"{base}/generation/{self.rank}", 1)
         except StoreUnreachable as exc:
@@ -256,7 +262,8 @@ class Refitter:
         meeting at all (the plan cannot change): each rank checks its own tensors, and
         any failure, its own or a peer's, leaves the Refitter unusable, with bytes moved
         between the other ranks. A failure while transfers are in flight leaves it
-        unusable: the next call says so at once.
+        unusable: the next call says so at once. Once a step passed, any rank, the store's
+        host included, may exit as soon as its call returns (docs/runtime.md).
         """
         if self._broken is not None:
             step = self._step + 1
@@ -270,7 +277,8 @@ class Refitter:
         self._phase = "agreement"
         try:
             self.hooks.before_refit(self, step)
-            self._refit(step, src_tensors, dst_tensors)
+            with torch.no_grad():  # parameters as they come: a refit never records autograd history
+                self._refit(step, src_tensors, dst_tensors)
         except RefitError as exc:
             if not exc.reusable:
                 self._broken = f"step {step} failed in {exc.phase}: {exc.detail}"
@@ -342,7 +350,7 @@ class Refitter:
                                          self.meter.peak, tuple(self.meter.per_bucket_peak))
             return
         self._phase = f"bucket {last}"
-        self._meet(step, fence, f"finish bucket {last}", reusable=False, seat="fence")
+        self._meet(step, fence, f"finish bucket {last}", reusable=False, seat="fence", leave=not self.verify)
         if self.verify:
             self._phase = "verification"
             self._verify_result(step, mismatches)
@@ -441,12 +449,15 @@ class Refitter:
         return prefix
 
     def _meet(self, step: int, prefix: str, what: str, *, reusable: bool, note: str = "",
-              marks: tuple[bool, ...] = (), seat: str) -> tuple[int, ...]:
+              marks: tuple[bool, ...] = (), seat: str, leave: bool = False) -> tuple[int, ...]:
         """Meet every rank at `prefix`, sitting in this Refitter's seats of kind `seat` (no
-        per-rank key per step)."""
+        per-rank key per step). `leave`: the step's last meeting, after which a rank returns
+        (the store's host passes it only once every other rank has read it: rendezvous.py)."""
+        if leave and self._rv.host is not None:
+            self._keys.setdefault(step, []).append((f"{prefix}/left", True))
         try:
             return self._rv.meet(prefix, self.timeout, what=what, note=note, marks=marks,
-                                 seat=self._rv.key("seat", seat))
+                                 seat=self._rv.key("seat", seat), leave=leave)
         except Abandoned as exc:
             raise RefitError.at(self.rank, step, self._phase, exc.reason, peers=exc.peers,
                                 reusable=reusable) from None
@@ -456,7 +467,8 @@ class Refitter:
         rank 0 that raised and exited at once would leave the others reading a dead store (and
         no rank may sit down at the next `meeting` before everyone has read this one's)."""
         notes = self._rv.notes(self._rv.key(step, meeting), self._rv.key("seat", meeting))
-        self._meet(step, self._prefix(step, meeting, "read"), "read the others' notes", reusable=True, seat="read")
+        self._meet(step, self._prefix(step, meeting, "read"), "read the others' notes", reusable=True, seat="read",
+                   leave=True)  # (the step raises next)
         return notes
 
     def _forget(self, step: int) -> None:
@@ -481,6 +493,10 @@ class Refitter:
             data = t if isinstance(t, torch.Tensor) else getattr(t, "data", None)
             if isinstance(data, torch.Tensor):
                 return data.device
+        return self._backend_device()
+
+    def _backend_device(self) -> torch.device:
+        """Staging's device when no tensor says one: the process group's backend's."""
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -689,6 +705,15 @@ class Refitter:
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
+    def _p2p(self, sending: bool, buf: torch.Tensor, rank: int):
+        """One message to or from plan rank `rank`, as `_post` posts it (a subclass that moves
+        bytes through other groups, runtime/jobs.py, builds its own)."""
+        return dist.P2POp(dist.isend if sending else dist.irecv, buf, self._peer(rank), self.group)
+
+    def _resolved(self, messages: list) -> list | None:
+        """A round's messages as the process-group calls a replay posts (`replay.resolved_posts`)."""
+        return resolved_posts(messages, self._coalesces(messages[0].tensor.device))
+
     # ---- verification ---------------------------------------------------------------
     def _bucket_checksums(self, ops, dst, assembly, source_view, packed, device) -> list[str]:
         """Per op: the sender's checksum of what it sent vs the receiver's of what landed
@@ -712,8 +737,8 @@ class Refitter:
                     outgoing.append((mine, op))
             elif op.dst_rank == me:
                 incoming.append((torch.zeros(1, dtype=torch.float64, device=device), op))
-        p2p = [dist.P2POp(dist.isend, s, self._peer(op.dst_rank), self.group) for s, op in outgoing]
-        p2p += [dist.P2POp(dist.irecv, s, self._peer(op.src_rank), self.group) for s, op in incoming]
+        p2p = [self._p2p(True, s, op.dst_rank) for s, op in outgoing]
+        p2p += [self._p2p(False, s, op.src_rank) for s, op in incoming]
         self._wait(self._post(p2p, "checksums"), [op for _, op in outgoing + incoming], "checksum")
         for expected, op in incoming:
             got = _checksum(self._landed(op, dst, assembly))
@@ -736,7 +761,8 @@ class Refitter:
         """Every rank learns every rank's mismatches (through the store, only on trouble)."""
         prefix = self._prefix(step, "verify")
         (bad,) = self._meet(step, prefix, "finish verification", reusable=True,
-                            note="; ".join(mismatches)[:NOTE_CHARS], marks=(bool(mismatches),), seat="verify")
+                            note="; ".join(mismatches)[:NOTE_CHARS], marks=(bool(mismatches),), seat="verify",
+                            leave=True)  # (unless a rank found mismatches: then the notes are read)
         if not bad:
             return
         bad = [n for n in self._read_notes(step, "verify") if n and n != "1"]
@@ -825,9 +851,8 @@ class _BucketRun:
         """Queue a message of the step's round: to/from the op's other end (a reply goes back
         from the op's receiver to its sender)."""
         op, r = step.op, self.r
-        peer = r._peer(op.src_rank if op.dst_rank == self.me else op.dst_rank)
-        self.rounds.setdefault(step.round, []).append((dist.P2POp(dist.isend if sending else dist.irecv, buf, peer,
-                                                                  r.group), op))
+        peer = op.src_rank if op.dst_rank == self.me else op.dst_rank
+        self.rounds.setdefault(step.round, []).append((r._p2p(sending, buf, peer), op))
 
     # ---- preparing ---------------------------------------------------------------
     def _zero(self, step: Step) -> None:
@@ -902,7 +927,7 @@ class _BucketRun:
         self.deadline[step.round] = time.monotonic() + self.r.timeout.total_seconds()
         if self.record is not None:
             self.posted[step.round] = len(self.record)
-            calls = resolved_posts(messages, self.r._coalesces(messages[0].tensor.device)) if messages else None
+            calls = self.r._resolved(messages) if messages else None
             self.record.append(("post", len(self.record), (messages, what, calls)))
 
     def _await(self, round_: int, which: list[int]) -> None:

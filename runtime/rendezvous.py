@@ -26,6 +26,20 @@ rank four requests (set its seat, which gets no reply; add; wait for the
 gate; read the count), the last arrival three, all on the store's one server
 thread (benchmarks/store_scale.py).
 
+Leaving. The store lives in one rank's process (rank 0 under env:// init), and a
+rank that passed a meeting may still be reading it (the gate, the count) when
+the host passes too, returns and exits; the reader then meets a dead store. In
+a meeting the ranks leave from (`leave=True`: a step's last), every rank but
+the last to arrive makes its read of the count an add of LEFT (a field no such
+meeting marks), so the read also says "I am done here"; the rank whose add
+shows every reader done (all ranks but the last arrival, whose gate the readers
+waited for) sets `left`, unless it is the host; and the host passes only once
+`left` exists, or its own add was the last, waiting at most the timeout (a
+reader that died must not hang it). `left` is set, not added: a set gets no
+reply, and the reply to an add leaves the server after the waiting host is
+woken, so a host that exits at once could cut it off. That is one request more
+for the host (a wait) and one for the last reader, only in such a meeting.
+
 >>> ABORT > ARRIVALS * (1 + (1 << FIELD) + (1 << 2 * FIELD))   # every rank arriving with both marks
 True
 """
@@ -41,6 +55,7 @@ FIELD = 16                    # bits per count field: arrivals, then one per mar
 ARRIVALS = (1 << FIELD) - 1   # so a group has fewer than 65,536 ranks
 MARKS = 2
 ABORT = 1 << (FIELD * (MARKS + 1))  # above every field; 2**15 aborts still fit in 63 bits
+LEFT = 1 << (FIELD * MARKS)        # the last mark's field: a rank done reading a meeting it leaves from
 GO = b"go"
 
 
@@ -60,16 +75,19 @@ class StoreUnreachable(Exception):
 class Rendezvous:
     """Named meetings of `world` ranks in `store`, each under a deadline.
 
-    ``namespace`` separates Refitters and steps; every key lives under it.
+    ``namespace`` separates Refitters and steps; every key lives under it. ``host``: the
+    rank whose process hosts the store, if one of these does (it waits in meetings the
+    ranks leave from until every other rank has read them).
     """
 
-    def __init__(self, store, rank: int, world: int, namespace: str):
+    def __init__(self, store, rank: int, world: int, namespace: str, host: int | None = None):
         if world > ARRIVALS:
             raise ValueError(f"a meeting counts at most {ARRIVALS:,} ranks in one store field; this group has {world:,}")
         self.store = store
         self.rank = rank
         self.world = world
         self.namespace = namespace
+        self.host = host
 
     # ---- store calls: a broken store is one error, a timeout another ----------
     def _call(self, fn, *args):
@@ -105,15 +123,19 @@ class Rendezvous:
 
     # ---- meetings ---------------------------------------------------------------
     def meet(self, prefix: str, timeout: timedelta, *, what: str, note: str = "", marks: tuple[bool, ...] = (),
-             seat: str | None = None) -> tuple[int, ...]:
+             seat: str | None = None, leave: bool = False) -> tuple[int, ...]:
         """Wait until every rank arrived at `prefix`, at most `timeout`; per mark, how many ranks set it.
 
         `seat`: where ranks sit (`seat/R`), reused by meetings of one kind (default: under
-        `prefix`). Raises Abandoned naming the ranks that did not `what` ("start step 3") in
-        time, or the reason another rank gave up first.
+        `prefix`). `leave`: the ranks may exit once they pass (see Leaving, above: the host
+        passes after every other rank's last request of it). Raises Abandoned naming the
+        ranks that did not `what` ("start step 3") in time, or the reason another rank gave
+        up first.
         """
-        if len(marks) > MARKS:
-            raise ValueError(f"a meeting carries at most {MARKS} marks")
+        if len(marks) > MARKS - leave:  # (LEFT counts in the last mark's field)
+            raise ValueError(f"a meeting {'the ranks leave from ' if leave else ''}carries at most "
+                             f"{MARKS - leave} marks")
+        leaving = leave and self.host is not None and self.world > 1
         deadline = time.monotonic() + timeout.total_seconds()
         self._call(self.store.set, self._seat(prefix, seat, self.rank), f"{prefix}\n{note}")
         n = self.add(f"{prefix}/count", 1 + sum(1 << (FIELD * (i + 1)) for i, m in enumerate(marks) if m))
@@ -121,31 +143,56 @@ class Rendezvous:
             raise Abandoned(*self._reason(prefix, deadline))
         if n & ARRIVALS == self.world:
             self._call(self.store.set, f"{prefix}/gate", GO)
+            if leaving and self.rank == self.host:  # every other rank is a reader
+                self._wait_left(prefix, timeout)
             return _marks(n, len(marks))
         try:
             self._call(self.store.wait, [f"{prefix}/gate"], _left(deadline))
         except TimeoutError:
-            return _marks(self._give_up_late(prefix, seat, timeout, what), len(marks))
-        # The gate exists. Read the count, not the gate (a get is two requests: wait, then get):
-        # below ABORT it is the final count and the gate says go; at or above it, some rank
-        # aborted, before the gate opened (then the gate says why) or after (too late to matter).
-        n = self.add(f"{prefix}/count", 0)
-        if n >= ABORT:
-            gate = self._call(self.store.get, f"{prefix}/gate")
-            if gate != GO:
-                raise Abandoned(*_parse(gate))
-        return _marks(n % ABORT, len(marks))
+            n = self._give_up_late(prefix, seat, timeout, what, LEFT if leaving else 0)
+        else:
+            # The gate exists. Read the count, not the gate (a get is two requests: wait, then get):
+            # below ABORT it is the final count and the gate says go; at or above it, some rank
+            # aborted, before the gate opened (then the gate says why) or after (too late to matter).
+            n = self.add(f"{prefix}/count", LEFT if leaving else 0)
+            if n >= ABORT:
+                gate = self._call(self.store.get, f"{prefix}/gate")
+                if gate != GO:
+                    raise Abandoned(*_parse(gate))
+        n %= ABORT
+        if leaving:
+            self._leave(prefix, n, timeout)
+        return _marks(n, len(marks))
+
+    def _leave(self, prefix: str, n: int, timeout: timedelta) -> None:
+        """After this rank's read (`n`: the count it returned): the last reader tells the host,
+        the host waits to be told, unless its own read was the last."""
+        last = (n // LEFT) & ARRIVALS == self.world - 1  # every rank but the last arrival reads
+        if last and self.rank != self.host:
+            # a set, not an add: it gets no reply, so there is none the host's exit could cut off
+            # (an add's reply leaves the server after it wakes the host)
+            self._call(self.store.set, f"{prefix}/left", GO)
+        elif not last and self.rank == self.host:
+            self._wait_left(prefix, timeout)
+
+    def _wait_left(self, prefix: str, timeout: timedelta) -> None:
+        """The host: until every other rank has made its last request of this meeting, at most
+        `timeout` (a rank that passed and died reads nothing more: then there is no one to wait for)."""
+        try:
+            self._call(self.store.wait, [f"{prefix}/left"], timeout)
+        except TimeoutError:
+            pass
 
     def _seat(self, prefix: str, seat: str | None, rank: int) -> str:
         return f"{seat}/{rank}" if seat is not None else f"{prefix}/here/{rank}"
 
-    def _give_up_late(self, prefix: str, seat: str | None, timeout: timedelta, what: str) -> int:
+    def _give_up_late(self, prefix: str, seat: str | None, timeout: timedelta, what: str, read: int = 0) -> int:
         """Our wait ran out: abort the meeting, unless the last rank arrived just now (then: the
-        final count)."""
+        final count, read by adding `read` once the gate is open)."""
         m = self.add(f"{prefix}/count", ABORT)
         if m < 2 * ABORT and (m - ABORT) & ARRIVALS == self.world:  # everyone arrived before our abort
             self._call(self.store.wait, [f"{prefix}/gate"], timedelta(seconds=5))
-            return m - ABORT
+            return self.add(f"{prefix}/count", read) if read else m
         missing = tuple(r for r in range(self.world) if not self._seated(prefix, seat, r))
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
         reason = f"{who} did not {what} within {timeout.total_seconds():g} s (stalled or dead)"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -25,23 +24,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weights import engine_tensors, problems  # noqa: E402
+from faults import DieInBucket  # noqa: E402
+from weights import as_parameters, engine_tensors, problems  # noqa: E402
 
 from layoutlang import load  # noqa: E402
-from layoutlang.runtime import EngineJob, RefitError, RefitHooks  # noqa: E402
+from layoutlang.runtime import EngineJob, RefitError  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-class DieInBucket(RefitHooks):
-    """Test seam: SIGKILL this rank as bucket 1 of refit `refit` starts (bytes are moving)."""
-
-    def __init__(self, refit: int):
-        self.refit = refit
-
-    def before_bucket(self, refitter, step, bucket):
-        if step == self.refit and bucket == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -52,6 +41,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--receives", type=int, default=0, help="stop after this many (0: until the trainer closes)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--parameters", action="store_true", help="pass dict(module.named_parameters())")
     ap.add_argument("--die-refit", type=int, default=0)
     ap.add_argument("--die-rank", type=int, default=-1)
     a = ap.parse_args()
@@ -59,6 +49,8 @@ def main() -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the replica's own world (untouched)
     layout = load(a.infer)
     tensors = engine_tensors(layout, rank)
+    if a.parameters:
+        model, tensors = as_parameters(tensors)
     hooks = DieInBucket(a.die_refit) if rank == a.die_rank else None
     eng = EngineJob(a.infer, address=a.address, replica=a.replica, rank=rank, world_size=world,
                     timeout=timedelta(seconds=a.timeout), hooks=hooks, connect_timeout=timedelta(seconds=120))
@@ -68,10 +60,13 @@ def main() -> int:
         calls += 1
         try:
             version = eng.receive(tensors)
-            line = {"version": version, "problems": problems(layout, rank, tensors, version)}
+            line = {"version": version, "problems": problems(layout, rank, {k: v.detach() for k, v in tensors.items()},
+                                                             version)}
+            if a.parameters:
+                line["parameters"] = all(v.requires_grad and v.grad is None for v in tensors.values())
         except RefitError as exc:
             line = {"error": str(exc), "version": eng.version, "interrupted": eng.interrupted}
-            if "closed" in exc.detail or "unreachable" in exc.detail:
+            if exc.phase == "waiting":  # the trainer job closed or is gone: nothing more will come
                 line["gone"] = True
         line["at"] = time.time()
         print(json.dumps({"replica": a.replica, "rank": rank, **line}), flush=True)

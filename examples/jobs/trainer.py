@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -26,23 +25,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weights import trainer_tensors  # noqa: E402
+from faults import DieInBucket  # noqa: E402
+from weights import as_parameters, trainer_tensors  # noqa: E402
 
 from layoutlang import load  # noqa: E402
-from layoutlang.runtime import RefitError, RefitHooks, TrainerJob  # noqa: E402
+from layoutlang.runtime import RefitError, TrainerJob  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-class DieInBucket(RefitHooks):
-    """Test seam: SIGKILL this rank as bucket 1 of refit `refit` starts (bytes are moving)."""
-
-    def __init__(self, refit: int):
-        self.refit = refit
-
-    def before_bucket(self, refitter, step, bucket):
-        if step == self.refit and bucket == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -55,6 +44,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=None, help="staging budget in bytes (buckets)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--gate", default=None)
+    ap.add_argument("--parameters", action="store_true", help="pass dict(module.named_parameters())")
     ap.add_argument("--die-refit", type=int, default=0)
     ap.add_argument("--die-rank", type=int, default=-1)
     a = ap.parse_args()
@@ -71,6 +61,8 @@ def main() -> int:
                 time.sleep(0.01)
         version = 10 * n
         tensors = trainer_tensors(layout, rank, version)
+        if a.parameters:
+            model, tensors = as_parameters(tensors)
         began = time.time()
         try:
             report = job.refit(tensors, version=version)

@@ -36,3 +36,18 @@ def problems(layout, rank: int, tensors: dict, version: int) -> list[str]:
             if problem:
                 out.append(problem)
     return out
+
+
+def as_parameters(tensors: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
+    """The tensors as a module's parameters (requires_grad), and `dict(module.named_parameters())`:
+    what a trainer or an engine hands a refit as it is."""
+    root = torch.nn.Module()
+    for name, value in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(value, requires_grad=True))
+    return root, dict(root.named_parameters())
