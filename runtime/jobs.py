@@ -312,7 +312,10 @@ class TrainerJob:
         if walk is not None:
             walk.membership = self._membership(ann, tensors)
             walk.connect(_device_of(tensors, self.device), began + self.timeout.total_seconds())
-        deadline = began + self.timeout.total_seconds()  # one deadline bounds the whole refit
+        # from here one deadline bounds the refit: the start meeting, every walk, the end meeting
+        # (its grace past it). Announcing and connecting had their own (a replica that does not
+        # connect by then is dropped, and costs the others none of their time)
+        deadline = time.monotonic() + self.timeout.total_seconds()
         self._start(n, problems, ann, deadline)
         dropped: dict[str, str] = {}
         if walk is not None:
