@@ -38,12 +38,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from refit_gloo import _median_interval  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "examples" / "deepseek_v3_moe.layout"
@@ -96,23 +98,6 @@ def run_child(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """A distribution-free interval for the median (refit_gloo.py `_median_interval`): with n
-    values sorted, [x_k, x_(n+1-k)] (1-based) for the largest k with P(Binomial(n, 1/2) < k)
-    <= (1 - level) / 2; None when n is too small for the level (n < 6 at 95 %)."""
-    n, tail = len(values), (1.0 - level) / 2.0
-    k, below = 0, 0.0
-    while k < n // 2:
-        below += math.comb(n, k) / 2.0**n
-        if below > tail:
-            break
-        k += 1
-    if k == 0:
-        return None
-    ordered = sorted(values)
-    return ordered[k - 1], ordered[n - k]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: the target is printed, not enforced")
@@ -141,7 +126,7 @@ def main(argv=None) -> int:
               + ("" if r["same"] else "  WRONG: differs from the cold plan"))
     for name, values in (("wall time", walls), ("CPU time, cold without its replicate", compiles),
                          ("CPU time", ratios)):  # the verdict: CPU (the last line)
-        interval = median_interval(values)
+        interval = _median_interval(values)
         shown = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "(too few rounds for an interval)"
         print(f"re-plan/cold, {name}, over {len(values)} rounds: median {statistics.median(values):.3f}, "
               f"95 % interval {shown}")
