@@ -32,7 +32,7 @@ from layoutlang import compile_plan
 from layoutlang.ir import QUANTIZED
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor
 from layoutlang.runtime.quant import dequantize, quantize_into
-from layoutlang.runtime.refit import _padding
+from layoutlang.runtime.bucket import padding as _padding
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """Every rank's steps in one process: a refit whose ranks share one device (or the CPU).
 
 The same steps the Refitter walks (compiler/steps.py), with the same handlers
-(`_BucketRun`), except that a message is a copy between two buffers of this
+(`BucketRun`), except that a message is a copy between two buffers of this
 process instead of a point-to-point transfer: a colocated trainer and engine on
 one accelerator, a one-device measurement of the data path (benchmarks/gpu_refit.py),
 and a check of the steps without a process group (tests/test_loopback.py).
@@ -18,11 +18,12 @@ import torch
 from layoutlang.compiler import Plan
 from layoutlang.compiler.steps import MESSAGES, schedule
 
-from .refit import RefitHooks, StagingMeter, _as_given, _BucketRun
+from .bucket import BucketRun
+from .refit import RefitHooks, StagingMeter, _as_given
 
 
 class _Rank:
-    """What a rank's `_BucketRun` reads of its Refitter, without a process group."""
+    """What a rank's `BucketRun` reads of its Refitter, without a process group."""
 
     def __init__(self, plan: Plan, rank: int):
         self.plan, self.rank, self.group = plan, rank, None
@@ -38,7 +39,7 @@ class _Rank:
         return rank
 
 
-class _LoopbackRun(_BucketRun):
+class _LoopbackRun(BucketRun):
     """A rank's bucket whose messages go through the shared `mail` (keyed by op and message)."""
 
     def __init__(self, rank: _Rank, ops, src, dst, device, mail: dict):
