@@ -53,14 +53,14 @@ def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, in
     turning its block into bf16 when the source is not already that) and lands in one
     on the receiver (a local one: one buffer).
     """
-    m = plan.matches[t.instance]
+    m, dst = plan.key_matches[t.instance], plan.stored(t.instance)
     if t.after:  # a relay forwards the sender's copy: its landed packed buffer, or its destination view
         if t.wire:
             return 0, t.bytes
-        send = t.bytes if recv_staged(t.piece.dst_slice, tuple(m.dst.local_shape_at(t.sender)), m.dst.dtype,
+        send = t.bytes if recv_staged(t.piece.dst_slice, tuple(dst.local_shape_at(t.sender)), dst.dtype,
                                       strided) else 0
-        return send, t.bytes if recv_staged(t.piece.dst_slice, tuple(m.dst.local_shape_at(t.dst_rank)),
-                                            m.dst.dtype, strided) else 0
+        return send, t.bytes if recv_staged(t.piece.dst_slice, tuple(dst.local_shape_at(t.dst_rank)),
+                                            dst.dtype, strided) else 0
     src_inst = m.src[t.source.instance]
     src_region = m.src_region(t.source.instance)
     turned = (m.region is not None and m.region.transposed) != (src_region is not None and src_region.transposed)
@@ -71,9 +71,9 @@ def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, in
         return (t.bytes + block, 0) if t.sender == t.dst_rank else (t.bytes + block, t.bytes)
     if t.sender == t.dst_rank:
         return 0, 0  # a local copy casts in place of its destination view
-    send = t.bytes if send_staged(t.source.src_slice, src_local, src_inst.dtype, wire_dtype(m.dst.dtype), turned,
+    send = t.bytes if send_staged(t.source.src_slice, src_local, src_inst.dtype, wire_dtype(dst.dtype), turned,
                                   strided) else 0
-    recv = t.bytes if recv_staged(t.piece.dst_slice, tuple(m.dst.local_shape_at(t.dst_rank)), m.dst.dtype,
+    recv = t.bytes if recv_staged(t.piece.dst_slice, tuple(dst.local_shape_at(t.dst_rank)), dst.dtype,
                                   strided) else 0
     return send, recv
 
@@ -82,9 +82,9 @@ def _assembled(plan: Plan, i: int) -> set[int]:
     """The ranks that assemble destination instance i's stored tensor in bf16 (it is quantized):
     those receiving any bf16-path op of any of its keys, or holding padding (quantized-wire ops
     alone land in the quantized storage directly)."""
-    m = plan.matches[i]
+    dst, n = plan.stored(i), len(plan.key_matches)
     j = i
-    while j < len(plan.matches) and plan.matches[j].dst is m.dst:
+    while j < n and plan.stored(j) is dst:
         j += 1
     packed, plain = set(), set()
     for k in range(i, j):
@@ -92,20 +92,20 @@ def _assembled(plan: Plan, i: int) -> set[int]:
             (packed if t.wire else plain).add(t.dst_rank)
     out = set(plain)
     for r in packed - plain:
-        if any(not isinstance(run, Run) for runs in m.dst.runs(r) for run in runs):
+        if any(not isinstance(run, Run) for runs in dst.runs(r) for run in runs):
             out.add(r)
     return out
 
 
 def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int]:
     """Staging bytes per rank that destination instance i needs while it moves."""
-    m = plan.matches[i]
+    m, dst = plan.key_matches[i], plan.stored(i)
     out: dict[int, int] = {}
     transfers = list(plan.transfers(instance=i))
-    first_key = i == 0 or plan.matches[i - 1].dst is not m.dst  # keys of one stored tensor share it
-    if m.dst.dtype in QUANTIZED and first_key:
+    first_key = i == 0 or plan.stored(i - 1) is not dst  # keys of one stored tensor share it
+    if dst.dtype in QUANTIZED and first_key:
         for r in _assembled(plan, i):
-            out[r] = out.get(r, 0) + prod(m.dst.local_shape_at(r)) * 2
+            out[r] = out.get(r, 0) + prod(dst.local_shape_at(r)) * 2
     dequantized: set[tuple[int, int]] = set()
     for t in transfers:
         send, recv = _op_staging(plan, t, strided)
@@ -126,7 +126,7 @@ def buckets(plan: Plan, budget_bytes: int | None, strided: bool = False) -> tupl
     `strided=True` plans for tensors of any strides (every transfer staged);
     the runtime uses it when the ranks agree that some tensor is not contiguous.
     """
-    n = len(plan.matches)
+    n = len(plan.key_matches)
     if budget_bytes is None:
         return (Bucket(0, 0, n, 0, plan.op_count),) if n else ()
     out: list[Bucket] = []
@@ -134,7 +134,7 @@ def buckets(plan: Plan, budget_bytes: int | None, strided: bool = False) -> tupl
     for i in range(n):
         need = instance_staging(plan, i, strided)
         fits = all(used.get(r, 0) + b <= budget_bytes for r, b in need.items())
-        same_tensor = i > 0 and plan.matches[i - 1].dst is plan.matches[i].dst  # quantized once, whole
+        same_tensor = i > 0 and plan.stored(i - 1) is plan.stored(i)  # quantized once, whole
         if not fits and i > start and not same_tensor:
             out.append(Bucket(len(out), start, i, plan.op_range(start).start, plan.op_range(i).start))
             start, used = i, {}

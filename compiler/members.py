@@ -31,7 +31,7 @@ one-replica layout holds.
 
 `MemberPlanner` plans the trainer into K replicas for any K, the same plan as
 `compile_plan(src, replicate(one, K, N), relay=False)`, computing once what K
-does not change (see its docstring): a new membership costs its rank sets and
+does not change (see its docstring): a new membership costs its layout, its rank sets and
 its sender picks.
 """
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from layoutlang.gcpause import gc_paused
 from layoutlang.ir import Axis, Layout, Mesh
 
-from .match import Match, match
+from .match import match
 from .plan import (Geometry, Plan, PlanCache, Request, Template, check_options, group_templates, load_pair,
                    select_stage, split_stage)
 from .ranks import RankSet
@@ -74,12 +74,24 @@ def _replicated_mesh(m: Mesh, copies: int, first: int) -> Mesh:
 
 # Frozen records made without __init__: an instance of the dataclass `cls` holding `fields` (every
 # field: another instance's values, some changed) is `o = _new(cls); _set(o, "__dict__", fields)`.
-# `dataclasses.replace` costs ~4 us an object, this ~0.4 us, and a membership plan makes ~90,000
-# (DeepSeek-V3 at 9 replicas of an EP8 engine: 30k tensors, 45k key matches, 14k distinct
-# requests): replace alone would take longer than the whole re-plan may. Written out in the
-# loops below (a call per object would cost as much again); only for classes without
-# __post_init__ or __slots__.
+# `dataclasses.replace` costs ~4 us an object, this ~0.4 us, and a membership plan makes ~45,000
+# (DeepSeek-V3 at 9 replicas of an EP8 engine: 30k tensors, 14k distinct requests): replace
+# alone would take longer than the whole re-plan may. Written out in the loops below (a call per
+# object would cost as much again); only for classes without __post_init__ or __slots__. The
+# `fields` copied are `_shared_keys` tables: a copy then holds values only.
 _new, _set = object.__new__, object.__setattr__
+
+
+def _shared_keys(cls: type, fields: dict) -> dict:
+    """`fields` as the dict of a `cls` instance whose attributes were set one by one, as __init__
+    sets them: in CPython a table that shares its keys with the class's instances, so that its
+    copies (`dict.copy`) are half the bytes of a plain dict's and quicker to make (and to scan
+    for the garbage collector). Elsewhere, or for a class whose instances set other keys, a
+    plain dict with the same items."""
+    obj = _new(cls)
+    for name, value in fields.items():
+        _set(obj, name, value)
+    return obj.__dict__
 
 
 def _fields(obj, names: dict[type, tuple[str, ...]]) -> dict:
@@ -94,7 +106,7 @@ def _fields(obj, names: dict[type, tuple[str, ...]]) -> dict:
 def _tensor_fields(one: Layout) -> tuple[tuple[type, dict, str], ...]:
     """Per tensor of `one`, its class, fields and mesh name: what every replicated layout copies."""
     names: dict[type, tuple[str, ...]] = {}
-    return tuple((type(t), _fields(t, names), t.mesh.name) for t in one.tensors)
+    return tuple((type(t), _shared_keys(type(t), _fields(t, names)), t.mesh.name) for t in one.tensors)
 
 
 def _replicas(one: Layout, tensor_fields, copies: int, first: int) -> Layout:
@@ -126,12 +138,13 @@ Parts = tuple[tuple[int, int, tuple[int, ...]], ...]  # (a, L, offsets in the bl
 
 @dataclass(frozen=True)
 class _Shape:
-    """One template as K does not change it: the geometry's other fields, its blocks (indices
-    into the planner's distinct blocks) and its destination ranks' local shapes (one replica)."""
+    """One template as K does not change it: the geometry's other fields, its blocks (as an
+    index into the planner's distinct block sequences) and its destination ranks' local shapes
+    (one replica)."""
 
-    geometry: dict                 # every Geometry field but dst, requests, dst_local
+    geometry: dict                 # the Geometry's fields (`_shared_keys`); K replaces dst, requests, dst_local
     dst: int                       # index into the planner's distinct destination placements
-    blocks: tuple[int, ...]
+    sequence: int                  # its blocks: an index into the planner's distinct block sequences
     starts: tuple[int, ...]        # block b's first one-replica request; the count last
     dst_local: int                 # index into the planner's distinct local shapes
 
@@ -151,11 +164,13 @@ class _Shared:
     """What the templates' K-replica forms share, one replica's worth (equal values are one
     object in a plan, as immutable records may be): distinct destination placements (mesh
     name, dims, fixed), distinct requests (their one-replica rank and fields), distinct blocks
-    (a rank's requests, as indices into `requests`) and distinct destination local shapes."""
+    (a rank's requests, as indices into `requests`), distinct sequences of blocks (a template's
+    requests: templates with equal ones share one tuple) and distinct destination local shapes."""
 
     placements: tuple[tuple[str, tuple, tuple[tuple[int, int], ...]], ...]
     requests: tuple[tuple[int, dict], ...]
     blocks: tuple[tuple[int, ...], ...]
+    sequences: tuple[tuple[int, ...], ...]
     dst_local: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
 
 
@@ -211,6 +226,12 @@ class MemberPlanner:
     greedy picks n + m requests as it picks n then m), and one-candidate requests only add
     their load. Then `split_stage`, as compile_plan runs it.
 
+    The matches themselves are not rebuilt: a match differs between K only in its `dst`, the
+    K-replica tensor. The plan reads them as one replica's (`Plan.key_matches`: keys, sources,
+    regions, names, dtypes) with each instance's tensor in the K-replica layout (`Plan.stored`),
+    and so does everything the runtime reads of it (ops, steps, buckets, statistics); the
+    K-replica `plan.matches`, compile_plan's, is built from the two the first time it is read.
+
     The batches need every receiver's candidates to be a piece's whole sender set: the
     balanced selector, no engine rank among the trainer's (no local copy) and, with
     `ranks_per_node`, none on a node that holds a trainer rank. Otherwise `plan(K)` picks
@@ -255,8 +276,11 @@ class MemberPlanner:
         matches, self._unused = match(self.src, base)
         templates, instance = group_templates(matches, PlanCache(), self._options["wire"], self._options["progress"])
         self._templates, self._instance = templates, tuple(instance)
+        # the matches as K does not change them (what the plan's consumers read, `Plan.key_matches`),
+        # and per match the position of its stored tensor in the layout
+        self._matches = tuple(matches)
         position = {id(t): k for k, t in enumerate(base.tensors)}
-        self._matches = tuple((position[id(m.dst)], m.src, m.region, m.src_regions) for m in matches)
+        self._positions = tuple(position[id(m.dst)] for m in matches)
         self._shapes, self._shared = _shapes(templates)
         offsets, acc = [], 0
         for ti, _ in instance:
@@ -332,13 +356,10 @@ class MemberPlanner:
                         pipeline=stages)
 
     def _match_stage(self, plan: Plan) -> None:
-        tensors, new, setd, cls = plan.dst.tensors, _new, _set, Match
-        out = []
-        for k, src, region, src_regions in self._matches:
-            m = new(cls)
-            setd(m, "__dict__", {"dst": tensors[k], "src": src, "region": region, "src_regions": src_regions})
-            out.append(m)
-        plan.matches, plan.unused_keys = out, list(self._unused)
+        """One replica's matches (their keys, sources and regions are every K's) and where each
+        instance's stored tensor is: `plan.matches` itself is built only if someone reads it."""
+        plan.key_matches, plan.unused_keys = self._matches, list(self._unused)
+        plan._stored = list(map(plan.dst.tensors.__getitem__, self._positions))
 
     def _template_stage(self, plan: Plan, copies: int) -> None:
         first, new, setd, cls = self.first, _new, _set, Request
@@ -354,18 +375,22 @@ class MemberPlanner:
                 setd(q, "__dict__", fields)
                 row.append(q)
             made.append(row)
-        # per distinct block, its requests for every replica in turn (replica r's ranks are consecutive)
-        blocks = [[made[k][r] for r in range(copies) for k in block] for block in shared.blocks]
+        # per distinct block, its requests for every replica in turn (replica r's ranks are consecutive):
+        # replica r's are the r-th of each of its requests' rows
+        chain = itertools.chain.from_iterable
+        blocks = [tuple(made[block[0]]) if len(block) == 1 else tuple(chain(zip(*[made[k] for k in block])))
+                  for block in shared.blocks]
+        sequences = [blocks[seq[0]] if len(seq) == 1 else tuple(chain([blocks[b] for b in seq]))
+                     for seq in shared.sequences]
         dst_local = [tuple((first + (rank - first) * copies + r, local) for rank, local in proto for r in range(copies))
                      for proto in shared.dst_local]
         meshes = {m.name: m for m in plan.dst.meshes}
         placements = [Placement(meshes[mesh], dims, fixed) for mesh, dims, fixed in shared.placements]
-        chain = itertools.chain.from_iterable
         out = []
         for t, shape in zip(self._templates, self._shapes):
             fields = shape.geometry.copy()
             fields["dst"] = placements[shape.dst]
-            fields["requests"] = tuple(chain([blocks[b] for b in shape.blocks]))
+            fields["requests"] = sequences[shape.sequence]
             fields["dst_local"] = dst_local[shape.dst_local]
             g = new(Geometry)
             setd(g, "__dict__", fields)
@@ -419,14 +444,13 @@ def _shapes(templates: tuple[Template, ...]) -> tuple[tuple[_Shape, ...], _Share
     requests: dict[tuple, int] = {}
     request_fields: list[tuple[int, dict]] = []
     blocks: dict[tuple[int, ...], int] = {}
+    sequences: dict[tuple[int, ...], int] = {}
     locals_: dict[tuple, int] = {}
     placements: dict[tuple, int] = {}
     out = []
     for t in templates:
         g = t.geometry
-        fields = _fields(g, names)
-        for k in ("dst", "requests", "dst_local"):
-            del fields[k]
+        fields = _shared_keys(Geometry, _fields(g, names))
         rows: list[list[int]] = []
         starts = []
         for j, q in enumerate(g.requests):
@@ -437,11 +461,12 @@ def _shapes(templates: tuple[Template, ...]) -> tuple[tuple[_Shape, ...], _Share
             k = requests.get(key)
             if k is None:
                 k = requests[key] = len(request_fields)
-                request_fields.append((q.rank, _fields(q, names)))
+                request_fields.append((q.rank, _shared_keys(Request, _fields(q, names))))
             rows[-1].append(k)
         starts.append(len(g.requests))
         ids = tuple(blocks.setdefault(tuple(row), len(blocks)) for row in rows)
         local = locals_.setdefault(g.dst_local, len(locals_))
         dst = placements.setdefault((g.dst.mesh.name, g.dst.dims, g.dst.fixed), len(placements))
-        out.append(_Shape(fields, dst, ids, tuple(starts), local))
-    return tuple(out), _Shared(tuple(placements), tuple(request_fields), tuple(blocks), tuple(locals_))
+        out.append(_Shape(fields, dst, sequences.setdefault(ids, len(sequences)), tuple(starts), local))
+    return tuple(out), _Shared(tuple(placements), tuple(request_fields), tuple(blocks), tuple(sequences),
+                               tuple(locals_))

@@ -25,12 +25,13 @@ import bisect
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from layoutlang.diagnostics import Note
 from layoutlang.elaborate import load
 from layoutlang.gcpause import gc_paused
-from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
+from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, TensorIR
 from layoutlang.modes import Run, cached_property
 from layoutlang.vocabulary import DTYPE
 
@@ -432,11 +433,33 @@ class Plan:
         """The op ids of one destination instance (ops are grouped by instance)."""
         return range(self._offsets[instance], self._offsets[instance + 1])
 
+    # ---- destination instances: what the plan and its consumers read, never `matches` itself --
+    @cached_property
+    def key_matches(self) -> Sequence[Match]:
+        """Per instance its match for what does not depend on the destination's ranks: key, shape,
+        source instances and regions, the destination's name and dtype. `matches`, or in a
+        membership plan one replica's (compiler/members.py sets them and `_stored`; `matches` is
+        then built if read), whose `dst` is that replica's tensor: ranks go through `stored(i)`."""
+        return self.matches
+
+    @cached_property
+    def _stored(self) -> Sequence[TensorIR]:
+        return [m.dst for m in self.matches]
+
+    def stored(self, instance: int) -> TensorIR:
+        """The destination tensor (one of `dst.tensors`) that `instance` writes: `matches[instance].dst`."""
+        return self._stored[instance]
+
+    @cached_property
+    def matches(self) -> list[Match]:
+        """Every destination key per stored instance, with its key's source instances (match.py)."""
+        return [Match(t, m.src, m.region, m.src_regions) for t, m in zip(self._stored, self.key_matches)]
+
     @cached_property
     def tensors(self) -> tuple[TensorEntry, ...]:
         """One entry per destination key, in destination order."""
         seen: dict[str, TensorEntry] = {}
-        for m in self.matches:
+        for m in self.key_matches:
             if m.key not in seen:
                 seen[m.key] = TensorEntry(m.key, m.shape, m.src[0].dtype, m.dst.dtype)
         return tuple(seen.values())
@@ -456,7 +479,7 @@ class Plan:
     def _rows(self, rank: int | None, instance: int | None):
         """(op id, instance, geometry, request, sender, op id it is relayed after or None) in canonical
         order: what ops and transfers share."""
-        instances = range(len(self.matches)) if instance is None else (instance,)
+        instances = range(len(self._instance)) if instance is None else (instance,)
         offsets, templates, picks_of, where = self._offsets, self.templates, self._picks, self._instance
         after_of = self._after or ()
         for i in instances:
@@ -472,7 +495,7 @@ class Plan:
                     yield base + j, i, g, req, sender, (None if k < 0 else base + k)
 
     def _ops(self, rank: int | None) -> tuple[Op, ...]:
-        matches = self.matches
+        matches = self.key_matches  # names, keys and regions: the same in every replica
         out = []
         for op_id, i, g, req, sender, after in self._rows(rank, None):
             m = matches[i]
@@ -489,7 +512,7 @@ class Plan:
 
     def op(self, t: Transfer) -> Op:
         """The op a transfer becomes (named by the layouts' tensors)."""
-        m = self.matches[t.instance]
+        m = self.key_matches[t.instance]
         if t.after:
             return Op(t.op_id, m.key, t.sender, t.dst_rank, m.dst.name, m.dst.name, t.piece.dst_slice,
                       t.piece.dst_slice, t.bytes, None, t.wire, t.after)
@@ -574,7 +597,7 @@ class Plan:
             "recv_balance": (recv[receiver] / dst_floor) if dst_floor else 0.0,
             "local_bytes": local, "intra_node_bytes": intra if rpn else None,
             "inter_node_bytes": inter if rpn else None, "network_bytes": intra + inter,
-            "templates": len(self.templates), "tensors": len(self.matches),
+            "templates": len(self.templates), "tensors": len(self._instance),
             # the busiest link (LANGUAGE.md 5, relays): per rank the larger of network bytes sent
             # and received; its floor: the most network bytes one rank must receive, whatever sends
             "busiest_link_bytes": max(self.send_load[link], recv[link]) if self.world else 0,
@@ -821,7 +844,7 @@ def _split_quanta(plan: Plan, t: Template) -> tuple[int, ...]:
     part never shares a scale block with another."""
     ndim = len(t.geometry.pieces[0].dst_slice) if t.geometry.pieces else 0
     out = [1] * ndim
-    for dtype in {plan.matches[i].dst.dtype for i in t.members}:
+    for dtype in {plan.key_matches[i].dst.dtype for i in t.members}:
         for grid in DTYPE[dtype].scales:
             for back, b in enumerate(reversed(grid.block), 1):
                 if back <= ndim:

@@ -249,7 +249,7 @@ def schedule(plan: Plan, rank: int, budget_bytes: int | None, strided: bool = Fa
     dst: list[list[TensorIR]] = [[] for _ in bucket_list]
     for b in bucket_list:
         for i in range(b.first_instance, b.stop_instance):
-            t = plan.matches[i].dst
+            t = plan.stored(i)
             if held.get(t.name) is t and (not dst[b.index] or dst[b.index][-1] is not t):
                 dst[b.index].append(t)  # once per stored tensor, however many keys it holds
     src_of = {t.name: t for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}

@@ -182,6 +182,42 @@ def test_the_batched_selection_is_taken(monkeypatch):
     assert all(planner.plan(copies).splits > 0 for copies in (1, 2, 3))
 
 
+def test_matches_are_the_cold_plans_and_the_runtime_never_needs_them():
+    """A membership plan keeps one replica's matches (`key_matches`) and where each instance's
+    stored tensor is (`stored`); `matches`, built on first use, is compile_plan's, field for
+    field, each `dst` one of the plan's own tensors. What the runtime reads of a plan (a rank's
+    ops and steps, buckets under a budget, statistics) never builds it."""
+    import dataclasses
+
+    from layoutlang.compiler.steps import schedule
+
+    def fields(t):  # tensors compare by identity: their fields, then
+        return tuple(getattr(t, f.name) for f in dataclasses.fields(t))
+
+    for name in ("deepseek-v3", "llama3-8b v2"):
+        src, one = PAIRS[name]()
+        planner = MemberPlanner(src, one)
+        got, want = planner.plan(3), cold(src, one, 3)
+        for rank in (0, got.world - 1):
+            got.ops_for_rank(rank)
+            for budget in (None, 1 << 20):
+                schedule(got, rank, budget)
+        got.stats, got.tensors, got.relay_depths
+        assert "matches" not in vars(got)
+        tensors = {id(t) for t in got.dst.tensors}
+        assert len(got.key_matches) == len(got.matches) == len(want.matches)
+        for i, (a, b, k) in enumerate(zip(got.matches, want.matches, got.key_matches)):
+            assert (type(a), a.src, a.region, a.src_regions) == (type(b), b.src, b.region, b.src_regions)
+            assert fields(a.dst) == fields(b.dst) and id(a.dst) in tensors and got.stored(i) is a.dst
+            assert (k.key, k.src, k.region, k.src_regions, k.dst.name, k.dst.dtype) == \
+                (a.key, a.src, a.region, a.src_regions, a.dst.name, a.dst.dtype)
+            assert want.stored(i) is b.dst
+        for rank in (0, got.world - 1):  # the same buckets, ops and tensors completed (by name: tensors are
+            a, b = schedule(got, rank, 1 << 20), schedule(want, rank, 1 << 20)  # not shared between plans)
+            assert (a.buckets, a.ops) == (b.buckets, b.ops)
+            assert [[t.name for t in ts] for ts in a.dst] == [[t.name for t in ts] for ts in b.dst]
+
+
 OPTIONS = [
     {"ranks_per_node": 4},   # the engine's nodes hold no trainer rank: batched
     {"ranks_per_node": 3},   # the first engine node holds trainer ranks: one by one
