@@ -242,7 +242,7 @@ def test_megatron_stage_local_names_and_experts_by_hand(layouts):
                                                   "model.layers.1.mlp.experts.3.up_proj.weight"]
     plan = compile_plan(src, load(str(layouts["qwen3_moe", "vllm"])))
     # vLLM: experts (ep=2, etp=DP*TP/EP=2) from rank 3: ep rank 1 = ranks 5, 6; etp rank 0 = rank 5
-    ops = [op for op in plan.ops if op.dst_rank == 5 and op.dst_name == "model.layers.1.mlp.experts.w13_weight"
+    ops = [op for op in plan.ops if op.dst_rank == 5 and op.dst_name == "model.layers.1.mlp.experts.routed_experts.w13_weight"
            and ".experts.3." in op.key]
     got = sorted((op.key.rsplit(".", 2)[-2], op.dst_slice) for op in ops)
     assert got == [("gate_proj", ((1, 2), (0, 16), (0, 64))), ("up_proj", ((1, 2), (16, 32), (0, 64)))]

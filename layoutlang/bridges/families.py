@@ -29,7 +29,7 @@ Conventions (`CONVENTIONS`):
   `mlp.experts.down_proj [E, H, I]`; gpt-oss `[E, H, 2I]` transposed and
   interleaved) and Mixtral's `block_sparse_moe` named `mlp`.
 - `vllm`: fused `qkv_proj` (q|k|v), `gate_up_proj`, FusedMoE stacked
-  `w13_weight` / `w2_weight`, DeepSeek MLA `fused_qkv_a_proj`, the vocabulary
+  `routed_experts.w13_weight` / `w2_weight` (vLLM 0.33's names), DeepSeek MLA `fused_qkv_a_proj`, the vocabulary
   padded to a multiple of 64.
 - `sglang`: as vLLM, except DeepSeek's `fused_qkv_a_proj_with_mqa` and gpt-oss's
   names (`model.embed_tokens`, `self_attn`, `w13_weight_bias`); it shards experts
@@ -613,7 +613,9 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str) -> Document:
             if moe.score_bias:
                 layer.append(Tensor(_hf("mlp.gate.e_score_correction_bias"), ("E",), dtype="fp32"))
             biases = ("w13_bias", "w2_bias") if engine == "vllm" else ("w13_weight_bias", "w2_weight_bias")
-            layer += _stacked_hf(moe, _hf(f"{moe.block}.experts"), " over ep", " over etp",
+            # vLLM 0.33: FusedMoE keeps its weights in a `routed_experts` submodule
+            experts = f"{moe.block}.experts" + (".routed_experts" if engine == "vllm" else "")
+            layer += _stacked_hf(moe, _hf(experts), " over ep", " over etp",
                                  names=("w13_weight", "w2_weight"), bias_names=biases, mesh="experts",
                                  hf_layout=False)
             if moe.shared:
@@ -642,8 +644,10 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str) -> Document:
         args.append(("EP", sizes["EP"]))
         if engine == "vllm":
             meshes.append("experts (ep=EP, etp=DP*TP/EP) at AT")
-            notes += ["FusedMoE stacks each layer's local experts in w13_weight [E/ep, 2I/etp, H] and",
-                      "w2_weight [E/ep, H, I/etp]. vLLM shards experts over all DP x TP ranks: EP=1",
+            notes += ["FusedMoE stacks each layer's local experts in routed_experts.w13_weight",
+                      "[E/ep, 2I/etp, H] (gate | up, as loaded: a backend that repacks after loading is",
+                      "written through vLLM's reload, docs/engines.md) and routed_experts.w2_weight",
+                      "[E/ep, H, I/etp] (vLLM 0.33 names). vLLM shards experts over all DP x TP ranks: EP=1",
                       "splits every expert over them (etp), --enable-expert-parallel is EP=DP*TP."]
         else:
             meshes.append("experts (edp=DP, ep=EP, etp=TP/EP) at AT")
