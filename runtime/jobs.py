@@ -280,8 +280,12 @@ class TrainerJob:
             self.kv.set("trainer/closed", "")
 
     # ---- one refit ------------------------------------------------------------------
-    def refit(self, tensors, version) -> JobReport:
+    def refit(self, tensors, version, *, expect=()) -> JobReport:
         """Move this rank's tensors into every member replica; return who got `version`.
+
+        `expect` (rank 0 reads it): replica ids to wait for, up to the timeout, before the
+        membership is fixed (a caller that just told those engines to receive, as vLLM's
+        update flow does); others join when they are waiting, as always.
 
         Raises RefitError when the trainer itself cannot refit (a rank late, missing, with
         wrong tensors, or failing while bytes move); a replica that fails is not an error
@@ -294,7 +298,7 @@ class TrainerJob:
         n, began = self._n, time.monotonic()
         self._forget(n - 2)
         try:
-            report = self._refit(n, tensors, version, began)
+            report = self._refit(n, tensors, version, began, tuple(expect))
         except StoreUnreachable as exc:
             self._broken = str(exc)
             raise _error(self.who, n, "setup", str(exc), reusable=False, help=TRAINER_BROKEN, rank=self.rank) from None
@@ -304,7 +308,9 @@ class TrainerJob:
             raise
         return report
 
-    def _refit(self, n: int, tensors, version, began: float) -> JobReport:
+    def _refit(self, n: int, tensors, version, began: float, expect: tuple = ()) -> JobReport:
+        if self.rank == 0 and expect:
+            self._await_replicas(expect, began + self.timeout.total_seconds())
         ann = self._announce(n, version) if self.rank == 0 else self._announcement(n, began + self.timeout.total_seconds())
         members = ann["members"]
         problems = tensor_problems(self.src, self.rank, tensors, "source")
@@ -376,6 +382,21 @@ class TrainerJob:
         self.kv.set(f"refit/{n}", json.dumps(ann))
         self.kv.set("refit/latest", str(n))
         return ann
+
+    def _await_replicas(self, rids: tuple, deadline: float) -> None:
+        """Until every replica named has connected and all its ranks wait in `receive` (or the deadline)."""
+        ranks = self.one.ranks
+        while time.monotonic() < deadline:
+            self._register()
+            ready = True
+            for rid in rids:
+                waits = [f"replica/{rid}/wait/{t}" for t in range(ranks)]
+                if not (self.kv.has(f"replica/{rid}/layout", *waits) and all(self.kv.many(waits))):
+                    ready = False
+                    break
+            if ready:
+                return
+            time.sleep(POLL / 10)
 
     def _register(self) -> None:
         """Replicas that connected since the last look, in the order they did."""

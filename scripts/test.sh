@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (unit, property, golden, fuzz).
+# Set up, then run the whole test suite (unit, property, golden, fuzz, and the vLLM
+# backend's tests, which run under .venv-vllm: scripts/setup_vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_vllm.sh
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,52 @@
+"""The `layoutlang` weight-transfer backend for vLLM: registration and the engine's layout.
+
+vLLM (0.16 and later) picks a weight-transfer backend by name
+(`--weight-transfer-config '{"backend": "layoutlang"}'`) from two registries,
+`WeightTransferEngineFactory` (worker side) and `WeightTransferTrainerFactory` (trainer
+side). `register` puts this package's classes in both; vLLM calls it in every process
+(driver, engine core, each worker, before the model loads) through the
+`vllm.general_plugins` entry point that pyproject.toml declares, so installing
+`layoutlang[vllm]` is all a deployment needs. A name registered already (the plugin loaded
+twice, or by hand) is not an error.
+
+`engine_layout` writes the `.layout` text of what one vLLM replica holds, from the same
+config.json vLLM read and its parallel sizes: `layoutc new vllm`'s convention
+(layoutlang/bridges/families.py), checked against the live parameters by the worker before
+a byte moves (vllm_engine.py).
+
+This module imports vLLM only inside `register`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from layoutlang.bridges.families import DTYPES, render, model_from_config
+
+BACKEND = "layoutlang"
+ENGINE = ("layoutlang.integrations.vllm_engine", "LayoutlangEngine")
+TRAINER = ("layoutlang.integrations.vllm_engine", "LayoutlangTrainer")
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: the `layoutlang` backend in both factories."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, (module, name) in ((WeightTransferEngineFactory, ENGINE), (WeightTransferTrainerFactory, TRAINER)):
+        if BACKEND not in factory._registry:  # vLLM raises on a second registration of one name
+            factory.register_engine(BACKEND, module, name)
+
+
+def engine_layout(hf_config: Mapping, *, dtype: str, tp: int, ep: int = 1) -> str:
+    """The layout of one vLLM replica of TP `tp` ranks (experts over `ep` of them, 1: each
+    expert split over all `tp`), in vLLM's storage of `dtype` (a torch dtype name such as
+    "bfloat16", the model's: vLLM may run a float32 config in bfloat16)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"vLLM runs this model in {dtype}, which no layout dtype describes")
+    config = dict(hf_config, dtype=dtype)
+    config.pop("torch_dtype", None)
+    model = model_from_config(config, source="vLLM's model config")
+    sizes = {"TP": tp, "DP": 1}
+    if model.moe is not None:
+        sizes["EP"] = ep
+    return render(model, "vllm", sizes)

@@ -1,0 +1,279 @@
+"""The vLLM backend end to end, run under .venv-vllm/bin/python by tests/test_vllm.py.
+
+    vllm_program.py engine ARCH PORT [TP RANK]  # a vLLM worker (its own gloo world) + the backend
+    vllm_program.py trainer ARCH PORT [TP]      # a trainer job (TrainerJob, 1 rank) in another process
+    vllm_program.py driven PORT          # vLLM's trainer factory drives the engine (tiny Llama)
+    vllm_program.py refused              # every refused case, before a byte moves
+    vllm_program.py plugin               # vLLM's plugin loader registers the backend
+
+`engine` builds ARCH (tests/vllm_models.py: tiny Llama, Qwen3-MoE, DeepSeek-V3 with MLA)
+through vLLM's model loader, creates the backend through vLLM's WeightTransferEngineFactory
+with a real VllmConfig, then runs vLLM's update flow three times (init_transfer_engine, then
+start_weight_update / update_weights / finish_weight_update). After each, it checks every
+live parameter and buffer against an oracle model of the same config that vLLM's own
+`load_weights` (inside vLLM's layerwise reload, as its nccl backend does) filled from the
+trainer's checkpoint of that step: the HF checkpoint of seed STEP, which the trainer process
+sends. Every line printed is JSON; the last is {"ok": true, ...} or the program exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_models as vm  # noqa: E402
+
+vm.setup_env()
+import torch  # noqa: E402
+
+STEPS = 3
+# the CPU MoE backend pads each rank's expert width to a multiple of 32, and vLLM's own layerwise
+# reload then fails (a kernel tensor of the padded width, a processed one of the loaded width:
+# vLLM 0.33 on CPU): at TP2 the experts are 64 wide, 32 per rank, so nothing is padded
+ARCHS = dict(vm.ARCHS, qwen3_moe_wide=vm.copy_config(vm.QWEN3_MOE, moe_intermediate_size=64))
+REPLICA = "vllm-0"
+TIMEOUT = 60.0
+
+
+def say(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def engine_text(cfg, tp: int = 1) -> str:
+    from layoutlang.integrations.vllm import engine_layout
+    return engine_layout(cfg, dtype="float32", tp=tp)
+
+
+def hf_text(cfg) -> str:
+    from layoutlang.bridges.families import model_from_config, render
+    return render(model_from_config(cfg), "hf", {"DP": 1, "AT": 0})
+
+
+def checkpoint(cfg, step: int) -> dict[str, torch.Tensor]:
+    """The trainer's weights at `step`: a random HF model of seed `step`, checkpoint names."""
+    return vm.hf_state_dict(cfg, seed=step)
+
+
+def differences(model, oracle) -> list[str]:
+    """Every parameter and buffer of `model` that is not exactly the oracle's."""
+    mine = dict(model.named_parameters()) | dict(model.named_buffers())
+    theirs = dict(oracle.named_parameters()) | dict(oracle.named_buffers())
+    out = sorted(set(mine) ^ set(theirs))
+    for name, t in mine.items():
+        o = theirs.get(name)
+        if o is not None and (t.shape != o.shape or t.dtype != o.dtype or not torch.equal(t, o)):
+            out.append(name)
+    return out
+
+
+def make_engine(vc, model):
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from layoutlang.integrations.vllm import register
+    register()
+    register()  # a second registration (the plugin loaded twice) is not an error
+    return WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="layoutlang"), vc,
+                                                     torch.device("cpu"), model)
+
+
+def run_engine(arch: str, port: int, tp: int = 1, rank: int = 0) -> None:
+    """One worker; with `tp` > 1 it is TP rank `rank` of a replica of `tp` processes, faked the
+    way vLLM's own tests do (tests/vllm_models.fake_tp: vLLM's world is this one process)."""
+    import contextlib
+
+    cfg = ARCHS[arch]
+    tmp = tempfile.mkdtemp()
+    with contextlib.ExitStack() as stack:
+        if tp > 1:
+            vm.init_distributed(vm.make_vllm_config(vm.write_config(cfg, Path(tmp) / "world")))
+            stack.enter_context(vm.fake_tp(rank, tp))
+        vc, model = vm.build(cfg, Path(tmp) / "engine")
+        _, oracle = vm.build(cfg, Path(tmp) / "oracle")
+        vc.parallel_config.tensor_parallel_size = tp
+        refit_engine(arch, port, vc, model, oracle)
+
+
+def refit_engine(arch: str, port: int, vc, model, oracle) -> None:
+    from vllm.config import set_current_vllm_config
+
+    cfg = ARCHS[arch]
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    engine = make_engine(vc, model)
+    say(arch=arch, phase="built", params=len(before), elements=sum(p.numel() for p in model.parameters()))
+    with set_current_vllm_config(vc), vm.cpu_accelerator_noops():
+        engine.init_transfer_engine(engine.parse_init_info(
+            {"address": f"127.0.0.1:{port}", "replica": REPLICA, "timeout": TIMEOUT}))
+        routes = {"direct": len(engine.live.direct), "reload": sorted(engine.live.reload),
+                  "derived": len(engine.live.derived)}
+        say(arch=arch, phase="init", routes={k: (v if isinstance(v, int) else len(v)) for k, v in routes.items()})
+        for step in range(1, STEPS + 1):
+            engine.start_weight_update()
+            engine.update_weights({"version": step})
+            engine.finish_weight_update()
+            vm.load_hf_weights(oracle, checkpoint(cfg, step), vc)
+            diff = differences(model, oracle)
+            moved = [n for n, p in model.named_parameters() if before.get(n) != p.data_ptr()]
+            say(arch=arch, step=step, version=engine.version, differ=diff[:10], moved_storage=moved[:10])
+            if diff or moved or engine.version != step:
+                sys.exit(1)
+        engine.shutdown()
+    say(ok=True, arch=arch, routes={k: (v if isinstance(v, int) else len(v)) for k, v in routes.items()})
+
+
+def run_trainer(arch: str, port: int, tp: int = 1) -> None:
+    from layoutlang.elaborate import loads
+    from layoutlang.runtime import TrainerJob
+
+    cfg = ARCHS[arch]
+    job = TrainerJob(loads(hf_text(cfg), "hf.layout"), loads(engine_text(cfg, tp), "vllm-replica.layout"),
+                     address=f"127.0.0.1:{port}", rank=0, world_size=1, timeout=TIMEOUT)
+    for step in range(1, STEPS + 1):
+        report = job.refit(checkpoint(cfg, step), step, expect=(REPLICA,))
+        say(role="trainer", step=step, replicas=list(report.replicas), missed=list(report.missed))
+        if list(report.replicas) != [REPLICA]:
+            sys.exit(1)
+    job.close()
+    say(ok=True, role="trainer")
+
+
+class InProcessClient:
+    """vLLM's VLLMWeightSyncClient, reaching one worker's engine in this process (what
+    `LLM.collective_rpc` does for a single worker)."""
+
+    def __init__(self, engine, vc):
+        self.engine, self.vc = engine, vc
+        self.calls: list[str] = []
+
+    def _call(self, name, fn):
+        from vllm.config import set_current_vllm_config
+        self.calls.append(name)
+        with set_current_vllm_config(self.vc), vm.cpu_accelerator_noops():
+            return fn()
+
+    def init_weight_transfer_engine(self, request):
+        return self._call("init", lambda: self.engine.init_transfer_engine(
+            self.engine.parse_init_info(request["init_info"])))
+
+    def start_weight_update(self):
+        return self._call("start", self.engine.start_weight_update)
+
+    def update_weights(self, request):
+        return self._call("update", lambda: self.engine.update_weights(request["update_info"]))
+
+    def finish_weight_update(self, weight_version=None):
+        return self._call("finish", self.engine.finish_weight_update)
+
+
+def run_driven(port: int) -> None:
+    """vLLM's trainer factory: trainer_init, then send_weights three times."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from layoutlang.integrations.vllm_engine import LayoutlangTrainerInitInfo
+
+    cfg = vm.LLAMA
+    tmp = tempfile.mkdtemp()
+    vc, model = vm.build(cfg, Path(tmp) / "engine")
+    _, oracle = vm.build(cfg, Path(tmp) / "oracle")
+    engine = make_engine(vc, model)
+    client = InProcessClient(engine, vc)
+    train = Path(tmp) / "hf.layout"
+    train.write_text(hf_text(cfg))
+    info = LayoutlangTrainerInitInfo(train=str(train), infer=engine_text(cfg), address=f"127.0.0.1:{port}",
+                                     world_size=1, replica=REPLICA, timeout=TIMEOUT, rank=0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client)
+    for step in range(1, STEPS + 1):
+        report = trainer.send_weights(checkpoint(cfg, step), step)
+        vm.load_hf_weights(oracle, checkpoint(cfg, step), vc)
+        diff = differences(model, oracle)
+        say(role="driven", step=step, replicas=list(report.replicas), differ=diff[:10])
+        if diff or list(report.replicas) != [REPLICA]:
+            sys.exit(1)
+    trainer.shutdown()
+    engine.shutdown()
+    say(ok=True, role="driven", calls=client.calls)
+
+
+def run_refused() -> None:
+    """Each refused case raises EngineRefused naming the parameter, before any connection:
+    the address given is a port nobody listens on, so reaching the store would fail instead."""
+    from vllm.config import set_current_vllm_config
+
+    from layoutlang.integrations.vllm_engine import EngineRefused
+
+    tmp = tempfile.mkdtemp()
+    init = {"address": "127.0.0.1:9", "replica": REPLICA, "timeout": 5.0}
+    cases = {}
+
+    def attempt(name, vc, model, mutate=None):
+        engine = make_engine(vc, model)
+        if mutate:
+            mutate(engine)
+        try:
+            with set_current_vllm_config(vc), vm.cpu_accelerator_noops():
+                engine.init_transfer_engine(engine.parse_init_info(init))
+        except EngineRefused as exc:
+            cases[name] = str(exc)
+        else:
+            cases[name] = None
+
+    vc, model = vm.build(vm.LLAMA, Path(tmp) / "llama")
+    # the layout vLLM's config says is not the model it holds: a config with another MLP width
+    other = vm.copy_config(vm.LLAMA, intermediate_size=96)
+    vc_other = vm.make_vllm_config(vm.write_config(other, Path(tmp) / "other"))
+    attempt("layout", vc_other, model)
+
+    # a quantization method whose loaded format no layout describes
+    class Fp8LinearMethod:  # the name is what the backend reads
+        pass
+
+    def fp8(engine):
+        module = engine.model.get_submodule("model.layers.1.self_attn.o_proj")
+        engine._saved = module.quant_method
+        module.quant_method = Fp8LinearMethod()
+    attempt("quantized", vc, model, fp8)
+    model.get_submodule("model.layers.1.self_attn.o_proj").quant_method = \
+        model.get_submodule("model.layers.0.self_attn.o_proj").quant_method
+
+    # a parameter the layout does not cover (a refit would leave it stale)
+    model.get_submodule("model.layers.0.mlp").register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+    attempt("uncovered", vc, model)
+    del model.get_submodule("model.layers.0.mlp").extra
+    # EPLB (its physical expert map is not described yet)
+    vc.parallel_config.enable_eplb = True
+    attempt("eplb", vc, model)
+    vc.parallel_config.enable_eplb = False
+    for name, message in cases.items():
+        say(case=name, message=message)
+    say(ok=all(cases.values()), refused=sorted(k for k, v in cases.items() if v))
+
+
+def run_plugin() -> None:
+    """vLLM's own plugin loader finds the entry point and registers the backend in both factories."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    found = {"engine": "layoutlang" in WeightTransferEngineFactory._registry,
+             "trainer": "layoutlang" in WeightTransferTrainerFactory._registry}
+    say(ok=all(found.values()), **found)
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "engine":
+        run_engine(sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:6]))
+    elif role == "trainer":
+        run_trainer(sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:5]))
+    elif role == "driven":
+        run_driven(int(sys.argv[2]))
+    elif role == "refused":
+        run_refused()
+    elif role == "plugin":
+        run_plugin()
+    os._exit(0)  # vLLM's atexit handlers call torch.accelerator on a machine without one
