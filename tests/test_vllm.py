@@ -127,6 +127,16 @@ def test_refused_before_a_byte_moves():
     assert all("nothing was moved" in m for k, m in cases.items() if k != "eplb")
 
 
+def test_expert_placement_the_layout_does_not_say_is_refused():
+    """EP faked at 2: 5 experts (vLLM gives rank 0 three) and DeepSeek's round_robin placement
+    (rank 0 holds experts 0 and 2), each named by layer, read off vLLM's expert_map."""
+    (lines,) = run_all(["placement"])
+    cases = {x["case"]: x["message"] for x in lines if "case" in x}
+    assert "`model.layers.0.mlp.experts.routed_experts`: 5 experts over 2 ranks is uneven" in cases["uneven"]
+    assert "`model.layers.1.mlp.experts.routed_experts`: vLLM placed experts [0, -1, 1, -1] on this rank" \
+           in cases["round_robin"]
+
+
 def test_vllms_plugin_loader_registers_the_backend():
     (lines,) = run_all(["plugin"])
     assert lines[-1] == {"ok": True, "engine": True, "trainer": True}

@@ -4,6 +4,7 @@
     vllm_program.py trainer ARCH PORT [TP]      # a trainer job (TrainerJob, 1 rank) in another process
     vllm_program.py driven PORT          # vLLM's trainer factory drives the engine (tiny Llama)
     vllm_program.py refused              # every refused case, before a byte moves
+    vllm_program.py placement            # uneven and round-robin experts refused
     vllm_program.py plugin               # vLLM's plugin loader registers the backend
 
 `engine` builds ARCH (tests/vllm_models.py: tiny Llama, Qwen3-MoE, DeepSeek-V3 with MLA)
@@ -248,9 +249,42 @@ def run_refused() -> None:
     vc.parallel_config.enable_eplb = True
     attempt("eplb", vc, model)
     vc.parallel_config.enable_eplb = False
+    report(cases)
+
+
+def report(cases: dict) -> None:
     for name, message in cases.items():
         say(case=name, message=message)
     say(ok=all(cases.values()), refused=sorted(k for k, v in cases.items() if v))
+
+
+def run_placement() -> None:
+    """Expert placement the layout does not say, read off vLLM's expert_map (EP faked at 2 in
+    a world first set up for a MoE model, so that vLLM's EP group exists)."""
+    from vllm.config import set_current_vllm_config
+
+    from layoutlang.integrations.vllm_engine import EngineRefused
+
+    tmp = tempfile.mkdtemp()
+    vm.init_distributed(vm.make_vllm_config(vm.write_config(vm.QWEN3_MOE, Path(tmp) / "world")))
+    cases = {}
+    builds = {"uneven": (vm.copy_config(vm.QWEN3_MOE, num_experts=5), {}),
+              "round_robin": (vm.copy_config(vm.DEEPSEEK_V3, n_group=2, topk_group=1),
+                              {"expert_placement_strategy": "round_robin"})}
+    with vm.fake_tp(0, 2):
+        for name, (cfg, extra) in builds.items():
+            vc, model = vm.build(cfg, Path(tmp) / name, enable_expert_parallel=True, **extra)
+            vc.parallel_config.tensor_parallel_size = 2
+            engine = make_engine(vc, model)
+            try:
+                with set_current_vllm_config(vc), vm.cpu_accelerator_noops():
+                    engine.init_transfer_engine(engine.parse_init_info(
+                        {"address": "127.0.0.1:9", "replica": REPLICA, "timeout": 5.0}))
+            except EngineRefused as exc:
+                cases[name] = str(exc)
+            else:
+                cases[name] = None
+    report(cases)
 
 
 def run_plugin() -> None:
@@ -274,6 +308,8 @@ if __name__ == "__main__":
         run_driven(int(sys.argv[2]))
     elif role == "refused":
         run_refused()
+    elif role == "placement":
+        run_placement()
     elif role == "plugin":
         run_plugin()
     os._exit(0)  # vLLM's atexit handlers call torch.accelerator on a machine without one

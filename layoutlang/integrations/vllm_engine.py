@@ -296,14 +296,14 @@ class LayoutlangEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdate
         return get_tensor_model_parallel_rank()
 
     def init_transfer_engine(self, init_info: LayoutlangInitInfo) -> None:
-        self.text = replica_layout(self.vllm_config)
-        layout = loads(self.text, LAYOUT_PATH)
         par = self.parallel_config
-        live = LiveModel.of(self.model, self.device.type == "cpu")
-        problems = live_problems(layout, self.rank, live)
         ep = par.tensor_parallel_size if getattr(par, "enable_expert_parallel", False) else 1
-        if ep > 1:
-            problems += _expert_problems(self.model, ep, self.rank)
+        problems = _expert_problems(self.model, ep, self.rank) if ep > 1 else []
+        if not problems:  # (a placement the layout cannot say is the reason, not the layout's error)
+            self.text = replica_layout(self.vllm_config)
+            layout = loads(self.text, LAYOUT_PATH)
+            live = LiveModel.of(self.model, self.device.type == "cpu")
+            problems = live_problems(layout, self.rank, live)
         if problems:
             raise EngineRefused(f"vLLM worker {self.rank}: the live model is not the layout it would be refit as, "
                                 "nothing was moved:\n  " + "\n  ".join(problems[:12]))
