@@ -86,10 +86,11 @@ def test_three_refits_equal_vllms_own_load_weights(arch):
         assert routes["derived"] == 2  # one MLA layer per decoder layer recomputes W_UK_T / W_UV
 
 
-@pytest.mark.parametrize("arch, tp", [("llama", 2), ("llama", 4), ("qwen3_moe_wide", 2)])
+@pytest.mark.parametrize("arch, tp", [("llama", 2), ("llama", 4), ("qwen3_moe_wide", 2), ("qwen3_moe_ep", 2)])
 def test_faked_tensor_parallel_ranks(arch, tp):
-    """TP faked at 2 and 4 (KV heads replicated at 4): each worker is one rank of one replica,
-    each checked against vLLM's own TP-sliced load."""
+    """TP faked at 2 and 4 (KV heads replicated at 4; Qwen3-MoE's experts split over TP, or whole
+    over EP with --enable-expert-parallel): each worker is one rank of one replica, each checked
+    against vLLM's own sliced load."""
     port = _port()
     outs = run_all(["trainer", arch, str(port), str(tp)],
                    *(["engine", arch, str(port), str(tp), str(r)] for r in range(tp)))

@@ -36,7 +36,9 @@ STEPS = 3
 # the CPU MoE backend pads each rank's expert width to a multiple of 32, and vLLM's own layerwise
 # reload then fails (a kernel tensor of the padded width, a processed one of the loaded width:
 # vLLM 0.33 on CPU): at TP2 the experts are 64 wide, 32 per rank, so nothing is padded
-ARCHS = dict(vm.ARCHS, qwen3_moe_wide=vm.copy_config(vm.QWEN3_MOE, moe_intermediate_size=64))
+ARCHS = dict(vm.ARCHS, qwen3_moe_wide=vm.copy_config(vm.QWEN3_MOE, moe_intermediate_size=64),
+             qwen3_moe_ep=vm.QWEN3_MOE)
+ENGINE_ARGS = {"qwen3_moe_ep": {"enable_expert_parallel": True}}  # experts whole, over the TP ranks
 REPLICA = "vllm-0"
 TIMEOUT = 60.0
 
@@ -45,9 +47,9 @@ def say(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def engine_text(cfg, tp: int = 1) -> str:
+def engine_text(cfg, tp: int = 1, ep: int = 1) -> str:
     from layoutlang.integrations.vllm import engine_layout
-    return engine_layout(cfg, dtype="float32", tp=tp)
+    return engine_layout(cfg, dtype="float32", tp=tp, ep=ep)
 
 
 def hf_text(cfg) -> str:
@@ -94,8 +96,9 @@ def run_engine(arch: str, port: int, tp: int = 1, rank: int = 0) -> None:
         if tp > 1:
             vm.init_distributed(vm.make_vllm_config(vm.write_config(cfg, Path(tmp) / "world")))
             stack.enter_context(vm.fake_tp(rank, tp))
-        vc, model = vm.build(cfg, Path(tmp) / "engine")
-        _, oracle = vm.build(cfg, Path(tmp) / "oracle")
+        extra = ENGINE_ARGS.get(arch, {})
+        vc, model = vm.build(cfg, Path(tmp) / "engine", **extra)
+        _, oracle = vm.build(cfg, Path(tmp) / "oracle", **extra)
         vc.parallel_config.tensor_parallel_size = tp
         refit_engine(arch, port, vc, model, oracle)
 
@@ -132,7 +135,8 @@ def run_trainer(arch: str, port: int, tp: int = 1) -> None:
     from layoutlang.runtime import TrainerJob
 
     cfg = ARCHS[arch]
-    job = TrainerJob(loads(hf_text(cfg), "hf.layout"), loads(engine_text(cfg, tp), "vllm-replica.layout"),
+    ep = tp if ENGINE_ARGS.get(arch, {}).get("enable_expert_parallel") else 1
+    job = TrainerJob(loads(hf_text(cfg), "hf.layout"), loads(engine_text(cfg, tp, ep), "vllm-replica.layout"),
                      address=f"127.0.0.1:{port}", rank=0, world_size=1, timeout=TIMEOUT)
     for step in range(1, STEPS + 1):
         report = job.refit(checkpoint(cfg, step), step, expect=(REPLICA,))
