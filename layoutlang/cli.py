@@ -413,9 +413,15 @@ def _read_config(path: str) -> dict:
 
 
 def cmd_new(ns, out: Console, err: Console) -> int:
-    """Print (or write) the `.layout` of a known model family in a framework's convention."""
+    """Print (or write) the `.layout` of a known model family in a framework's convention, or of a checkpoint."""
     from .bridges.families import arg_names, model_from_config, render
 
+    if ns.framework == "checkpoint":
+        return _new_checkpoint(ns, out)
+    if ns.directory is not None or ns.config is None:
+        raise UsageError(f"layoutc new {ns.framework} takes --config CONFIG_JSON" +
+                         (f", not a directory ({ns.directory})" if ns.directory is not None else ""),
+                         help="a checkpoint directory goes with `layoutc new checkpoint DIR`")
     sizes = _parse_sets(ns.set)
     model = model_from_config(_read_config(ns.config), source=ns.config)
     text = render(model, ns.framework, sizes)
@@ -423,24 +429,47 @@ def cmd_new(ns, out: Console, err: Console) -> int:
     from .elaborate import loads
 
     layout = loads(text, where)  # sizes that do not divide are diagnostics in the generated text (exit 1)
-    if ns.output is None:
-        try:
-            out.file.write(text)
-            out.file.flush()
-        except BrokenPipeError:
-            _silence_stdout()
+    if not _write_new(ns, out, text):
         return EXIT_OK
-    try:
-        with open(ns.output, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-    except OSError as exc:
-        raise UsageError(f"-o {ns.output}: cannot write: {exc.strerror or exc}") from None
     args = ", ".join(f"{n}={v}" for n, v in layout.args)
     first = min(m.offset for m in layout.meshes)
     ranks = f"rank {first}" if layout.ranks - first == 1 else f"ranks {first}..{layout.ranks - 1}"
     out.print(f"wrote {ns.output}: {model.model_type} in the {ns.framework} convention, "
               f"{len(layout.tensors)} tensor instances on {ranks} ({args}; "
               f"change them with --set {arg_names(model, ns.framework)[0]}=...)", markup=False)
+    return EXIT_OK
+
+
+def _write_new(ns, out: Console, text: str) -> bool:
+    """`layoutc new`'s text to standard output (False) or to -o FILE (True: the caller says what it wrote)."""
+    if ns.output is None:
+        try:
+            out.file.write(text)
+            out.file.flush()
+        except BrokenPipeError:
+            _silence_stdout()
+        return False
+    try:
+        with open(ns.output, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise UsageError(f"-o {ns.output}: cannot write: {exc.strerror or exc}") from None
+    return True
+
+
+def _new_checkpoint(ns, out: Console) -> int:
+    """`layoutc new checkpoint DIR`: the layout a safetensors directory describes (headers only)."""
+    from .checkpoint import describe
+
+    if ns.directory is None or ns.config is not None or ns.set:
+        raise UsageError("layoutc new checkpoint takes a directory (DIR), and neither --config nor --set",
+                         help="layoutc new checkpoint path/to/checkpoint")
+    ckpt = describe(ns.directory)
+    ckpt.layout  # the text is checked before it is printed
+    if _write_new(ns, out, ckpt.text):
+        out.print(f"wrote {ns.output}: the checkpoint {ns.directory}, {len(ckpt.tensors)} tensors in "
+                  f"{len(ckpt.files)} files on rank 0" +
+                  (f" ({len(ckpt.skipped)} keys skipped, see the file)" if ckpt.skipped else ""), markup=False)
     return EXIT_OK
 
 
@@ -535,15 +564,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(run=cmd_run)
     from .bridges.families import CONVENTIONS, FAMILIES
 
-    new = sub.add_parser("new", help="write the layout of a known model from its config.json",
+    new = sub.add_parser("new", help="write the layout of a known model from its config.json, or of a checkpoint",
                          description="Write the `.layout` of a model (a HF config.json of a known family: "
                                      f"{', '.join(FAMILIES)}) as FRAMEWORK stores it, with its parallel "
                                      "sizes as args (TP, PP, DP, EP, ETP, AT). Keys are the HF checkpoint "
                                      "names, so any two outputs for one config plan with each other.")
-    new.add_argument("framework", choices=CONVENTIONS, metavar="FRAMEWORK",
+    new.add_argument("framework", choices=(*CONVENTIONS, "checkpoint"), metavar="FRAMEWORK",
                      help=f"one of {', '.join(CONVENTIONS)} (hf: the checkpoint; hf-memory: a "
-                          "transformers model in memory, experts stacked)")
-    new.add_argument("--config", required=True, metavar="CONFIG_JSON", help="the model's config.json")
+                          "transformers model in memory, experts stacked), or checkpoint DIR: the layout "
+                          "a safetensors directory describes, from its headers")
+    new.add_argument("directory", nargs="?", metavar="DIR", help="with `checkpoint`: the checkpoint directory")
+    new.add_argument("--config", metavar="CONFIG_JSON", help="the model's config.json (every FRAMEWORK but "
+                                                             "checkpoint)")
     new.add_argument("--set", action="append", metavar="NAME=VALUE",
                      help="an arg's value in the output, e.g. --set TP=4 (repeatable)")
     new.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")

@@ -42,26 +42,46 @@ def _port() -> int:
 
 
 def run_all(*commands: list[str]) -> list[list[dict]]:
-    """Start every command at once (each its own process group), wait for all under one
-    deadline, and return each one's JSON lines; any that fails or times out fails the test."""
+    """Start every command at once (each its own process group, its output to a file of its
+    own: a pipe read one process after another would fill up and block vLLM's logging), wait
+    for all under one deadline, and return each one's JSON lines; any that fails or times out
+    fails the test."""
+    import tempfile
+    import time
+
     python = _python()
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([str(python), str(PROGRAM), *c], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env, cwd=ROOT, start_new_session=True) for c in commands]
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]
+    procs = [subprocess.Popen([str(python), str(PROGRAM), *c], stdout=log, stderr=subprocess.STDOUT, text=True,
+                              env=env, cwd=ROOT, start_new_session=True) for c, log in zip(commands, logs)]
+    deadline = time.monotonic() + TIMEOUT
     outs = []
     try:
-        for p, c in zip(procs, commands):
-            out, _ = p.communicate(timeout=TIMEOUT)
+        for p, c, log in zip(procs, commands, logs):
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            log.seek(0)
+            out = log.read()
             lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            assert p.returncode == 0 and lines and lines[-1].get("ok") is True, \
-                f"{' '.join(c)} exited {p.returncode}:\n{out[-6000:]}"
+            if not (p.returncode == 0 and lines and lines[-1].get("ok") is True):
+                others = []
+                for q, d, other in zip(procs, commands, logs):
+                    if other is not log:
+                        other.seek(0)
+                        others.append(f"--- {' '.join(d)} (exit {q.poll()}):\n{other.read()[-3000:]}")
+                pytest.fail(f"{' '.join(c)} exited {p.returncode} (None: still running after {TIMEOUT} s):\n"
+                            f"{out[-5000:]}\n" + "\n".join(others))
             outs.append(lines)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for log in logs:
+            log.close()
     return outs
 
 
@@ -112,6 +132,18 @@ def test_driven_through_vllms_trainer_factory():
     (lines,) = run_all(["driven", str(_port())])
     assert [x["differ"] for x in _steps(lines)] == [[], [], []]
     assert lines[-1]["calls"] == ["init"] + ["start", "update", "finish"] * 3
+
+
+def test_a_whole_vllm_llm_driven_by_its_own_rl_calls():
+    """`vllm.LLM(..., weight_transfer_config={"backend": "layoutlang"})`: vLLM's worker builds
+    the backend in its load_model; LLM.init_weight_transfer_engine / start_weight_update /
+    update_weights / finish_weight_update(weight_version) take three refits from a trainer job
+    in another process, each equal to vLLM's own load of that step's checkpoint."""
+    port = _port()
+    trainer, llm = run_all(["trainer", "llama", str(port)], ["llm", str(port)])
+    assert [x["version"] for x in _steps(llm)] == ["1", "2", "3"]
+    assert all(x["differ"] == [] for x in _steps(llm))
+    assert llm[-1]["engines"] == ["LayoutlangEngine"]
 
 
 def test_refused_before_a_byte_moves():

@@ -4,6 +4,7 @@
     vllm_program.py trainer ARCH PORT [TP]      # a trainer job (TrainerJob, 1 rank) in another process
     vllm_program.py driven PORT          # vLLM's trainer factory drives the engine (tiny Llama)
     vllm_program.py refused              # every refused case, before a byte moves
+    vllm_program.py llm PORT             # a whole vllm.LLM, driven by its own RL calls
     vllm_program.py placement            # uneven and round-robin experts refused
     vllm_program.py plugin               # vLLM's plugin loader registers the backend
 
@@ -140,6 +141,10 @@ def run_trainer(arch: str, port: int, tp: int = 1) -> None:
                      address=f"127.0.0.1:{port}", rank=0, world_size=1, timeout=TIMEOUT)
     for step in range(1, STEPS + 1):
         report = job.refit(checkpoint(cfg, step), step, expect=(REPLICA,))
+        for _ in range(4 if step == 1 else 0):  # a whole vllm.LLM may take longer to start than one timeout
+            if report.replicas:
+                break
+            report = job.refit(checkpoint(cfg, step), step, expect=(REPLICA,))
         say(role="trainer", step=step, replicas=list(report.replicas), missed=list(report.missed))
         if list(report.replicas) != [REPLICA]:
             sys.exit(1)
@@ -291,6 +296,39 @@ def run_placement() -> None:
     report(cases)
 
 
+def run_llm(port: int) -> None:
+    """A whole `vllm.LLM` (engine core and worker in this process) started with
+    `weight_transfer_config={"backend": "layoutlang"}`: vLLM's worker builds the backend in
+    its `load_model`, and `LLM`'s own RL calls drive it, while the trainer job (another
+    process) refits; each step's parameters, read through `collective_rpc`, equal vLLM's own
+    load of that step's checkpoint into an oracle model."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's CPU worker takes ~90 % of the machine's memory for its KV cache unless told (GiB)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    cfg = vm.LLAMA
+    tmp = tempfile.mkdtemp()
+    with vm.cpu_accelerator_noops():
+        llm = vm.make_llm(cfg, Path(tmp) / "llm", weight_transfer_config={"backend": "layoutlang"})
+        vc, oracle = vm.build(cfg, Path(tmp) / "oracle")  # vLLM's world exists already: joins it
+        llm.init_weight_transfer_engine({"init_info": {"address": f"127.0.0.1:{port}", "replica": REPLICA,
+                                                       "timeout": TIMEOUT}})
+        kinds = llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)
+        for step in range(1, STEPS + 1):
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": step}})
+            llm.finish_weight_update(weight_version=str(step))
+            (live,) = llm.collective_rpc(lambda w: {n: p.detach().clone() for n, p in
+                                                   w.model_runner.get_model().named_parameters()})
+            vm.load_hf_weights(oracle, checkpoint(cfg, step), vc)
+            want = dict(oracle.named_parameters())
+            diff = sorted(n for n in set(live) | set(want)
+                          if n not in live or n not in want or not torch.equal(live[n], want[n]))
+            say(role="llm", step=step, version=llm.get_weight_version(), differ=diff[:10])
+            if diff or llm.get_weight_version() != str(step):
+                sys.exit(1)
+    say(ok=True, role="llm", engines=kinds)
+
+
 def run_plugin() -> None:
     """vLLM's own plugin loader finds the entry point and registers the backend in both factories."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
@@ -312,6 +350,8 @@ if __name__ == "__main__":
         run_driven(int(sys.argv[2]))
     elif role == "refused":
         run_refused()
+    elif role == "llm":
+        run_llm(int(sys.argv[2]))
     elif role == "placement":
         run_placement()
     elif role == "plugin":
