@@ -19,7 +19,8 @@ from layoutlang.compiler import Plan
 from layoutlang.compiler.steps import MESSAGES, schedule
 
 from .bucket import BucketRun
-from .refit import RefitHooks, StagingMeter, _as_given
+from .errors import RefitError
+from .refit import RefitHooks, StagingMeter, _as_given, _shape_problem
 
 
 class _Rank:
@@ -121,4 +122,46 @@ def refit(plan: Plan, src: dict[int, dict], dst: dict[int, dict], *, device=None
     return LoopbackRefitter(plan, device=device, budget_bytes=budget_bytes).refit(src, dst)
 
 
-__all__ = ["LoopbackRefitter", "refit"]
+class _LocalRun(BucketRun):
+    """A bucket of local copies only: its rounds carry no message, so posting and waiting do nothing."""
+
+    def _post(self, step) -> None:
+        pass
+
+    def _wait(self, step) -> None:
+        pass
+
+
+def run_rank(plan: Plan, rank: int, src: dict, dst: dict, *, device=None,
+             budget_bytes: int | None = None) -> _Rank:
+    """One rank's steps alone, when every op of it is local: a load from files that every rank
+    reads (layoutlang/checkpoint/load.py). The rank's tensors are checked against the layouts
+    first (as a Refitter's agreement does), nothing is written when one is wrong."""
+    me = _Rank(plan, rank)
+    remote = [op for op in plan.ops_for_rank(rank) if not op.local]
+    if remote:
+        raise RefitError.at(rank, 0, "setup", f"{len(remote)} op(s) of this rank are not local "
+                            f"(first: {remote[0]}): this plan needs a Refitter on a group", reusable=True)
+    problems = []
+    for side, held, given in (("source", me.src_held, src), ("destination", me.dst_held, dst)):
+        needed = held if side == "destination" else {op.src_name: held[op.src_name] for op in plan.ops_for_rank(rank)}
+        for name, t in needed.items():
+            if name not in (given or {}):
+                problems.append(f"{side} tensor `{name}` is missing")
+            elif (problem := _shape_problem(t, _as_given({name: given[name]}, held)[name], rank)):
+                problems.append(f"{side} tensor `{name}`: {problem}")
+    if problems:
+        raise RefitError.at(rank, 0, "setup", "local tensors do not match the layouts, nothing was written: "
+                            + "; ".join(problems[:8]), reusable=True)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    sched = schedule(plan, rank, budget_bytes)
+    srcs, dsts = _as_given(src, me.src_held), _as_given(dst, me.dst_held)
+    for b in range(len(sched.buckets)):
+        run = _LocalRun(me, sched.ops[b], srcs, dsts, device)
+        for step in sched.steps[b]:
+            run.do(step)
+        me.meter.reset_bucket()
+    return me
+
+
+__all__ = ["LoopbackRefitter", "refit", "run_rank"]

@@ -1,0 +1,157 @@
+"""Load a checkpoint into any layout: each rank reads the bytes of its own pieces, nothing else.
+
+    >>> from layoutlang.checkpoint import load          # doctest: +SKIP
+    >>> load("ckpt/", "infer.layout", my_tensors, rank=r)  # doctest: +SKIP
+
+The checkpoint is a plan's source like any other. Every rank can read every
+file, so its layout here has one reader per destination rank, each holding every
+key whole (`mesh checkpoint (reader=N)`, no `over`: the reader axis is a replica
+axis, LANGUAGE.md 3). The balanced selector serves a request from the receiving
+rank itself when it holds the piece (compiler/select.py), so every op of the
+plan is local: rank r copies its pieces out of mapped views of the files
+(files.py) into its tensors, through the same steps as a refit's local copies
+(fused, stacked, padded, transposed and quantized destinations alike; a
+quantized one assembled in bf16 and quantized once). No rank sends, and no rank
+waits for another: a group is needed only to fail together.
+
+`exchange=True` reads each byte once in the whole job instead: each key is read
+by one rank (`at reader=k`, keys dealt out by size), and a Refitter on `group`
+moves the pieces to the ranks that need them. Column-parallel slices touch
+whole pages around each row; this mode trades those reads for link bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+from ..diagnostics import UsageError
+from .describe import MESH, Checkpoint, describe
+from .files import mapped
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank's load did: the plan, bytes copied out of the files, bytes received."""
+
+    plan: object
+    rank: int
+    read_bytes: int
+    received_bytes: int = 0
+
+
+def reader_text(ckpt: Checkpoint, readers: int, *, exchange: bool = False) -> str:
+    """The checkpoint's layout with `readers` ranks: every key on each (or, `exchange`, on one)."""
+    if readers < 1:
+        raise UsageError(f"readers {readers}: expected at least 1")
+    lines = ckpt.text.splitlines()
+    mesh = lines.index(f"mesh {MESH}")
+    lines[mesh] = f"mesh checkpoint (reader={readers})"
+    if exchange:
+        owner = _deal(ckpt, readers)
+        lines = [f"{line} at reader={owner[line.split()[1]]}" if line.startswith("tensor ") else line
+                 for line in lines]
+    return "\n".join(lines) + "\n"
+
+
+def _deal(ckpt: Checkpoint, readers: int) -> dict[str, int]:
+    """Each key to one reader: largest first, to the reader with the fewest bytes (ties: lowest)."""
+    load = [0] * readers
+    owner = {}
+    for t in sorted(ckpt.tensors, key=lambda t: (-sum(e.nbytes for e in t.entries), t.name)):
+        k = min(range(readers), key=lambda r: (load[r], r))
+        owner[t.name] = k
+        load[k] += sum(e.nbytes for e in t.entries)
+    return owner
+
+
+def reader_layout(ckpt: Checkpoint, readers: int, *, exchange: bool = False):
+    from ..elaborate import loads
+
+    return loads(reader_text(ckpt, readers, exchange=exchange), f"<checkpoint {ckpt.path}>")
+
+
+def _rank_of(rank: int | None, group, ranks: int) -> int:
+    if group is not None:
+        import torch.distributed as dist
+
+        got = dist.get_rank(group)
+        if rank is not None and rank != got:
+            raise UsageError(f"rank {rank}: the group says this rank is {got}")
+        return got
+    if rank is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        if ranks == 1:
+            return 0
+        raise UsageError(f"the layout has {ranks} ranks: pass rank= (or a group)")
+    if not 0 <= rank < ranks:
+        raise UsageError(f"rank {rank}: the layout has ranks 0..{ranks - 1}")
+    return rank
+
+
+def plan_load(path, layout, *, args: dict[str, int] | None = None, exchange: bool = False):
+    """The plan of a load (what `layoutc plan DIR LAYOUT` shows): checkpoint -> `layout`."""
+    from ..compiler.plan import _as_layout, compile_plan
+
+    ckpt = path if isinstance(path, Checkpoint) else describe(path)
+    dst = _as_layout(layout, args or {})
+    return ckpt, compile_plan(reader_layout(ckpt, dst.ranks, exchange=exchange), dst)
+
+
+def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: int | None = None, group=None,
+         args: dict[str, int] | None = None, budget_bytes: int | None = None, exchange: bool = False,
+         device=None, timeout: timedelta | float = timedelta(seconds=60)) -> LoadReport:
+    """Fill this rank's `tensors` (as a Refitter's destinations: {NAME: tensor}, quantized ones
+    as their format's class or a tuple) from the checkpoint at `path`, in place.
+
+    `layout`: a path or a loaded Layout (`args` for a path). The plan is compiled and proven
+    exactly-once before any byte is read. `rank`: this rank of the layout (from `group`, or
+    the default group, when not given). `budget_bytes` bounds the staging of quantized
+    destinations (their bf16 assemblies), as in a refit. `group`: with `exchange=False`, a
+    failed rank fails every rank (one all-reduce after the copies); `exchange=True` needs it.
+    """
+    from ..runtime.loopback import run_rank
+
+    ckpt, plan = plan_load(path, layout, args=args, exchange=exchange)
+    me = _rank_of(rank, group, plan.dst.ranks)
+    ops = plan.ops_for_rank(me)
+    if not exchange:
+        names = {op.src_name for op in ops}
+        ok = False
+        try:
+            with mapped(ckpt, names) as views:
+                run_rank(plan, me, views, tensors, device=device, budget_bytes=budget_bytes)
+            ok = True
+        finally:
+            if group is not None:
+                _together(ok, group, me)
+        return LoadReport(plan, me, sum(op.bytes for op in ops))
+    if group is None:
+        raise UsageError("exchange=True moves pieces between ranks: pass a group")
+    from ..runtime.refit import Refitter
+
+    names = {t.name for t in plan.src.tensors if t.holds(me)}
+    with mapped(ckpt, names) as views:
+        r = Refitter(plan, group=group, budget_bytes=budget_bytes, device=device, timeout=timeout)
+        r.refit(views, tensors)
+    return LoadReport(plan, me, sum(op.bytes for op in ops if op.src_rank == me), r.received_bytes)
+
+
+def _together(ok: bool, group, rank: int) -> None:
+    """Every rank of the group learns whether every rank succeeded (a failed rank raises its own)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.errors import RefitError
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag, group=group)
+    if ok and int(flag) > 0:
+        raise RefitError.at(rank, 0, "load", f"{int(flag)} rank(s) of the group failed to load", reusable=False)
+
+
+__all__ = ["load", "plan_load", "reader_layout", "reader_text", "LoadReport"]

@@ -1,0 +1,306 @@
+"""Save any layout as an HF checkpoint: every rank writes its own pieces into shared files, no gather.
+
+    >>> from layoutlang.checkpoint import save                          # doctest: +SKIP
+    >>> save("out/", "train.layout", my_tensors, group=g, max_shard_size="5GB")  # doctest: +SKIP
+
+1. Every rank computes the same files from the layout alone (`checkpoint_files`):
+   the layout's keys in order, cut into files as `save_pretrained` cuts a state
+   dict (huggingface_hub's rule: a key that would tip the current file over
+   `max_shard_size` starts the next one; a key above it has a file of its own),
+   each file's safetensors header with every key's byte range.
+2. Rank 0 creates the files under a temporary directory inside the target
+   (`.layoutlang-partial-<digest>`): the header, then the file grown to its full
+   size (sparse: no data written).
+3. The plan from the layout to the files: the files are one extra rank (`mesh
+   checkpoint (slot=W)`, every key `at slot=W-1`), so no rank of the layout is
+   the receiver and the balanced selector deals the keys' pieces out among their
+   holders, as it deals senders in a refit: replicas share the writing, and the
+   plan's proof says every byte of every file is written by exactly one rank.
+   Each rank writes the pieces it sends straight into the mapped files (a
+   quantized checkpoint key is packed on the way, whole scale blocks only).
+4. After every rank has written and flushed its pieces (one all-reduce of an ok
+   flag), rank 0 moves the files into the target, the index last, and removes
+   the temporary directory. A save killed before that leaves only the temporary
+   directory: no file of the target looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from ..diagnostics import UsageError
+from ..ir import QUANTIZED, Layout
+from ..vocabulary import DTYPE
+from .headers import DTYPE_BITS, INDEX_NAME
+from .load import _rank_of
+
+WEIGHTS = "model.safetensors"
+PARTIAL = ".layoutlang-partial-"
+ST_PLAIN = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of `max_shard_size`: an int, or digits and a unit as `save_pretrained` takes ("5GB", "500MiB").
+
+    >>> parse_size("5GB"), parse_size("1.5MiB"), parse_size(4096)
+    (5000000000, 1572864, 4096)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 1:
+            raise UsageError(f"max_shard_size {size}: expected a positive number of bytes")
+        return size
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]+)\s*", str(size))
+    if not m or m.group(2).upper() not in SIZE_UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"max_shard_size {size!r}: expected bytes, or a number and a unit",
+                         help=f"units: {', '.join(u if 'I' not in u else u[:-2] + 'iB' for u in SIZE_UNITS)}")
+    return max(1, int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()]))
+
+
+@dataclass(frozen=True)
+class KeyFile:
+    """One checkpoint key of the layout and the safetensors entries that hold it (data, then scales)."""
+
+    key: str
+    dtype: str                                   # the layout dtype written
+    shape: tuple[int, ...]
+    entries: tuple[tuple[str, str, tuple[int, ...]], ...]  # (entry key, safetensors dtype, shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * DTYPE_BITS[d] // 8 for _, d, s in self.entries)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """One file to write: its name, header bytes (length prefix included) and size."""
+
+    name: str
+    header: bytes
+    size: int
+    keys: tuple[KeyFile, ...]
+
+
+def _entries(key: str, dtype: str, shape: tuple[int, ...]) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """The entries a key of `dtype` is stored as: describe's pairing rules, read backwards."""
+    if dtype in ST_PLAIN:
+        return ((key, ST_PLAIN[dtype], shape),)
+    grid = DTYPE[dtype].scales[0].shape(shape) if DTYPE[dtype].scales else ()
+    if dtype == "fp8_b128":
+        return ((key, "F8_E4M3", shape), (key + "_scale_inv", "F32", grid))
+    if dtype == "mxfp8":
+        return ((key, "F8_E4M3", shape), (key + "_scale", "U8", grid))
+    if dtype in ("fp8_e4m3", "fp8_e5m2"):
+        return ((key, "F8_E4M3" if dtype == "fp8_e4m3" else "F8_E5M2", shape), (key + "_scale", "F32", ()))
+    if dtype == "mxfp4":
+        data = DTYPE[dtype].data_shape(shape)
+        return ((key + "_blocks", "U8", (*data[:-1], data[-1] // 16, 16)), (key + "_scales", "U8", grid))
+    raise UsageError(f"key `{key}`: {dtype} has no checkpoint format here (bf16, fp16, fp32, fp8_e4m3, "
+                     "fp8_e5m2, fp8_b128, mxfp8, mxfp4)")
+
+
+def layout_keys(layout: Layout, dtype: str | None = None) -> tuple[KeyFile, ...]:
+    """Every key of the layout once, in the order it first appears, with its logical shape."""
+    seen: dict[str, KeyFile] = {}
+    for t in layout.tensors:
+        regions = [(t.key, t.logical_shape)] if t.regions is None else [(r.key, r.key_shape) for r in t.regions]
+        for key, shape in regions:
+            if key not in seen:
+                d = dtype or t.dtype
+                seen[key] = KeyFile(key, d, tuple(shape), _entries(key, d, tuple(shape)))
+    return tuple(seen.values())
+
+
+def _header(keys: tuple[KeyFile, ...], metadata: dict[str, str]) -> tuple[bytes, int]:
+    """A safetensors header for these keys (wider elements first, so every offset is aligned) and
+    the data size."""
+    entries = [e for k in keys for e in k.entries]
+    order = sorted(range(len(entries)), key=lambda i: (-max(1, DTYPE_BITS[entries[i][1]] // 8), i))
+    head: dict[str, object] = {"__metadata__": metadata}
+    at = 0
+    for i in order:
+        name, st, shape = entries[i]
+        n = math.prod(shape) * DTYPE_BITS[st] // 8
+        head[name] = {"dtype": st, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, at
+
+
+def checkpoint_files(keys: tuple[KeyFile, ...], max_shard_size: int | str = "5GB",
+                     metadata: dict[str, str] | None = None) -> tuple[FileLayout, ...]:
+    """The files `save_pretrained` would cut these keys into, each with its header."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[KeyFile]] = []
+    current: list[KeyFile] = []
+    size = 0
+    for k in keys:
+        if k.nbytes > limit:
+            shards.append([k])
+            continue
+        if current and size + k.nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(k)
+        size += k.nbytes
+    if current:
+        shards.append(current)
+    meta = {"format": "pt", **(metadata or {})}
+    out = []
+    for i, shard in enumerate(shards):
+        name = WEIGHTS if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, data = _header(tuple(shard), meta)
+        out.append(FileLayout(name, header, len(header) + data, tuple(shard)))
+    return tuple(out)
+
+
+def _index(files: tuple[FileLayout, ...]) -> bytes:
+    weight_map = {e[0]: f.name for f in files for k in f.keys for e in k.entries}
+    params = sum(math.prod(k.shape) for f in files for k in f.keys)
+    total = sum(k.nbytes for f in files for k in f.keys)
+    index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def file_layout_text(layout: Layout, files: tuple[FileLayout, ...], ckpt_text: str) -> str:
+    """The checkpoint's layout as the plan's destination: one rank past the source's ranks holds it all."""
+    slot = layout.ranks
+    lines = ckpt_text.splitlines()
+    out = []
+    for line in lines:
+        if line.startswith("mesh "):
+            line = f"mesh checkpoint (slot={slot + 1})"
+        elif line.startswith("tensor "):
+            line = f"{line} at slot={slot}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one rank's save did: the files, the plan, the bytes this rank wrote."""
+
+    files: tuple[str, ...]
+    plan: object
+    rank: int
+    written_bytes: int
+
+
+def _barrier_ok(ok: bool, group) -> int:
+    """All-reduce of failures: how many ranks failed (0: every rank passed)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag, group=group)
+    return int(flag)
+
+
+def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = None, group=None,
+         args: dict[str, int] | None = None, max_shard_size: int | str = "5GB", dtype: str | None = None,
+         metadata: dict[str, str] | None = None, overwrite: bool = False,
+         timeout: timedelta | float = timedelta(seconds=300)) -> SaveReport:
+    """Write every key of `layout` from each rank's `tensors` ({NAME: tensor} as a Refitter's
+    sources) into an HF checkpoint at `path` (a directory), in place of nobody's gather.
+
+    Call on every rank of the layout with the same arguments; `group` (or the default group)
+    joins them; a one-rank layout needs none. `dtype` casts every key (e.g. "bf16" from fp32
+    masters, "mxfp8" to quantize; default: each tensor's own dtype). `metadata` adds to the
+    files' `__metadata__` (`format: pt` is always there). The target directory must not hold
+    a checkpoint already unless `overwrite`.
+    """
+    from ..compiler.plan import _as_layout, compile_plan
+    from .describe import describe
+    from .write import write_pieces
+
+    src = _as_layout(layout, args or {})
+    if group is None and src.ranks > 1:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise UsageError(f"the layout has {src.ranks} ranks: pass the group that joins them")
+        group = dist.group.WORLD
+    me = _rank_of(rank, group, src.ranks)
+    keys = layout_keys(src, dtype)
+    if dtype is not None and dtype not in DTYPE:
+        raise UsageError(f"dtype {dtype!r}: expected a layout dtype")
+    files = checkpoint_files(keys, max_shard_size, metadata)
+    target = os.fspath(path)
+    partial = os.path.join(target, PARTIAL + src.digest[:16])
+    ok = False
+    try:
+        if me == 0:
+            _prepare(target, partial, files, overwrite)
+        ok = True
+    finally:
+        if group is not None and _barrier_ok(ok, group):
+            raise UsageError(f"{target}: the save could not start (rank 0 could not create its files)")
+    ok, written, plan = False, 0, None
+    try:
+        ckpt = describe(partial)
+        dst = _loads(file_layout_text(src, files, ckpt.text), target)
+        plan = compile_plan(src, dst)
+        written = write_pieces(plan, me, ckpt, tensors, group)
+        ok = True
+    finally:
+        failed = _barrier_ok(ok, group) if group is not None else (0 if ok else 1)
+        if failed:
+            if me == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            if ok:
+                from ..runtime.errors import RefitError
+
+                raise RefitError.at(me, 0, "save", f"{failed} rank(s) failed to write their pieces: nothing "
+                                    f"was saved to {target}", reusable=False)
+    if me == 0:
+        _publish(target, partial, files)
+    if group is not None:
+        _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
+    return SaveReport(tuple(f.name for f in files) + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written)
+
+
+def _loads(text: str, where: str):
+    from ..elaborate import loads
+
+    return loads(text, f"<checkpoint {where}>")
+
+
+def _prepare(target: str, partial: str, files: tuple[FileLayout, ...], overwrite: bool) -> None:
+    os.makedirs(target, exist_ok=True)
+    there = [n for n in os.listdir(target) if n.endswith(".safetensors") or n == INDEX_NAME]
+    if there and not overwrite:
+        raise UsageError(f"{target}: holds a checkpoint already ({there[0]})", help="pass overwrite=True to replace it")
+    shutil.rmtree(partial, ignore_errors=True)  # a killed save's leftovers
+    os.makedirs(partial)
+    for f in files:
+        with open(os.path.join(partial, f.name), "wb") as fh:
+            fh.write(f.header)
+            fh.truncate(f.size)
+
+
+def _publish(target: str, partial: str, files: tuple[FileLayout, ...]) -> None:
+    """Move the written files into the target, the index last; then nothing is left behind."""
+    names = {f.name for f in files}
+    for n in os.listdir(target):  # an overwritten checkpoint's files that this one does not have
+        if (n.endswith(".safetensors") or n == INDEX_NAME) and n not in names:
+            os.unlink(os.path.join(target, n))
+    for f in files:
+        os.replace(os.path.join(partial, f.name), os.path.join(target, f.name))
+    if len(files) > 1:
+        tmp = os.path.join(partial, INDEX_NAME)
+        with open(tmp, "wb") as fh:
+            fh.write(_index(files))
+        os.replace(tmp, os.path.join(target, INDEX_NAME))
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+__all__ = ["save", "SaveReport", "checkpoint_files", "layout_keys", "parse_size", "KeyFile", "FileLayout"]

@@ -1,0 +1,122 @@
+"""One rank's share of a save: the plan's ops this rank sends, written into the mapped files.
+
+A save's plan has the files as its only destination rank (save.py), so an op's
+sender is the rank that writes it. The source block is read as a refit's sender
+reads it (runtime/bucket.py: strided slices, transposed keys, quantized sources
+dequantized once); a plain key's block is copied into the file's view, a
+quantized key's block is packed into data and scales (runtime/wire.py, whole
+scale blocks only) and unpacked into the file's views. A format with one scale
+per tensor (fp8_e4m3 / fp8_e5m2) agrees its amax over the group first, and the
+sender of the tensor's first op writes the scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..diagnostics import UsageError
+from ..ir import QUANTIZED
+from ..runtime.bucket import BucketRun
+from ..runtime.loopback import _Rank
+from ..runtime.quant import dequantize, has_tensor_scale
+from ..runtime.refit import _as_given, _shape_problem
+from ..runtime.views import shape as view_shape
+from ..runtime.views import view
+from ..runtime.wire import unpack_into, write_tensor_scale
+from .describe import Checkpoint
+from .files import Mapped
+
+
+class _Writer(BucketRun):
+    """A sender's half of the save's ops: source blocks as a refit reads them."""
+
+    def source_view(self, op) -> torch.Tensor:
+        name = op.src_name
+        held = self.r.src_held[name]
+        if held.dtype in QUANTIZED and name not in self.dequantized:
+            self.dequantized[name] = dequantize(self.src[name], held.dtype)
+        return super().source_view(op)
+
+
+def _refused(plan, ops) -> str | None:
+    dtypes = {t.name: t.dtype for t in plan.dst.tensors}
+    for op in ops:
+        if dtypes[op.dst_name] in QUANTIZED and not op.wire:
+            return (f"key `{op.key}`: a piece of it ({op}) does not cover whole {dtypes[op.dst_name]} scale "
+                    "blocks, so no rank can quantize it alone")
+    return None
+
+
+def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None) -> int:
+    """Write this rank's pieces; returns the bytes written. Raises before writing anything when
+    a tensor is missing or misshapen, or a quantized key cannot be written piece by piece."""
+    rank = _Rank(plan, me)
+    every = plan.ops
+    problem = _refused(plan, every)
+    if problem:
+        raise UsageError(problem, help="save in a plain dtype (dtype=\"bf16\") and convert, or save from a "
+                                       "layout whose shards hold whole scale blocks")
+    mine = [op for op in every if op.src_rank == me]
+    given = _as_given(tensors or {}, rank.src_held)
+    problems = []
+    for name in dict.fromkeys(op.src_name for op in mine):
+        t = rank.src_held[name]
+        if name not in given:
+            problems.append(f"source tensor `{name}` is missing")
+        elif (p := _shape_problem(t, given[name], me)):
+            problems.append(f"source tensor `{name}`: {p}")
+    if problems:
+        raise UsageError(f"rank {me}: local tensors do not match the layout, nothing was written: "
+                         + "; ".join(problems[:8]))
+    run = _Writer(rank, mine, given, {}, torch.device("cpu"))
+    agreed = _agree_amax(plan, run, mine, every, group)
+    files = {e.file for op in mine for e in ckpt.by_name[op.dst_name].entries}
+    m = Mapped({f.name: f.path for f in ckpt.files if f.name in files}, write=True)
+    written = 0
+    try:
+        targets = {}
+        first = {}
+        for op in every:
+            first.setdefault(op.dst_name, op)
+        for op in mine:
+            stored = ckpt.by_name[op.dst_name]
+            target = targets.get(op.dst_name)
+            if target is None:
+                target = targets[op.dst_name] = m.stored(stored)
+            if op.wire:
+                if op.dst_name in agreed:
+                    run.agreed[op.dst_name] = agreed[op.dst_name]
+                unpack_into(run.packed(op), target, op.wire, op.dst_slice, stored.shape)
+                if has_tensor_scale(stored.dtype) and first[op.dst_name] is op:
+                    write_tensor_scale(target, stored.dtype, agreed[op.dst_name])
+                rank.meter.reset_bucket()
+            else:
+                block = view(target, op.dst_slice)
+                block.copy_(run.source_view(op).reshape(view_shape(op.dst_slice)))
+            written += op.bytes
+        m.flush()
+    finally:
+        m.close()
+    return written
+
+
+def _agree_amax(plan, run: _Writer, mine, every, group) -> dict[str, torch.Tensor]:
+    """The amax of each key with one scale per tensor, over every rank's pieces of it."""
+    dtypes = {t.name: t.dtype for t in plan.dst.tensors}
+    names = sorted({op.dst_name for op in every if has_tensor_scale(dtypes[op.dst_name])})
+    if not names:
+        return {}
+    at = {n: i for i, n in enumerate(names)}
+    amax = torch.zeros(len(names), dtype=torch.float32)
+    for op in mine:
+        if op.dst_name in at:
+            i = at[op.dst_name]
+            amax[i] = torch.maximum(amax[i], run.block_of(op).to(torch.float32).abs().amax())
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return {n: amax[i].reshape(()) for n, i in at.items()}
+
+
+__all__ = ["write_pieces"]
