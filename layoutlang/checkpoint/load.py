@@ -33,7 +33,8 @@ from .files import mapped
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What one rank's load did: the plan, bytes copied out of the files, bytes received."""
+    """What one rank's load did: the plan, bytes read out of the files (its pieces; with
+    `exchange`, the keys it reads for the whole job), bytes received from other ranks."""
 
     plan: object
     rank: int
@@ -138,7 +139,9 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
     with mapped(ckpt, names) as views:
         r = Refitter(plan, group=group, budget_bytes=budget_bytes, device=device, timeout=timeout)
         r.refit(views, tensors)
-    return LoadReport(plan, me, sum(op.bytes for op in ops if op.src_rank == me), r.received_bytes)
+    # the keys this rank reads, each once in the whole job (its ops may send one key to several ranks)
+    read = {op.src_name for op in plan.ops if op.src_rank == me}
+    return LoadReport(plan, me, sum(e.nbytes for name in read for e in ckpt.by_name[name].entries), r.received_bytes)
 
 
 def _together(ok: bool, group, rank: int) -> None:

@@ -1,0 +1,33 @@
+"""One rank of tests/test_checkpoint_rules.py: a TP2 load both ways (each rank reading its own
+slices; each key read once and exchanged), then a save of the loaded shards.
+
+Run by `launch(job, 2, program=__file__)`; reports each destination as lists (JSON, no pickle)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bridge_program import run  # tests/bridge_program.py: the frame of a launched program
+
+
+def body(job: dict, rank: int) -> dict:
+    from layoutlang import loads
+    from layoutlang.checkpoint import load, save
+
+    layout = loads(job["layout"])
+    report = {}
+    for mode in ("local", "exchange"):
+        tensors = {t.name: torch.full(t.local_shape_at(rank), float("nan"),
+                                      dtype=torch.float32 if t.dtype == "fp32" else torch.bfloat16)
+                   for t in layout.tensors if t.holds(rank)}
+        got = load(job["src"], layout, tensors, group=dist.group.WORLD, exchange=mode == "exchange")
+        report[mode] = {k: v.float().tolist() for k, v in tensors.items()}
+        if mode == "exchange":
+            report["exchange_read"] = got.read_bytes
+    report["written"] = save(job["out"], layout, tensors, group=dist.group.WORLD).written_bytes
+    return report
+
+
+if __name__ == "__main__":
+    run(body)

@@ -1,0 +1,160 @@
+"""The rules a save follows and the read-once load (layoutlang.checkpoint; docs/checkpoints.md).
+
+References, independent of layoutlang.checkpoint:
+- huggingface_hub's own `split_torch_state_dict_into_shards` and `parse_size_to_int`
+  (what `save_pretrained` uses) on a state dict of the same sizes in the same order;
+- `safe_open` reading what a save wrote; the pairing table of docs/checkpoints.md;
+- slices of the reference tensors worked out by hand from the layout text (LANGUAGE.md 3).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from layoutlang import loads
+from layoutlang.checkpoint import checkpoint_files, describe, layout_keys, load, parse_size, save
+from layoutlang.diagnostics import UsageError
+from layoutlang.runtime.launch import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12), limit=st.integers(1, 700))
+def test_files_are_cut_as_huggingface_hub_cuts_a_state_dict(sizes, limit):
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    # one fp32 vector per key: its bytes are 4 x its length on both sides
+    text = "mesh m (one=1)\n" + "".join(f"tensor k{i} [{n}] fp32\n" for i, n in enumerate(sizes))
+    files = checkpoint_files(layout_keys(loads(text)), limit)
+    state = {f"k{i}": torch.zeros(n, dtype=torch.float32) for i, n in enumerate(sizes)}
+    hub = split_torch_state_dict_into_shards(state, max_shard_size=limit)
+    assert {f.name: [k.key for k in f.keys] for f in files} == {n: list(ks) for n, ks in hub.filename_to_tensors.items()}
+
+
+@pytest.mark.parametrize("text", ["5GB", "7MB", "1.5KB", "12TB", " 3 GB "])
+def test_sizes_read_as_huggingface_hub_reads_them(text):
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    assert parse_size(text) == parse_size_to_int(text)
+
+
+def test_binary_units_and_bad_sizes():
+    assert parse_size("2MiB") == 2 * 1024 * 1024
+    for bad in ("5 parsecs", "-1GB", 0, "GB"):
+        with pytest.raises(UsageError, match="max_shard_size"):
+            parse_size(bad)
+
+
+def test_every_dtype_is_written_as_describe_pairs_it(tmp_path):
+    # one rank, one key per dtype; the file's keys and dtypes are the pairing table read backwards
+    text = """mesh m (one=1)
+tensor a [4, 64] bf16
+tensor b [4, 64] fp32
+tensor c [130, 256] fp8_b128
+tensor d [4, 64] mxfp8
+tensor e [4, 64] fp8_e4m3
+tensor f [4, 64] mxfp4
+"""
+    from layoutlang.runtime.quant import quantize
+
+    torch.manual_seed(0)
+    ref = {"a": torch.randn(4, 64), "b": torch.randn(4, 64), "c": torch.randn(130, 256), "d": torch.randn(4, 64),
+           "e": torch.randn(4, 64), "f": torch.randn(4, 64)}
+    dtypes = dict(a="bf16", b="fp32", c="fp8_b128", d="mxfp8", e="fp8_e4m3", f="mxfp4")
+    tensors = {k: (v.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtypes[k]]) if dtypes[k] in ("bf16", "fp32")
+                   else quantize(v.bfloat16(), dtypes[k])) for k, v in ref.items()}
+    save(tmp_path, loads(text), tensors)
+    with safe_open(tmp_path / "model.safetensors", "pt") as fh:
+        got = {k: (fh.get_slice(k).get_dtype(), fh.get_slice(k).get_shape()) for k in fh.keys()}
+        assert torch.equal(fh.get_tensor("c").view(torch.uint8), tensors["c"].data.view(torch.uint8))
+        assert torch.equal(fh.get_tensor("c_scale_inv"), tensors["c"].scales)
+        assert torch.equal(fh.get_tensor("f_blocks").reshape(4, 32), tensors["f"].data.view(torch.uint8))
+        assert fh.metadata() == {"format": "pt"}
+    assert got == {"a": ("BF16", [4, 64]), "b": ("F32", [4, 64]), "c": ("F8_E4M3", [130, 256]),
+                   "c_scale_inv": ("F32", [2, 2]), "d": ("F8_E4M3", [4, 64]), "d_scale": ("U8", [4, 2]),
+                   "e": ("F8_E4M3", [4, 64]), "e_scale": ("F32", []), "f_blocks": ("U8", [4, 2, 16]),
+                   "f_scales": ("U8", [4, 2])}
+    assert {t.name: t.dtype for t in describe(tmp_path).tensors} == dtypes
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".layoutlang-partial")]
+
+
+def test_a_checkpoint_already_there_is_kept_unless_overwrite(tmp_path):
+    layout = loads("mesh m (one=1)\ntensor w [4] fp32\n")
+    save(tmp_path, layout, {"w": torch.ones(4)})
+    with pytest.raises(UsageError, match="holds a checkpoint already") as e:
+        save(tmp_path, layout, {"w": torch.zeros(4)})
+    assert "overwrite=True" in e.value.help
+    save(tmp_path, layout, {"w": torch.full((4,), 2.0)}, overwrite=True)
+    with safe_open(tmp_path / "model.safetensors", "pt") as fh:
+        assert fh.get_tensor("w").tolist() == [2.0] * 4
+
+
+# 2 ranks, TP2: q|k|v packed per rank, an embedding padded from 10 to 12 rows and split
+TP_LAYOUT = """mesh m (tp=2)
+tensor qkv [(q: 8 as q.weight | k: 4 as k.weight | v: 4 as v.weight) over tp, 6]
+tensor emb.weight [10 pad 4 over tp, 6]
+tensor norm.weight [6] fp32
+"""
+
+
+def _reference():
+    g = torch.Generator().manual_seed(7)
+    return {"q.weight": torch.randn(8, 6, generator=g).bfloat16(), "k.weight": torch.randn(4, 6, generator=g).bfloat16(),
+            "v.weight": torch.randn(4, 6, generator=g).bfloat16(), "emb.weight": torch.randn(10, 6, generator=g).bfloat16(),
+            "norm.weight": torch.randn(6, generator=g)}
+
+
+def _expected(r: dict, rank: int) -> dict:
+    """Worked out from TP_LAYOUT by hand: each part split in halves; 10 rows padded to 12, 6 per rank."""
+    emb = torch.zeros(12, 6, dtype=torch.bfloat16)
+    emb[:10] = r["emb.weight"]
+    return {"qkv": torch.cat([r["q.weight"][4 * rank:4 * rank + 4], r["k.weight"][2 * rank:2 * rank + 2],
+                              r["v.weight"][2 * rank:2 * rank + 2]]),
+            "emb.weight": emb[6 * rank:6 * rank + 6], "norm.weight": r["norm.weight"]}
+
+
+def test_each_rank_loads_its_own_slices_in_one_process(tmp_path):
+    ref = _reference()
+    save_file(ref, tmp_path / "model.safetensors")
+    layout = loads(TP_LAYOUT)
+    for rank in range(2):
+        tensors = {k: torch.full_like(v, float("nan")) for k, v in _expected(ref, rank).items()}
+        report = load(tmp_path, layout, tensors, rank=rank)
+        assert all(torch.equal(tensors[k], v) for k, v in _expected(ref, rank).items())
+        assert all(op.local for op in report.plan.ops)
+        # bytes copied out of the files: this rank's q, k, v, emb rows (bf16) and the whole norm (fp32)
+        assert report.read_bytes == (4 + 2 + 2) * 6 * 2 + (6 if rank == 0 else 4) * 6 * 2 + 6 * 4
+
+
+def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
+    ref = _reference()
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({k: v for k, v in ref.items() if k != "emb.weight"}, src / "a.safetensors")
+    save_file({"emb.weight": ref["emb.weight"]}, src / "b.safetensors")
+    job = {"src": str(src), "out": str(tmp_path / "out"), "layout": TP_LAYOUT}
+    results = launch(job, 2, program=os.path.join(HERE, "checkpoint_rules_program.py"), timeout=120)
+    assert all(r.ok for r in results), [(r.error, (r.result or {}).get("trace")) for r in results]
+    for r in results:
+        rank = r.rank
+        for mode in ("local", "exchange"):
+            got = {k: torch.tensor(v) for k, v in r.result[mode].items()}
+            want = _expected(ref, rank)
+            assert all(torch.equal(got[k], want[k].float()) for k in want), (mode, rank)
+        # read once: each key was read by exactly one of the two ranks
+    read = [r.result["exchange_read"] for r in results]
+    assert sum(read) == sum(v.numel() * v.element_size() for v in ref.values())
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text()) \
+        if (tmp_path / "out" / "model.safetensors.index.json").exists() else None
+    assert index is None  # 4 keys of 280 bytes: one file under the default 5GB
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as fh:
+        assert sorted(fh.keys()) == sorted(ref)
+        assert all(torch.equal(fh.get_tensor(k), v) for k, v in ref.items())
+    assert sum(r.result["written"] for r in results) == sum(v.numel() * v.element_size() for v in ref.values())
