@@ -26,6 +26,12 @@ def body(job: dict, rank: int) -> dict:
         if mode == "exchange":
             report["exchange_read"] = got.read_bytes
     report["written"] = save(job["out"], layout, tensors, group=dist.group.WORLD).written_bytes
+    # runs long enough to be written with pwrite: a column block (4 runs of 128 KiB) and a row block
+    big = loads(job["big_layout"])
+    cols = torch.arange(4 * 65536, dtype=torch.float32).reshape(4, 65536)
+    rows = -torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512)
+    save(job["big_out"], big, {"cols": cols[:, 32768 * rank:32768 * (rank + 1)].clone(),
+                               "rows": rows[128 * rank:128 * (rank + 1)].clone()}, group=dist.group.WORLD)
     return report
 
 

@@ -139,7 +139,8 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     src.mkdir()
     save_file({k: v for k, v in ref.items() if k != "emb.weight"}, src / "a.safetensors")
     save_file({"emb.weight": ref["emb.weight"]}, src / "b.safetensors")
-    job = {"src": str(src), "out": str(tmp_path / "out"), "layout": TP_LAYOUT}
+    job = {"src": str(src), "out": str(tmp_path / "out"), "layout": TP_LAYOUT, "big_out": str(tmp_path / "big"),
+           "big_layout": "mesh m (tp=2)\ntensor cols [4, 65536 over tp] fp32\ntensor rows [256 over tp, 512] fp32\n"}
     results = launch(job, 2, program=os.path.join(HERE, "checkpoint_rules_program.py"), timeout=120)
     assert all(r.ok for r in results), [(r.error, (r.result or {}).get("trace")) for r in results]
     for r in results:
@@ -158,3 +159,7 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
         assert sorted(fh.keys()) == sorted(ref)
         assert all(torch.equal(fh.get_tensor(k), v) for k, v in ref.items())
     assert sum(r.result["written"] for r in results) == sum(v.numel() * v.element_size() for v in ref.values())
+    # the long runs (pwrite): every element where the layout says, as the program filled them
+    with safe_open(tmp_path / "big" / "model.safetensors", "pt") as fh:
+        assert torch.equal(fh.get_tensor("cols"), torch.arange(4 * 65536, dtype=torch.float32).reshape(4, 65536))
+        assert torch.equal(fh.get_tensor("rows"), -torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512))

@@ -12,6 +12,9 @@ sender of the tensor's first op writes the scale.
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import torch
 
 from ..diagnostics import UsageError
@@ -24,7 +27,7 @@ from ..runtime.views import shape as view_shape
 from ..runtime.views import view
 from ..runtime.wire import unpack_into, write_tensor_scale
 from .describe import Checkpoint
-from .files import Mapped
+from .files import TORCH, Mapped
 
 
 class _Writer(BucketRun):
@@ -72,6 +75,7 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None) -> 
     agreed = _agree_amax(plan, run, mine, every, group)
     files = {e.file for op in mine for e in ckpt.by_name[op.dst_name].entries}
     m = Mapped({f.name: f.path for f in ckpt.files if f.name in files}, write=True)
+    writer = _Pwriter(ckpt)
     written = 0
     try:
         targets = {}
@@ -91,13 +95,90 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None) -> 
                     write_tensor_scale(target, stored.dtype, agreed[op.dst_name])
                 rank.meter.reset_bucket()
             else:
-                block = view(target, op.dst_slice)
-                block.copy_(run.source_view(op).reshape(view_shape(op.dst_slice)))
+                block = run.source_view(op).reshape(view_shape(op.dst_slice))
+                if not writer.write(stored.data, op.dst_slice, block):
+                    view(target, op.dst_slice).copy_(block)
             written += op.bytes
         m.flush()
     finally:
         m.close()
+        writer.close()
     return written
+
+
+MIN_RUN_BYTES = 64 * 1024  # shorter runs go through the map: one pwrite call each would cost more
+
+
+def runs(sl, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """A plain box of a C-order tensor as evenly spaced contiguous runs of elements:
+    (first element, run length, elements from one run's start to the next, count); None when
+    the box is strided (compiler/strides.py) or its runs are spaced along more than one dim.
+
+    >>> runs(((2, 4), (0, 8)), (6, 8))    # rows 2-3 of [6, 8]: one run of 16 elements from 16
+    (16, 16, 16, 1)
+    >>> runs(((0, 6), (4, 8)), (6, 8))    # a column block: 6 runs of 4, 8 apart
+    (4, 4, 8, 6)
+    """
+    if any(len(e) != 2 for e in sl):
+        return None
+    ndim = len(shape)
+    if ndim == 0:
+        return 0, 1, 1, 1
+    k = ndim - 1  # the innermost dim that is not whole; inner dims after it are whole
+    while k > 0 and sl[k] == (0, shape[k]):
+        k -= 1
+    inner = 1
+    for d in range(k + 1, ndim):
+        inner *= shape[d]
+    length = (sl[k][1] - sl[k][0]) * inner
+    outer = [d for d in range(k) if sl[d][1] - sl[d][0] > 1]
+    if len(outer) > 1:
+        return None
+    stride, strides = 1, []
+    for d in range(ndim - 1, -1, -1):
+        strides.append(stride)
+        stride *= shape[d]
+    strides.reverse()
+    start = sum(sl[d][0] * strides[d] for d in range(ndim))
+    if not outer:
+        return start, length, length, 1
+    d = outer[0]
+    return start, length, strides[d], sl[d][1] - sl[d][0]
+
+
+class _Pwriter:
+    """Plain blocks whose runs in the file are long, written with `pwrite` from a contiguous
+    buffer (the source itself when it is one): no page faults on the mapped file, the copy the
+    kernel makes into the page cache is the only one."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.paths = {f.name: f.path for f in ckpt.files}
+        self.fds: dict[str, int] = {}
+
+    def write(self, entry, sl, block: torch.Tensor) -> bool:
+        r = runs(sl, entry.shape)
+        itemsize = TORCH[entry.dtype].itemsize
+        if r is None or r[1] * itemsize < MIN_RUN_BYTES:
+            return False
+        start, length, step, count = r
+        buf = block.to(TORCH[entry.dtype]).contiguous()
+        fd = self.fds.get(entry.file)
+        if fd is None:
+            fd = self.fds[entry.file] = os.open(self.paths[entry.file], os.O_WRONLY)
+        nbytes = length * itemsize
+        base = buf.data_ptr()
+        for i in range(count):
+            mem = (ctypes.c_char * nbytes).from_address(base + i * nbytes)
+            at = entry.begin + (start + i * step) * itemsize
+            done = 0
+            while done < nbytes:  # pwrite may write less than asked
+                done += os.pwrite(fd, memoryview(mem)[done:], at + done)
+        return True
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 def _agree_amax(plan, run: _Writer, mine, every, group) -> dict[str, torch.Tensor]:
