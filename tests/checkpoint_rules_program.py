@@ -32,6 +32,23 @@ def body(job: dict, rank: int) -> dict:
     rows = -torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512)
     save(job["big_out"], big, {"cols": cols[:, 32768 * rank:32768 * (rank + 1)].clone(),
                                "rows": rows[128 * rank:128 * (rank + 1)].clone()}, group=dist.group.WORLD)
+    # a stalled rank: the other raises within the save's timeout (its own group: a timed-out
+    # gloo wait leaves the group unusable, and the frame still meets on the world afterwards)
+    import time
+
+    from layoutlang.runtime.errors import RefitError
+
+    stalled = dist.new_group([0, 1])
+    if rank == 1:
+        time.sleep(4.0)
+    start = time.monotonic()
+    try:
+        save(job["stall_out"], big, {"cols": cols[:, 32768 * rank:32768 * (rank + 1)].clone(),
+                                     "rows": rows[128 * rank:128 * (rank + 1)].clone()}, group=stalled, timeout=1.0)
+        report["stall"] = "saved"
+    except RefitError as e:
+        report["stall"] = str(e)
+    report["stall_s"] = time.monotonic() - start
     return report
 
 

@@ -140,6 +140,7 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     save_file({k: v for k, v in ref.items() if k != "emb.weight"}, src / "a.safetensors")
     save_file({"emb.weight": ref["emb.weight"]}, src / "b.safetensors")
     job = {"src": str(src), "out": str(tmp_path / "out"), "layout": TP_LAYOUT, "big_out": str(tmp_path / "big"),
+           "stall_out": str(tmp_path / "stall"),
            "big_layout": "mesh m (tp=2)\ntensor cols [4, 65536 over tp] fp32\ntensor rows [256 over tp, 512] fp32\n"}
     results = launch(job, 2, program=os.path.join(HERE, "checkpoint_rules_program.py"), timeout=120)
     assert all(r.ok for r in results), [(r.error, (r.result or {}).get("trace")) for r in results]
@@ -163,3 +164,7 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     with safe_open(tmp_path / "big" / "model.safetensors", "pt") as fh:
         assert torch.equal(fh.get_tensor("cols"), torch.arange(4 * 65536, dtype=torch.float32).reshape(4, 65536))
         assert torch.equal(fh.get_tensor("rows"), -torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512))
+    # rank 1 stalled 4 s before its save: rank 0 gave up after its 1 s timeout, not the group's 120 s
+    stall = results[0].result
+    assert "did not meet within 1 s" in stall["stall"] and stall["stall_s"] < 4.0, stall
+    assert not [n for n in os.listdir(tmp_path / "stall") if n.endswith(".safetensors")]

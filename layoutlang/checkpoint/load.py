@@ -129,7 +129,7 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
             ok = True
         finally:
             if group is not None:
-                _together(ok, group, me)
+                _together(ok, group, me, timeout)
         return LoadReport(plan, me, sum(op.bytes for op in ops))
     if group is None:
         raise UsageError("exchange=True moves pieces between ranks: pass a group")
@@ -144,17 +144,14 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
     return LoadReport(plan, me, sum(e.nbytes for name in read for e in ckpt.by_name[name].entries), r.received_bytes)
 
 
-def _together(ok: bool, group, rank: int) -> None:
+def _together(ok: bool, group, rank: int, timeout) -> None:
     """Every rank of the group learns whether every rank succeeded (a failed rank raises its own)."""
-    import torch
-    import torch.distributed as dist
-
     from ..runtime.errors import RefitError
+    from .meet import as_timedelta, failures
 
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag, group=group)
-    if ok and int(flag) > 0:
-        raise RefitError.at(rank, 0, "load", f"{int(flag)} rank(s) of the group failed to load", reusable=False)
+    failed = failures(ok, group, rank, "load", as_timedelta(timeout))
+    if ok and failed:
+        raise RefitError.at(rank, 0, "load", f"{failed} rank(s) of the group failed to load", reusable=False)
 
 
 __all__ = ["load", "plan_load", "reader_layout", "reader_text", "LoadReport"]

@@ -196,15 +196,6 @@ class SaveReport:
     written_bytes: int
 
 
-def _barrier_ok(ok: bool, group) -> int:
-    """All-reduce of failures: how many ranks failed (0: every rank passed)."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag, group=group)
-    return int(flag)
-
-
 def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = None, group=None,
          args: dict[str, int] | None = None, max_shard_size: int | str = "5GB", dtype: str | None = None,
          metadata: dict[str, str] | None = None, overwrite: bool = False,
@@ -216,10 +207,12 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     joins them; a one-rank layout needs none. `dtype` casts every key (e.g. "bf16" from fp32
     masters, "mxfp8" to quantize; default: each tensor's own dtype). `metadata` adds to the
     files' `__metadata__` (`format: pt` is always there). The target directory must not hold
-    a checkpoint already unless `overwrite`.
+    a checkpoint already unless `overwrite`. `timeout`: how long a rank waits for the others
+    at each of the save's meetings (a rank that died or stalls makes the others raise `RefitError`).
     """
     from ..compiler.plan import _as_layout, compile_plan
     from .describe import describe
+    from .meet import as_timedelta, failures
     from .write import write_pieces
 
     src = _as_layout(layout, args or {})
@@ -230,6 +223,11 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
             raise UsageError(f"the layout has {src.ranks} ranks: pass the group that joins them")
         group = dist.group.WORLD
     me = _rank_of(rank, group, src.ranks)
+    wait = as_timedelta(timeout)
+
+    def _barrier_ok(ok: bool, group, phase: str = "save") -> int:
+        return failures(ok, group, me, phase, wait)
+
     keys = layout_keys(src, dtype)
     if dtype is not None and dtype not in DTYPE:
         raise UsageError(f"dtype {dtype!r}: expected a layout dtype")

@@ -1,0 +1,47 @@
+"""Where the ranks of a load or a save meet: one all-reduce of failure counts, under a deadline.
+
+A load needs no meeting to be exact (every op is local) and a save needs two (the files
+exist; every byte is written). Each is one small all-reduce on the group's own device (CPU
+for gloo, the current accelerator for NCCL, so one code path serves both), waited for with
+the caller's timeout: a rank that died or stalls makes the others raise `RefitError` within
+it, never hang on the process group's own (much longer) timeout.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from ..runtime.errors import RefitError
+
+
+def _device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def failures(ok: bool, group, rank: int, phase: str, timeout: timedelta) -> int:
+    """How many ranks of `group` did not succeed (0: all did); raises `RefitError` when the
+    others do not arrive within `timeout`."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=_device(group))
+    work = dist.all_reduce(flag, group=group, async_op=True)
+    try:
+        work.wait(timeout)
+    except Exception as exc:  # noqa: BLE001 - a peer died or missed the deadline
+        raise RefitError.at(rank, 0, phase, f"the other ranks did not meet within {timeout.total_seconds():g} s "
+                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+                            reusable=False) from None
+    return int(flag.cpu())
+
+
+def as_timedelta(timeout: timedelta | float) -> timedelta:
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+
+
+__all__ = ["failures", "as_timedelta"]
