@@ -26,6 +26,7 @@ def body(job: dict, rank: int) -> dict:
         if mode == "exchange":
             report["exchange_read"] = got.read_bytes
     report["written"] = save(job["out"], layout, tensors, group=dist.group.WORLD).written_bytes
+    save(job["ranked_out"], layout, tensors, group=dist.group.WORLD, per_rank=True)
     # runs long enough to be written with pwrite: a column block (4 runs of 128 KiB) and a row block
     big = loads(job["big_layout"])
     cols = torch.arange(4 * 65536, dtype=torch.float32).reshape(4, 65536)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from layoutlang import loads
-from layoutlang.checkpoint import checkpoint_files, describe, layout_keys, load, parse_size, save
+from layoutlang.checkpoint import CheckpointError, checkpoint_files, describe, layout_keys, load, parse_size, save
 from layoutlang.diagnostics import UsageError
 from layoutlang.runtime.launch import launch
 
@@ -140,7 +140,7 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     save_file({k: v for k, v in ref.items() if k != "emb.weight"}, src / "a.safetensors")
     save_file({"emb.weight": ref["emb.weight"]}, src / "b.safetensors")
     job = {"src": str(src), "out": str(tmp_path / "out"), "layout": TP_LAYOUT, "big_out": str(tmp_path / "big"),
-           "stall_out": str(tmp_path / "stall"),
+           "stall_out": str(tmp_path / "stall"), "ranked_out": str(tmp_path / "ranked"),
            "big_layout": "mesh m (tp=2)\ntensor cols [4, 65536 over tp] fp32\ntensor rows [256 over tp, 512] fp32\n"}
     results = launch(job, 2, program=os.path.join(HERE, "checkpoint_rules_program.py"), timeout=120)
     assert all(r.ok for r in results), [(r.error, (r.result or {}).get("trace")) for r in results]
@@ -168,3 +168,31 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     stall = results[0].result
     assert "did not meet within 1 s" in stall["stall"] and stall["stall_s"] < 4.0, stall
     assert not [n for n in os.listdir(tmp_path / "stall") if n.endswith(".safetensors")]
+    _check_per_rank_files(tmp_path / "ranked", ref)
+
+
+def _check_per_rank_files(ranked, ref):
+    """Per-rank shard files: rank r's local tensors by NAME with the layout in the metadata; a
+    source for the same layout (each rank its own file) and for any other."""
+    assert sorted(os.listdir(ranked)) == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    for rank in range(2):
+        with safe_open(ranked / f"rank-{rank:05d}-of-00002.safetensors", "pt") as fh:
+            assert fh.metadata()["layoutlang.layout"] == TP_LAYOUT and fh.metadata()["layoutlang.rank"] == str(rank)
+            assert all(torch.equal(fh.get_tensor(k), v) for k, v in _expected(ref, rank).items())
+    ckpt = describe(ranked)
+    assert ckpt.per_rank and TP_LAYOUT in ckpt.text and ckpt.layout.ranks == 2
+    layout = loads(TP_LAYOUT)
+    for rank in range(2):  # the same layout again: each rank reads its own file
+        tensors = {k: torch.full_like(v, float("nan")) for k, v in _expected(ref, rank).items()}
+        report = load(ranked, layout, tensors, rank=rank)
+        assert all(torch.equal(tensors[k], v) for k, v in _expected(ref, rank).items())
+        assert {op.src_rank for op in report.plan.ops_for_rank(rank) if op.dst_rank == rank} == {rank}
+    # another layout: one rank, every key whole and apart, an fp32 copy of the bf16 keys
+    whole = loads("mesh m (one=1)\n" + "".join(f"tensor {k} [{', '.join(map(str, v.shape))}] fp32\n"
+                                                for k, v in ref.items()))
+    tensors = {k: torch.full(v.shape, float("nan")) for k, v in ref.items()}
+    load(ranked, whole, tensors, rank=0)
+    assert all(torch.equal(tensors[k], v.float()) for k, v in ref.items())
+    os.unlink(ranked / "rank-00001-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match="shard file of rank 1 .of 2. is missing"):
+        describe(ranked)

@@ -105,12 +105,16 @@ class Checkpoint:
     skipped: tuple[Skipped, ...]
     ignored: tuple[str, ...]
     text: str
+    # per-rank shard files (ranked.py): `text` is the saved layout's, loaded with `args`;
+    # `tensors` is empty (rank r's tensors are file r's, by NAME)
+    per_rank: bool = False
+    args: tuple[tuple[str, int], ...] = ()
 
     @cached_property
     def layout(self):
         from ..elaborate import loads
 
-        return loads(self.text, f"<checkpoint {self.path}>")
+        return loads(self.text, f"<checkpoint {self.path}>", dict(self.args) or None)
 
     @cached_property
     def by_name(self) -> Mapping[str, Stored]:
@@ -272,6 +276,15 @@ def _text(files: CheckpointFiles, stored: tuple[Stored, ...], skipped: tuple[Ski
 def describe(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at `path` (a directory of safetensors files, or one file), from its headers only."""
     files = read_checkpoint(path)
+    from .ranked import is_ranked, ranked_source
+
+    if is_ranked(files):
+        layout, _ = ranked_source(files)
+        head = (f"# Per-rank shard files of {layout.ranks} rank(s) in {_q(os.path.basename(os.path.abspath(files.path)))}: "
+                f"rank r's tensors are file r's, by NAME; the layout they were saved from"
+                + (f", with {', '.join(f'{k}={v}' for k, v in layout.args)}" if layout.args else "") + ":\n")
+        return Checkpoint(files.path, files.files, None, (), (), files.ignored, head + layout.source_text,
+                          per_rank=True, args=tuple(layout.args))
     stored, skipped = _describe(files)
     return Checkpoint(files.path, files.files, files.index, stored, skipped, files.ignored,
                       _text(files, stored, skipped))

@@ -24,7 +24,8 @@ Every check below is one a hostile or damaged file can fail; each failure is a
 `read_checkpoint(dir)` reads every file of a checkpoint directory and checks
 `model.safetensors.index.json` against them: a key the index maps to a file that
 lacks it, a key of a file that the index does not map there, a file the index
-names that is missing, and (without an index) a key held by two files.
+names that is missing, and (without an index) a key held by two files (except in per-rank
+shard files, whose keys are each rank's own: ranked.py checks those against their layout).
 
 >>> DTYPE_BITS["BF16"], DTYPE_BITS["F4"], DTYPE_BITS["F6_E2M3"], DTYPE_BITS["F8_E8M0"]
 (16, 4, 6, 8)
@@ -266,6 +267,8 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFiles:
         if not found:
             raise UsageError(f"{root}: no *.safetensors file and no {INDEX_NAME}")
         files = tuple(read_header(root / name) for name in found)
+        if all("layoutlang.layout" in f.metadata for f in files):
+            return CheckpointFiles(str(root), files, None)  # per-rank shard files: ranked.py checks them
         seen: dict[str, str] = {}
         for f in files:
             for e in f.entries:

@@ -100,6 +100,8 @@ def plan_load(path, layout, *, args: dict[str, int] | None = None, exchange: boo
 
     ckpt = path if isinstance(path, Checkpoint) else describe(path)
     dst = _as_layout(layout, args or {})
+    if ckpt.per_rank:  # ranked.py: every op a copy out of its source rank's file
+        return ckpt, compile_plan(ckpt.layout, dst, wire="bf16", relay=False)
     return ckpt, compile_plan(reader_layout(ckpt, dst.ranks, exchange=exchange), dst)
 
 
@@ -117,7 +119,10 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
     """
     from ..runtime.loopback import run_rank
 
-    ckpt, plan = plan_load(path, layout, args=args, exchange=exchange)
+    ckpt = path if isinstance(path, Checkpoint) else describe(path)
+    if ckpt.per_rank:
+        return _load_ranked(ckpt, layout, tensors, rank, group, args, device, timeout)
+    ckpt, plan = plan_load(ckpt, layout, args=args, exchange=exchange)
     me = _rank_of(rank, group, plan.dst.ranks)
     ops = plan.ops_for_rank(me)
     if not exchange:
@@ -142,6 +147,23 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
     # the keys this rank reads, each once in the whole job (its ops may send one key to several ranks)
     read = {op.src_name for op in plan.ops if op.src_rank == me}
     return LoadReport(plan, me, sum(e.nbytes for name in read for e in ckpt.by_name[name].entries), r.received_bytes)
+
+
+def _load_ranked(ckpt: Checkpoint, layout, tensors, rank, group, args, device, timeout) -> LoadReport:
+    from ..compiler.plan import _as_layout
+    from .headers import CheckpointFiles
+    from .ranked import load_ranked
+
+    dst = _as_layout(layout, args or {})
+    me = _rank_of(rank, group, dst.ranks)
+    ok = False
+    try:
+        plan, read = load_ranked(CheckpointFiles(ckpt.path, ckpt.files, None), dst, me, tensors, device)
+        ok = True
+    finally:
+        if group is not None:
+            _together(ok, group, me, timeout)
+    return LoadReport(plan, me, read)
 
 
 def _together(ok: bool, group, rank: int, timeout) -> None:

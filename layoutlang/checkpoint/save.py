@@ -41,6 +41,7 @@ from ..ir import QUANTIZED, Layout
 from ..vocabulary import DTYPE
 from .headers import DTYPE_BITS, INDEX_NAME
 from .load import _rank_of
+from .ranked import FILE, rank_metadata, write_rank
 
 WEIGHTS = "model.safetensors"
 PARTIAL = ".layoutlang-partial-"
@@ -198,7 +199,7 @@ class SaveReport:
 
 def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = None, group=None,
          args: dict[str, int] | None = None, max_shard_size: int | str = "5GB", dtype: str | None = None,
-         metadata: dict[str, str] | None = None, overwrite: bool = False,
+         metadata: dict[str, str] | None = None, overwrite: bool = False, per_rank: bool = False,
          timeout: timedelta | float = timedelta(seconds=300)) -> SaveReport:
     """Write every key of `layout` from each rank's `tensors` ({NAME: tensor} as a Refitter's
     sources) into an HF checkpoint at `path` (a directory), in place of nobody's gather.
@@ -209,6 +210,9 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     files' `__metadata__` (`format: pt` is always there). The target directory must not hold
     a checkpoint already unless `overwrite`. `timeout`: how long a rank waits for the others
     at each of the save's meetings (a rank that died or stalls makes the others raise `RefitError`).
+    `per_rank=True` writes per-rank shard files instead (ranked.py: each rank its own local
+    tensors, the layout in `__metadata__`), a fast restart of the same layout and a source for
+    any other; `max_shard_size`, `dtype` and `metadata` do not apply to them.
     """
     from ..compiler.plan import _as_layout, compile_plan
     from .describe import describe
@@ -231,7 +235,13 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     keys = layout_keys(src, dtype)
     if dtype is not None and dtype not in DTYPE:
         raise UsageError(f"dtype {dtype!r}: expected a layout dtype")
-    files = checkpoint_files(keys, max_shard_size, metadata)
+    if per_rank and (dtype is not None or metadata):
+        raise UsageError("per_rank=True writes each rank's tensors as they are stored: no dtype, no metadata")
+    files = () if per_rank else checkpoint_files(keys, max_shard_size, metadata)
+    names = tuple(FILE.format(rank=r, ranks=src.ranks) for r in range(src.ranks)) if per_rank else \
+        tuple(f.name for f in files)
+    if per_rank:
+        rank_metadata(src, me)  # a layout that cannot be carried is refused on every rank, before anything
     target = os.fspath(path)
     partial = os.path.join(target, PARTIAL + src.digest[:16])
     ok = False
@@ -244,10 +254,13 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
             raise UsageError(f"{target}: the save could not start (rank 0 could not create its files)")
     ok, written, plan = False, 0, None
     try:
-        ckpt = describe(partial)
-        dst = _loads(file_layout_text(src, files, ckpt.text), target)
-        plan = compile_plan(src, dst)
-        written = write_pieces(plan, me, ckpt, tensors, group)
+        if per_rank:
+            written = write_rank(os.path.join(partial, names[me]), src, me, tensors)
+        else:
+            ckpt = describe(partial)
+            dst = _loads(file_layout_text(src, files, ckpt.text), target)
+            plan = compile_plan(src, dst)
+            written = write_pieces(plan, me, ckpt, tensors, group)
         ok = True
     finally:
         failed = _barrier_ok(ok, group) if group is not None else (0 if ok else 1)
@@ -260,10 +273,10 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
                 raise RefitError.at(me, 0, "save", f"{failed} rank(s) failed to write their pieces: nothing "
                                     f"was saved to {target}", reusable=False)
     if me == 0:
-        _publish(target, partial, files)
+        _publish(target, partial, names, _index(files) if len(files) > 1 else None)
     if group is not None:
         _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
-    return SaveReport(tuple(f.name for f in files) + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written)
+    return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written)
 
 
 def _loads(text: str, where: str):
@@ -285,18 +298,17 @@ def _prepare(target: str, partial: str, files: tuple[FileLayout, ...], overwrite
             fh.truncate(f.size)
 
 
-def _publish(target: str, partial: str, files: tuple[FileLayout, ...]) -> None:
+def _publish(target: str, partial: str, names: tuple[str, ...], index: bytes | None) -> None:
     """Move the written files into the target, the index last; then nothing is left behind."""
-    names = {f.name for f in files}
     for n in os.listdir(target):  # an overwritten checkpoint's files that this one does not have
         if (n.endswith(".safetensors") or n == INDEX_NAME) and n not in names:
             os.unlink(os.path.join(target, n))
-    for f in files:
-        os.replace(os.path.join(partial, f.name), os.path.join(target, f.name))
-    if len(files) > 1:
+    for name in names:
+        os.replace(os.path.join(partial, name), os.path.join(target, name))
+    if index is not None:
         tmp = os.path.join(partial, INDEX_NAME)
         with open(tmp, "wb") as fh:
-            fh.write(_index(files))
+            fh.write(index)
         os.replace(tmp, os.path.join(target, INDEX_NAME))
     shutil.rmtree(partial, ignore_errors=True)
 

@@ -1,0 +1,242 @@
+"""Per-rank shard files: each rank's local tensors as they are stored, for a fast restart.
+
+    >>> save("ckpt/", "train.layout", my_tensors, group=g, per_rank=True)   # doctest: +SKIP
+
+Rank r of an N-rank layout writes `rank-0000r-of-0000N.safetensors` alone: its tensors by
+NAME, in their local shapes (padding and all), quantized ones as data and scales entries as
+a save writes a key (save.py `_entries`). Every file's `__metadata__` carries the layout:
+`layoutlang.layout` (its text), `layoutlang.args` (JSON), `layoutlang.rank`,
+`layoutlang.ranks` and `layoutlang.digest` (the layout's digest: text and args). The files
+appear together (temporary directory, rename by rank 0 once every rank has written, as a save).
+
+Such a directory is a checkpoint whose layout is the saved one and whose rank r is file r
+(`ranked_source`), so it is a source for ANY layout: a load compiles the plan from the saved
+layout to the destination (bf16 wire, no relays: every op is a copy out of some file) and
+each rank runs the ops it receives, reading the source rank's file. The same layout again
+(same digest, same rank) is the fast restart: every op is a whole local tensor out of this
+rank's own file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from ..diagnostics import UsageError
+from ..ir import QUANTIZED, Layout
+from .headers import DTYPE_BITS, CheckpointError, CheckpointFiles, FileHeader
+
+META = "layoutlang.layout"
+FILE = "rank-{rank:05d}-of-{ranks:05d}.safetensors"
+
+
+def is_ranked(files: CheckpointFiles) -> bool:
+    """Do these files hold per-rank shards (every file says the layout it is a rank of)?"""
+    return bool(files.files) and all(META in f.metadata for f in files.files)
+
+
+def rank_metadata(layout: Layout, rank: int) -> dict[str, str]:
+    if len(layout.sources) != 1:
+        raise UsageError(f"{layout.path}: per-rank shard files carry the layout's text, and this layout "
+                         f"includes {len(layout.sources) - 1} other file(s)",
+                         help="save per rank from a layout without `include`, or save HF files (per_rank=False)")
+    return {"format": "pt", META: layout.source_text, "layoutlang.args": json.dumps(dict(layout.args)),
+            "layoutlang.rank": str(rank), "layoutlang.ranks": str(layout.ranks), "layoutlang.digest": layout.digest}
+
+
+def ranked_source(files: CheckpointFiles) -> tuple[Layout, dict[int, FileHeader]]:
+    """The saved layout and each rank's file, checked: one layout, every rank once, and each
+    file holding exactly its rank's tensors (names, local shapes, dtypes)."""
+    from ..elaborate import loads
+    from .save import _entries
+
+    first = files.files[0]
+    try:
+        args = json.loads(first.metadata.get("layoutlang.args", "{}"))
+        ranks = int(first.metadata["layoutlang.ranks"])
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{first.name}: per-rank metadata is unreadable ({exc})") from None
+    by_rank: dict[int, FileHeader] = {}
+    for f in files.files:
+        for field in (META, "layoutlang.args", "layoutlang.ranks", "layoutlang.digest"):
+            if f.metadata.get(field) != first.metadata.get(field):
+                raise CheckpointError(f"{f.name}: `{field}` differs from {first.name}'s: the files are ranks of "
+                                      "different layouts")
+        rank = f.metadata.get("layoutlang.rank", "")
+        if not rank.isdigit() or int(rank) >= ranks or int(rank) in by_rank:
+            raise CheckpointError(f"{f.name}: rank {rank!r} is not one of 0..{ranks - 1} once")
+        by_rank[int(rank)] = f
+    missing = [r for r in range(ranks) if r not in by_rank]
+    if missing:
+        raise CheckpointError(f"{files.path}: the shard file of rank {missing[0]} (of {ranks}) is missing",
+                              help=f"expected {FILE.format(rank=missing[0], ranks=ranks)}")
+    layout = loads(first.metadata[META], f"<{first.name} metadata>", args)
+    if layout.ranks != ranks:
+        raise CheckpointError(f"{first.name}: the layout has {layout.ranks} ranks, the metadata says {ranks}")
+    for r, f in by_rank.items():
+        want = {name: (st, list(shape)) for t in layout.tensors if t.holds(r)
+                for name, st, shape in _entries(t.name, t.dtype, tuple(t.local_shape_at(r)))}
+        have = {e.key: (e.dtype, list(e.shape)) for e in f.entries}
+        if want != have:
+            diff = next(k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k))
+            raise CheckpointError(f"{f.name}: key `{diff}`: rank {r} of the layout holds "
+                                  f"{_says(want.get(diff))}, the file {_says(have.get(diff))}")
+    return layout, by_rank
+
+
+def _says(entry) -> str:
+    return "nothing" if entry is None else f"{entry[0]} {entry[1]}"
+
+
+def header(layout: Layout, rank: int) -> tuple[bytes, int, list]:
+    """Rank `rank`'s file: its header, its size and [(tensor name, entry key, offset)] in data order."""
+    from .save import _entries
+
+    entries = [(t.name, name, st, shape) for t in layout.tensors if t.holds(rank)
+               for name, st, shape in _entries(t.name, t.dtype, tuple(t.local_shape_at(rank)))]
+    order = sorted(range(len(entries)), key=lambda i: (-max(1, DTYPE_BITS[entries[i][2]] // 8), i))
+    head: dict[str, object] = {"__metadata__": rank_metadata(layout, rank)}
+    at, placed = 0, []
+    for i in order:
+        tname, key, st, shape = entries[i]
+        n = math.prod(shape) * DTYPE_BITS[st] // 8
+        head[key] = {"dtype": st, "shape": list(shape), "data_offsets": [at, at + n]}
+        placed.append((tname, key, at))
+        at += n
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    text = len(text).to_bytes(8, "little") + text
+    return text, len(text) + at, [(t, k, len(text) + off) for t, k, off in placed]
+
+
+def _parts(value, dtype: str) -> dict[str, torch.Tensor]:
+    """{entry key suffix: tensor} of a local tensor as `_entries` names them."""
+    from ..runtime.quant import as_quantized
+
+    if dtype not in QUANTIZED:
+        return {"": value}
+    q = as_quantized(value, dtype)
+    if dtype == "mxfp4":
+        return {"_blocks": q.data, "_scales": q.scales}
+    if dtype == "fp8_b128":
+        return {"": q.data, "_scale_inv": q.scales}
+    if dtype == "mxfp8":
+        return {"": q.data, "_scale": q.scales}
+    return {"": q.data, "_scale": q.scale}
+
+
+def write_rank(path: str, layout: Layout, rank: int, tensors: dict) -> int:
+    """Write rank `rank`'s file at `path` whole (header, then each tensor's bytes); returns the bytes."""
+    from ..runtime.refit import _shape_problem
+
+    head, size, placed = header(layout, rank)
+    held = {t.name: t for t in layout.tensors if t.holds(rank)}
+    problems = [f"`{n}` is missing" if n not in tensors else f"`{n}`: {p}"
+                for n, t in held.items()
+                if n not in tensors or (p := _shape_problem(t, tensors[n], rank))]
+    if problems:
+        raise UsageError(f"rank {rank}: local tensors do not match the layout, nothing was written: "
+                         + "; ".join(problems[:8]))
+    parts = {}
+    for name, t in held.items():
+        for suffix, tensor in _parts(tensors[name], t.dtype).items():
+            parts[name + suffix] = tensor
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        os.ftruncate(fd, size)
+        for _, key, offset in placed:
+            t = parts[key].detach().cpu().contiguous()
+            if t.dtype == torch.float8_e8m0fnu:
+                t = t.view(torch.uint8)
+            _pwrite_all(fd, t, offset)
+    finally:
+        os.close(fd)
+    return size - len(head)
+
+
+def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return
+    mem = memoryview((ctypes.c_char * n).from_address(t.data_ptr()))
+    done = 0
+    while done < n:
+        done += os.pwrite(fd, mem[done:], offset + done)
+
+
+def _stored(layout: Layout, rank: int, f: FileHeader) -> dict:
+    """{tensor NAME: Stored} of rank `rank`'s file (its entries as `_entries` names them)."""
+    from .describe import Stored
+    from .save import _entries
+
+    by_key = {e.key: e for e in f.entries}
+    out = {}
+    for t in layout.tensors:
+        if t.holds(rank):
+            local = tuple(t.local_shape_at(rank))
+            entries = [by_key[name] for name, _, _ in _entries(t.name, t.dtype, local)]
+            out[t.name] = Stored(t.name, t.dtype, local, entries[0], tuple(entries[1:]))
+    return out
+
+
+def load_ranked(files: CheckpointFiles, dst: Layout, me: int, tensors: dict, device=None):
+    """This rank's destinations from per-rank shard files: the plan from the saved layout, the
+    ops this rank receives, each block read out of its source rank's file (returns the plan
+    and the bytes read)."""
+    from ..compiler.plan import compile_plan
+    from ..runtime.bucket import padding
+    from ..runtime.loopback import _Rank
+    from ..runtime.quant import quantize_into
+    from ..runtime.refit import _as_given, _shape_problem
+    from ..runtime.views import shape as view_shape
+    from ..runtime.views import view
+    from .files import Mapped
+    from .write import _Writer
+
+    saved, by_rank = ranked_source(files)
+    plan = compile_plan(saved, dst, wire="bf16", relay=False)
+    ops = [op for op in plan.ops_for_rank(me) if op.dst_rank == me]
+    held = {t.name: t for t in dst.tensors if me < dst.ranks and t.holds(me)}
+    given = _as_given(tensors, held)
+    problems = [f"`{n}` is missing" if n not in given else f"`{n}`: {p}" for n, t in held.items()
+                if n not in given or (p := _shape_problem(t, given[n], me))]
+    if problems:
+        from ..runtime.errors import RefitError
+
+        raise RefitError.at(me, 0, "setup", "local tensors do not match the layouts, nothing was written: "
+                            + "; ".join(problems[:8]), reusable=True)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    sources = sorted({op.src_rank for op in ops})
+    maps = {s: Mapped({by_rank[s].name: by_rank[s].path}) for s in sources}
+    try:
+        readers = {}
+        for s in sources:
+            stored = _stored(saved, s, by_rank[s])
+            views = {n: maps[s].stored(st) for n, st in stored.items()}
+            readers[s] = _Writer(_Rank(plan, s), (), views, {}, device)
+        assembly = {}
+        for name, t in held.items():  # padding is zero: a quantized tensor is assembled from zeros
+            if t.dtype in QUANTIZED:
+                assembly[name] = torch.zeros(tuple(t.local_shape_at(me)), dtype=torch.bfloat16, device=device)
+            else:
+                for pad in padding(given[name], t, me):
+                    pad.zero_()
+        for op in ops:
+            block = readers[op.src_rank].source_view(op)
+            target = assembly.get(op.dst_name, given.get(op.dst_name))
+            view(target, op.dst_slice).copy_(block.reshape(view_shape(op.dst_slice)))
+        for name, a in assembly.items():
+            quantize_into(a, given[name], held[name].dtype)
+    finally:
+        for m in maps.values():
+            m.close()
+    return plan, sum(op.bytes for op in ops)
+
+
+__all__ = ["load_ranked", "is_ranked", "ranked_source", "write_rank", "header", "FILE", "META"]
