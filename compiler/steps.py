@@ -39,7 +39,7 @@ from layoutlang.ir import QUANTIZED, TensorIR
 from layoutlang.modes import Run
 
 from .plan import Op, Plan
-from .wire import tensor_scaled, wire_dtype
+from .wire import forwards, tensor_scaled, wire_dtype
 
 ROUNDS = 3  # 0: transfers and amaxes; 1: agreed amaxes back; 2: per-tensor-scale blocks
 # the kinds that post a point-to-point message: (what it says, whether this rank sends it)
@@ -137,8 +137,9 @@ def bucket_steps(rank: int, index: int, ops: tuple[Op, ...], completes: tuple[Te
         if op.src_rank != rank or op.after or op.src_name in seen:
             continue  # (a relay reads this rank's destination copy)
         s = src_of[op.src_name]
-        if s.dtype in QUANTIZED:
-            seen.add(op.src_name)
+        if s.dtype in QUANTIZED and not all(forwards(o, s.dtype, tuple(s.local_shape_at(rank))) for o in ops
+                                            if o.src_rank == rank and not o.after and o.src_name == op.src_name):
+            seen.add(op.src_name)  # (every op forwarding the source's own blocks: no bf16 copy of it)
             add("dequantize", tensor=op.src_name, bytes=prod(s.local_shape_at(rank)) * 2)
     depth_of = depth_of or {}
     exchange = [op for op in ops if op.wire and tensor_scaled(op.wire) and not op.local]

@@ -124,6 +124,26 @@ def quantized_bytes(dst_slice, local: tuple[int, ...], dtype: str) -> int:
     return n
 
 
+def forwards(op, src_dtype: str, src_local: tuple[int, ...]) -> bool:
+    """Does this quantized-wire op carry its source's own bytes (LANGUAGE.md 4.1: a source stored
+    in the same format with the same block grid is forwarded without dequantizing)?
+
+    Yes when the source is stored in the op's wire format, the format has no per-tensor scale
+    (that scale is the destination's, agreed anew), the op is no relay and not transposed, and
+    both slices are plain boxes of equal extents covering whole blocks of their own tensors:
+    then the source's blocks are the destination's, edge blocks included (a partial edge
+    block on one side ends the slice there, so the other side's slice ends at its edge too).
+    A stacked side (a slice with one more dim) goes the bf16 way.
+    """
+    if op.wire is None or op.wire != src_dtype or tensor_scaled(src_dtype) or op.after or op.transpose is not None:
+        return False
+    if len(op.src_slice) != len(op.dst_slice):
+        return False
+    if any(len(s) != 2 or s[1] - s[0] != d[1] - d[0] for s, d in zip(op.src_slice, op.dst_slice)):
+        return False
+    return covers_whole_blocks(op.src_slice, src_local, src_dtype)
+
+
 def op_wire(dst_slice, local: tuple[int, ...], dst_dtype: str, mode: str = "auto") -> tuple[str | None, int]:
     """(quantized wire format or None, bytes on the wire) of an op into a destination of `dst_dtype`."""
     if dst_dtype in QUANTIZED and mode == "auto" and covers_whole_blocks(dst_slice, local, dst_dtype):

@@ -13,6 +13,7 @@ import time
 import torch
 
 from layoutlang.compiler.steps import Step
+from layoutlang.compiler.wire import forwards
 from layoutlang.ir import QUANTIZED, TensorIR
 from layoutlang.modes import PadRun
 
@@ -20,7 +21,7 @@ from .quant import dequantize, quantize_into
 from .staging import StagingArena
 from .views import shape as _shape
 from .views import view as _view
-from .wire import pack, unpack_into, write_tensor_scale
+from .wire import forwarded, pack, unpack_into, write_tensor_scale
 from .wire import wire_bytes as packed_bytes
 
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -91,6 +92,9 @@ class BucketRun:
         return _view(base if base is not None else self.dst[op.dst_name], op.dst_slice)
 
     def packed(self, op) -> torch.Tensor:
+        held = self.r.src_held.get(op.src_name) if not op.after else None
+        if held is not None and forwards(op, held.dtype, tuple(held.local_shape_at(self.me))):
+            return self.alloc(forwarded(self.src[op.src_name], op.wire, op.src_slice, tuple(held.local_shape_at(self.me))))
         amax = self.amax[op.id].reshape(()) if op.id in self.amax else self.agreed.get(op.dst_name)
         return self.alloc(pack(self.block_of(op), op.wire, amax))
 

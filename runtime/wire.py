@@ -59,6 +59,12 @@ def pack(block: torch.Tensor, dtype: str, amax: torch.Tensor | None = None) -> t
     return torch.cat([_raw(t) for t, _ in _parts(value, dtype, whole, tuple(block.shape))])
 
 
+def forwarded(value, dtype: str, src_slice, local: tuple[int, ...]) -> torch.Tensor:
+    """A same-format source's own bytes of `src_slice` (whole blocks; compiler/wire.py
+    `forwards`), in `pack`'s order: what `pack` would give, without dequantizing."""
+    return torch.cat([_raw(t[_slices(sl)]) for t, sl in _parts(value, dtype, src_slice, local)])
+
+
 def unpack_into(buf: torch.Tensor, value, dtype: str, dst_slice, local: tuple[int, ...]) -> None:
     """Copy a packed buffer into the destination's data and block scales at `dst_slice`."""
     at = 0

@@ -196,3 +196,55 @@ def _check_per_rank_files(ranked, ref):
     os.unlink(ranked / "rank-00001-of-00002.safetensors")
     with pytest.raises(CheckpointError, match="shard file of rank 1 .of 2. is missing"):
         describe(ranked)
+
+
+def test_a_source_in_the_destination_s_format_is_forwarded_not_requantized(tmp_path):
+    """LANGUAGE.md 4.1: a source stored in the same format with the same block grid is forwarded.
+    Codes whose block amax is not 448 x scale (any checkpoint not quantized by this project's rule)
+    would come out different, and lossy, through bf16 and a new scale."""
+    from layoutlang.runtime.loopback import refit
+    from layoutlang.runtime.quant import Fp8BlockTensor, empty
+
+    g = torch.Generator().manual_seed(3)
+    codes = (torch.randn(256, 128, generator=g) * 3).to(torch.float8_e4m3fn)
+    scales = torch.rand(2, 1, generator=g) + 0.5
+    save_file({"w": codes, "w_scale_inv": scales}, tmp_path / "model.safetensors")
+    layout = loads("mesh m (tp=2)\ntensor w [256 over tp, 128] fp8_b128\n")
+    for rank in range(2):
+        t = {"w": empty("fp8_b128", (128, 128))}
+        load(tmp_path, layout, t, rank=rank)
+        assert torch.equal(t["w"].data.view(torch.uint8), codes[128 * rank:128 * rank + 128].view(torch.uint8))
+        assert torch.equal(t["w"].scales, scales[rank:rank + 1])
+    # a refit between two layouts of the same format: TP2 rows -> TP2 columns (whole 128-blocks)
+    src = loads("mesh m (tp=2)\ntensor w [256 over tp, 256] fp8_b128\n")
+    dst = loads("mesh m (tp=2)\ntensor w [256, 256 over tp] fp8_b128\n")
+    from layoutlang import compile_plan
+
+    big = (torch.randn(256, 256, generator=g) * 3).to(torch.float8_e4m3fn)
+    grid = torch.rand(2, 2, generator=g) + 0.5
+    given = {r: {"w": Fp8BlockTensor(big[128 * r:128 * r + 128].clone(), grid[r:r + 1].clone())} for r in range(2)}
+    out = {r: {"w": empty("fp8_b128", (256, 128))} for r in range(2)}
+    refit(compile_plan(src, dst), given, out)
+    for r in range(2):
+        assert torch.equal(out[r]["w"].data.view(torch.uint8), big[:, 128 * r:128 * r + 128].view(torch.uint8))
+        assert torch.equal(out[r]["w"].scales, grid[:, r:r + 1])
+
+
+def test_blocks_cut_by_the_destination_are_quantized_once_from_the_values(tmp_path):
+    # rows split at 64: no fp8_b128 block of the source is whole on a rank, so each rank
+    # assembles its values (code x scale) and quantizes them once: amax / 448 per block
+    from reference_quant import quantize_fp8_b128 as reference
+    from layoutlang.runtime.quant import empty
+
+    g = torch.Generator().manual_seed(4)
+    codes = (torch.randn(128, 128, generator=g) * 3).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[0.75]])
+    save_file({"w": codes, "w_scale_inv": scales}, tmp_path / "model.safetensors")
+    values = (codes.float() * 0.75).bfloat16()
+    layout = loads("mesh m (tp=2)\ntensor w [128 over tp, 128] fp8_b128\n")
+    for rank in range(2):
+        t = {"w": empty("fp8_b128", (64, 128))}
+        load(tmp_path, layout, t, rank=rank)
+        want = reference(values[64 * rank:64 * rank + 64].float().tolist())
+        assert torch.equal(t["w"].data.view(torch.uint8), torch.tensor(want.codes, dtype=torch.uint8))
+        assert torch.equal(t["w"].scales, torch.tensor(want.scales, dtype=torch.float32))

@@ -232,9 +232,9 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     def _barrier_ok(ok: bool, group, phase: str = "save") -> int:
         return failures(ok, group, me, phase, wait)
 
-    keys = layout_keys(src, dtype)
     if dtype is not None and dtype not in DTYPE:
-        raise UsageError(f"dtype {dtype!r}: expected a layout dtype")
+        raise UsageError(f"dtype {dtype!r}: expected a layout dtype", help=f"one of {', '.join(DTYPE)}")
+    keys = layout_keys(src, dtype)
     if per_rank and (dtype is not None or metadata):
         raise UsageError("per_rank=True writes each rank's tensors as they are stored: no dtype, no metadata")
     files = () if per_rank else checkpoint_files(keys, max_shard_size, metadata)
