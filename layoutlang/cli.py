@@ -1,4 +1,4 @@
-"""`layoutc`: the command line. Verbs: check, fmt, plan, explain, run, new.
+"""`layoutc`: the command line. Verbs: check, fmt, plan, explain, run, convert, new.
 
 Exit codes: 0 ok, 1 diagnostics (or `fmt --check` found a file to change),
 2 usage errors.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .diagnostics import LayoutError, UsageError
+from .diagnostics import LayoutError, Note, UsageError
 from .elaborate import load, read_source
 from .report.units import human_bytes
 
@@ -68,6 +69,98 @@ def _add_pair_sets(p) -> None:
                    help="override an `arg` in each layout that declares it (repeatable)")
     p.add_argument("--set-src", action="append", metavar="NAME=VALUE", help="override an `arg` of SRC only")
     p.add_argument("--set-dst", action="append", metavar="NAME=VALUE", help="override an `arg` of DST only")
+
+
+def is_checkpoint(path: str) -> bool:
+    """Is this side of a pair a checkpoint (a directory of safetensors files, or one file)?"""
+    return os.path.isdir(path) or str(path).endswith(".safetensors")
+
+
+def _pair(src: str, dst: str, args: dict[str, int], src_args: dict[str, int], dst_args: dict[str, int],
+          *, strict: bool = True):
+    """The sides of a verb that reads a pair, and the checkpoints among them ({"src"|"dst": Checkpoint}).
+
+    Neither a checkpoint: the paths, as given (compile_plan loads and checks them). Otherwise
+    loaded layouts: a checkpoint source is its layout with one reader per destination rank,
+    every key whole on each (what `load` plans: checkpoint/load.py `reader_layout`); a
+    checkpoint destination is the layout it describes (one rank holding every key). A
+    checkpoint has no args; `strict`: an arg no layout side declares is a usage error, as
+    compile_plan's.
+    """
+    from .checkpoint import describe
+    from .checkpoint.load import reader_layout
+
+    ck = {"src": is_checkpoint(src), "dst": is_checkpoint(dst)}
+    if not any(ck.values()):
+        return src, dst, {}
+    sides = {"src": (src, {**args, **src_args}, src_args, "--set-src"),
+             "dst": (dst, {**args, **dst_args}, dst_args, "--set-dst")}
+    layouts, ckpts = {}, {}
+    for side, (path, given, own, flag) in sides.items():
+        if ck[side]:
+            if own and strict:
+                raise UsageError(f"{flag} {next(iter(own))}: {path} is a checkpoint, which has no args")
+            ckpts[side] = describe(path)
+        else:
+            layouts[side] = load(path, given, unknown_args="ignore")
+    if ck["dst"]:
+        layouts["dst"] = ckpts["dst"].layout
+    if ck["src"]:
+        layouts["src"] = reader_layout(ckpts["src"], layouts["dst"].ranks)
+    if strict:
+        declared = {n for side in layouts if not ck[side] for n, _ in layouts[side].args}
+        for name in args:
+            if name not in declared:
+                raise UsageError(f"--set {name}: neither layout has an arg `{name}`"
+                                 + (" (a checkpoint has none)" if len(ckpts) < 2 else " (checkpoints have none)"))
+        for side, (path, _, own, flag) in sides.items():
+            for name in own if not ck[side] else ():
+                if name not in dict(layouts[side].args):
+                    raise UsageError(f"{flag} {name}: {layouts[side].path} has no arg `{name}`",
+                                     help=f"its args: {', '.join(n for n, _ in layouts[side].args) or 'none'}")
+    return layouts["src"], layouts["dst"], ckpts
+
+
+_MISSING_KEY = re.compile(r"key `(.+)` is not in the source layout ")
+
+
+def _checkpoint_error(e: LayoutError, ckpts: dict, dst_path: str) -> LayoutError:
+    """A plan diagnostic about a key that a checkpoint side lacks or has, said in checkpoint terms.
+
+    A destination key the checkpoint source lacks gets a note when the checkpoint has it but its
+    layout leaves it out (an integer tensor, ...). A key of a checkpoint destination is a line of
+    text nobody wrote: the help says what to edit instead."""
+    m = _MISSING_KEY.match(e.message)
+    if not m or not ckpts:
+        return e
+    key = m.group(1)
+    notes, help_ = list(e.notes), e.help
+    if "src" in ckpts:
+        src = ckpts["src"]
+        e_message = f"key `{key}` is not in the checkpoint {src.path}"
+        for s in src.skipped:
+            if s.entry.key == key:
+                notes.append(Note(f"the checkpoint has `{key}` ({s.entry.dtype} {list(s.entry.shape)} in "
+                                  f"{s.entry.file}) but leaves it out: {s.reason}"))
+    else:
+        e_message = e.message
+    if "dst" in ckpts:
+        help_ = (f"a checkpoint destination takes every key it holds; to plan without `{key}`, write its layout "
+                 f"(`layoutc new checkpoint {dst_path} -o ckpt.layout`), delete that tensor or give it the "
+                 "source's key with `as KEY`, and plan against that file")
+    return type(e)(e_message, e.span, help=help_, notes=tuple(notes))
+
+
+def _compile(src, dst, ckpts: dict, dst_path: str, **kwargs):
+    """compile_plan, its diagnostics about checkpoint sides said in checkpoint terms."""
+    from layoutlang.compiler import compile_plan
+
+    try:
+        return compile_plan(src, dst, **kwargs)
+    except LayoutError as e:
+        if not ckpts or isinstance(e, UsageError):
+            raise
+        raise _checkpoint_error(e, ckpts, dst_path) from None
 
 
 def _print_error(err: LayoutError, err_console: Console) -> None:
@@ -268,10 +361,15 @@ def cmd_plan(ns, out: Console, err: Console) -> int:
         raise UsageError("--steps lists one rank's steps as text", help="add --rank R (and no --format)")
     if ns.budget is not None and ns.budget < 1:
         raise UsageError(f"--budget {ns.budget}: expected a positive number of bytes")
+    src, dst, ckpts = _pair(ns.src, ns.dst, args, src_args, dst_args)
     with _Progress(err, ns.quiet) as progress:
-        plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
-                            ranks_per_node=ns.ranks_per_node, selector=ns.selector, progress=progress,
-                            split=not ns.no_split, wire=ns.wire, relay=not ns.no_relay)
+        if ckpts:  # both sides are loaded layouts, their args applied and checked
+            plan = _compile(src, dst, ckpts, ns.dst, ranks_per_node=ns.ranks_per_node, selector=ns.selector,
+                            progress=progress, split=not ns.no_split, wire=ns.wire, relay=not ns.no_relay)
+        else:
+            plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
+                                ranks_per_node=ns.ranks_per_node, selector=ns.selector, progress=progress,
+                                split=not ns.no_split, wire=ns.wire, relay=not ns.no_relay)
     _report_shared_args(args, plan.src, plan.dst, err)
     check_rank(plan, ns.rank)
     if ns.format == "json":
@@ -320,6 +418,12 @@ def cmd_run(ns, out: Console, err: Console) -> int:
         raise UsageError(f"--nproc {ns.nproc}: `layoutc run` starts between 1 and {limit} local processes "
                          "(each one imports torch, about 300 MB)",
                          help=f"pass --max-nproc {ns.nproc} to allow it" if ns.nproc > limit else None)
+    for side, path in (("SRC", ns.src), ("DST", ns.dst)):
+        if is_checkpoint(path):
+            raise UsageError(f"{side} {path}: `layoutc run` fills and checks layouts with generated data, "
+                             "not a checkpoint",
+                             help=f"preview a load with `layoutc plan {path} LAYOUT`; rewrite a checkpoint with "
+                                  f"`layoutc convert {path} -o OUT --to LAYOUT`")
     args, src_args, dst_args = _pair_args(ns)
     plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
                         ranks_per_node=ns.ranks_per_node, wire=ns.wire, relay=not ns.no_relay)
@@ -364,8 +468,51 @@ def cmd_run(ns, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def cmd_convert(ns, out: Console, err: Console) -> int:
+    """Rewrite a checkpoint in another layout or format on N local processes (checkpoint/convert.py)."""
+    from .checkpoint.convert import DEFAULT_TIMEOUT, check_nproc, convert, preflight
+
+    if ns.timeout is not None and ns.timeout <= 0:
+        raise UsageError(f"--timeout {ns.timeout}: expected a positive number of seconds")
+    if ns.nproc is not None and ns.nproc < 1:
+        raise UsageError(f"--nproc {ns.nproc}: expected at least 1 process")
+    args = _parse_sets(ns.set)
+    if ns.max_shard_size.strip().isdigit():  # a number of bytes (parse_size takes digits with a unit)
+        ns.max_shard_size = int(ns.max_shard_size)
+    try:
+        checked = preflight(ns.src, ns.output, ns.to, args=args, max_shard_size=ns.max_shard_size,
+                            dtype=ns.dtype, overwrite=ns.overwrite)
+    except LayoutError as e:
+        if isinstance(e, UsageError) or not _MISSING_KEY.match(e.message):
+            raise
+        from .checkpoint import describe
+
+        raise _checkpoint_error(e, {"src": describe(ns.src)}, ns.output) from None
+    ckpt, layout, plan, files = checked
+    nproc = check_nproc(layout, ns.nproc, ns.max_nproc)
+    unused = list(plan.unused_keys)
+    if unused:
+        err.print(f"warning: {len(unused)} checkpoint key{'s are' if len(unused) != 1 else ' is'} not in "
+                  f"{layout.path}, not written: {', '.join(unused[:5])}" + (", ..." if len(unused) > 5 else ""),
+                  markup=False)
+    if ckpt.skipped:
+        shown = ", ".join(f"{s.entry.key} ({s.entry.dtype})" for s in ckpt.skipped[:5])
+        err.print(f"warning: {len(ckpt.skipped)} checkpoint key{'s' if len(ckpt.skipped) != 1 else ''} "
+                  f"the layout language cannot hold, not written: {shown}"
+                  + (", ..." if len(ckpt.skipped) > 5 else ""), markup=False)
+    report = convert(ns.src, ns.output, ns.to, args=args, nproc=nproc, max_shard_size=ns.max_shard_size,
+                     dtype=ns.dtype, overwrite=ns.overwrite, timeout=ns.timeout or DEFAULT_TIMEOUT,
+                     max_nproc=ns.max_nproc, checked=checked)
+    count = len(report.files)
+    out.print(f"wrote {ns.output}: {count} file{'s' if count != 1 else ''}, {human_bytes(report.bytes)} "
+              f"({report.bytes} B), {sum(len(f.keys) for f in files)} keys of {ns.to or 'the checkpoint'}"
+              + (f" as {ns.dtype}" if ns.dtype else "")
+              + f", in {report.seconds:.1f} s on {report.nproc} process{'es' if report.nproc != 1 else ''}",
+              markup=False)
+    return EXIT_OK
+
+
 def cmd_explain(ns, out: Console, err: Console) -> int:
-    from layoutlang.compiler import compile_plan
     from layoutlang.report.explain import explain
 
     if len(ns.items) not in (2, 3):
@@ -373,12 +520,20 @@ def cmd_explain(ns, out: Console, err: Console) -> int:
                                                         "decoder.layers.0.mlp.linear_fc1.weight")
     args, src_args, dst_args = _pair_args(ns)
     src_path, key = ns.items[0], ns.items[-1]
-    src = load(src_path, {**args, **src_args}, unknown_args="ignore")
     dst = plan = None
     if len(ns.items) == 3:
-        dst = load(ns.items[1], {**args, **dst_args}, unknown_args="ignore")
-        plan = compile_plan(src, dst)
+        src, dst, ckpts = _pair(src_path, ns.items[1], args, src_args, dst_args, strict=False)
+        if not ckpts:
+            src = load(src_path, {**args, **src_args}, unknown_args="ignore")
+            dst = load(ns.items[1], {**args, **dst_args}, unknown_args="ignore")
+        plan = _compile(src, dst, ckpts, ns.items[1])
         _report_shared_args(args, src, dst, err)
+    elif is_checkpoint(src_path):
+        from .checkpoint import describe
+
+        src = describe(src_path).layout
+    else:
+        src = load(src_path, {**args, **src_args}, unknown_args="ignore")
     world = plan.world if plan else src.ranks
     if ns.rank is not None and not 0 <= ns.rank < world:
         raise UsageError(f"--rank {ns.rank}: the layouts span ranks 0..{world - 1}")
@@ -499,8 +654,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "from the source layout, and print a report (text), the "
                                       "plan itself (json), rank-to-rank traffic (dot) or a "
                                       "report with pictures (html).")
-    plan.add_argument("src", metavar="SRC", help="the source layout (e.g. the trainer)")
-    plan.add_argument("dst", metavar="DST", help="the destination layout (e.g. the inference engine)")
+    plan.add_argument("src", metavar="SRC", help="the source layout (e.g. the trainer), or a checkpoint (a directory "
+                                                 "of safetensors files, or one): the preview of a load")
+    plan.add_argument("dst", metavar="DST", help="the destination layout (e.g. the inference engine), or a "
+                                                 "checkpoint (its own layout: one rank holding every key)")
     _add_pair_sets(plan)
     plan.add_argument("--format", choices=PLAN_FORMATS, default="text",
                       help="text (default): a report; json: the plan; dot: a Graphviz traffic graph; "
@@ -533,7 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("explain", help="picture one tensor: parts, who holds what, the ops that move it",
                          description="Show one tensor (by KEY): its logical shape and parts, which ranks "
                                      "hold which block in SRC (and DST), and with DST the ops that move it.")
-    exp.add_argument("items", nargs="+", metavar="SRC [DST] KEY")
+    exp.add_argument("items", nargs="+", metavar="SRC [DST] KEY",
+                     help="SRC and DST: layouts, or checkpoints (a directory of safetensors files, or one)")
     exp.add_argument("--rank", type=int, default=None, help="only this rank's shards and ops")
     _add_pair_sets(exp)
     exp.set_defaults(run=cmd_explain)
@@ -562,6 +720,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no store meeting after the first step that passes on every rank (Refitter(steady=True); "
                           "a later failure stops its peers after bytes moved)")
     run.set_defaults(run=cmd_run)
+    conv = sub.add_parser("convert", help="rewrite a checkpoint in another layout or format",
+                          description="Load a safetensors checkpoint into LAYOUT's shards on N local gloo "
+                                      "processes (one per rank of LAYOUT) and save them as an HF checkpoint "
+                                      "in OUT: another layout (fused, sharded, quantized keys) or another "
+                                      "format (--dtype).")
+    conv.add_argument("src", metavar="SRC", help="the checkpoint: a directory of safetensors files, or one file")
+    conv.add_argument("-o", "--output", required=True, metavar="OUT", help="the directory to write")
+    conv.add_argument("--to", metavar="LAYOUT",
+                      help="the layout the processes hold and save (default: the checkpoint's own, one rank)")
+    conv.add_argument("--nproc", type=int, default=None, metavar="N",
+                      help="processes, one per rank of LAYOUT (the default); 1 runs in this process")
+    conv.add_argument("--set", action="append", metavar="NAME=VALUE", help="override an `arg` of LAYOUT (repeatable)")
+    conv.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                      help="bytes per file, as save_pretrained: 5GB (default), 500MiB, 1000000")
+    conv.add_argument("--dtype", default=None, metavar="DTYPE",
+                      help="write every key in DTYPE (bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, fp8_b128, mxfp8, mxfp4); "
+                           "default: each tensor's dtype in LAYOUT")
+    conv.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT")
+    conv.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                      help="how long a rank waits for its peers (default 600); with 30 s for start-up, the "
+                           "whole conversion's deadline")
+    conv.add_argument("--max-nproc", type=int, default=None, metavar="N", help="allow more than 64 local processes")
+    conv.set_defaults(run=cmd_convert)
     from .bridges.families import CONVENTIONS, FAMILIES
 
     new = sub.add_parser("new", help="write the layout of a known model from its config.json, or of a checkpoint",

@@ -133,17 +133,19 @@ def _layout(src: str, layout, args: dict[str, int] | None, dtype: str | None = N
 
 def convert_rank(src: str, out: str, layout, *, rank: int, group=None, args: dict[str, int] | None = None,
                  max_shard_size: int | str = "5GB", dtype: str | None = None,
-                 overwrite: bool = False) -> RankResult:
-    """One rank's conversion: allocate its tensors of `layout`, load them from `src`, save them to `out`."""
+                 overwrite: bool = False, timeout: float = DEFAULT_TIMEOUT) -> RankResult:
+    """One rank's conversion: allocate its tensors of `layout`, load them from `src`, save them to `out`.
+    `timeout` (seconds): how long the rank waits for the others at the load's and the save's meetings
+    (a big shard may take a while to read)."""
     from .load import load
     from .save import save
 
     start = time.perf_counter()
     layout = _layout(src, layout, args, dtype)
     tensors = allocate(layout, rank)
-    loaded = load(src, layout, tensors, rank=rank, group=group)
+    loaded = load(src, layout, tensors, rank=rank, group=group, timeout=timeout)
     saved = save(out, layout, tensors, rank=rank, group=group, max_shard_size=max_shard_size, dtype=dtype,
-                 overwrite=overwrite)
+                 overwrite=overwrite, timeout=timeout)
     return RankResult(rank, True, loaded.read_bytes, saved.written_bytes, time.perf_counter() - start,
                       tuple(saved.files))
 
@@ -210,7 +212,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, layout=None, *, args
     try:
         if nproc == 1:
             results = (convert_rank(src, out, target, rank=0, max_shard_size=max_shard_size, dtype=dtype,
-                                    overwrite=overwrite),)
+                                    overwrite=overwrite, timeout=timeout),)
         else:
             job = {"src": os.path.abspath(src), "out": os.path.abspath(out),
                    "layout": None if layout is None else os.path.abspath(os.fspath(layout)), "args": args or {},
@@ -294,7 +296,7 @@ def _worker(job_path: str, out_path: str) -> int:
                                 timeout=timedelta(seconds=job["timeout"]))
         r = convert_rank(job["src"], job["out"], job["layout"], rank=rank, group=dist.group.WORLD,
                          args=job["args"], max_shard_size=job["max_shard_size"], dtype=job["dtype"],
-                         overwrite=job["overwrite"])
+                         overwrite=job["overwrite"], timeout=job["timeout"])
         result.update(ok=True, read_bytes=r.read_bytes, written_bytes=r.written_bytes, seconds=r.seconds,
                       files=list(r.files))
     except LayoutError as e:
