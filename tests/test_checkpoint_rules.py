@@ -91,7 +91,7 @@ def test_a_checkpoint_already_there_is_kept_unless_overwrite(tmp_path):
     with pytest.raises(UsageError, match="holds a checkpoint already") as e:
         save(tmp_path, layout, {"w": torch.zeros(4)})
     assert "overwrite=True" in e.value.help
-    save(tmp_path, layout, {"w": torch.full((4,), 2.0)}, overwrite=True)
+    save(tmp_path, layout, {"w": torch.full((4,), 2.0)}, overwrite=True, durable=True)
     with safe_open(tmp_path / "model.safetensors", "pt") as fh:
         assert fh.get_tensor("w").tolist() == [2.0] * 4
 
@@ -248,3 +248,34 @@ def test_blocks_cut_by_the_destination_are_quantized_once_from_the_values(tmp_pa
         want = reference(values[64 * rank:64 * rank + 64].float().tolist())
         assert torch.equal(t["w"].data.view(torch.uint8), torch.tensor(want.codes, dtype=torch.uint8))
         assert torch.equal(t["w"].scales, torch.tensor(want.scales, dtype=torch.float32))
+
+
+def _ir(layout):
+    """Everything a Layout says, spans as positions (the parsed and the built one hold different
+    Source objects of the same text)."""
+    pos = lambda s: (s.line, s.col, s.end_line, s.end_col)  # noqa: E731
+    return (layout.path, layout.name, layout.args, layout.digest, layout.sources[0].text,
+            [(m.name, m.axes, m.offset, pos(m.span)) for m in layout.meshes],
+            [(type(t), t.key, t.name, t.dtype, t.mesh.name, t.fixed, t.logical_shape, t.local_shape,
+              [(d.mode, d.over, d.chunk) for d in t.dims], pos(t.span)) for t in layout.tensors])
+
+
+def test_checkpoint_layouts_are_built_as_their_text_elaborates(tmp_path):
+    """layouts.py skips the parser: its IR must be what `loads` makes of the same text."""
+    from layoutlang.checkpoint.load import reader_layout, reader_text
+
+    save_file({"a.w": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5), "c": torch.zeros(()),
+               "d-x/y": torch.zeros(2, dtype=torch.float16), "ids": torch.zeros(3, dtype=torch.int64),
+               "x.weight": torch.zeros(256, 130, dtype=torch.float8_e4m3fn), "x.weight_scale_inv": torch.zeros(2, 2)},
+              tmp_path / "model.safetensors")
+    save_file({"e": torch.zeros(7, 2, 3, dtype=torch.bfloat16)}, tmp_path / "more.safetensors")
+    ckpt = describe(tmp_path)
+    where = f"<checkpoint {ckpt.path}>"
+    assert _ir(ckpt.layout) == _ir(loads(ckpt.text, where))
+    for readers, exchange in ((1, False), (3, False), (3, True)):
+        text = reader_text(ckpt, readers, exchange=exchange)
+        assert _ir(reader_layout(ckpt, readers, exchange=exchange)) == _ir(loads(text, where))
+    # dealt largest first to the reader with the fewest bytes (ties: lowest), by hand: x.weight
+    # (33296 B) -> 0, e (84) -> 1, a.w (24) -> 2, b (20) -> 2, c (4) -> 2, d_x_y (4) -> 2
+    assert {t.name: t.fixed for t in reader_layout(ckpt, 3, exchange=True).tensors} == \
+        {"x.weight": ((0, 0),), "e": ((0, 1),), "a.w": ((0, 2),), "b": ((0, 2),), "d_x_y": ((0, 2),), "c": ((0, 2),)}

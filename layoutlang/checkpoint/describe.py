@@ -112,9 +112,18 @@ class Checkpoint:
 
     @cached_property
     def layout(self):
-        from ..elaborate import loads
+        if self.per_rank:
+            from ..elaborate import loads
 
-        return loads(self.text, f"<checkpoint {self.path}>", dict(self.args) or None)
+            return loads(self.text, f"<checkpoint {self.path}>", dict(self.args) or None)
+        from .layouts import plain_layout  # the IR `loads(self.text)` gives, without parsing
+
+        return plain_layout(self.text, f"<checkpoint {self.path}>", ("checkpoint", (("one", 1),)), self.shapes)
+
+    @cached_property
+    def shapes(self) -> Mapping[str, tuple[str, tuple[int, ...]]]:
+        """(layout dtype, logical shape) of each tensor by NAME."""
+        return {t.name: (t.dtype, t.shape) for t in self.tensors}
 
     @cached_property
     def by_name(self) -> Mapping[str, Stored]:

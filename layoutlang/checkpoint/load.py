@@ -68,9 +68,12 @@ def _deal(ckpt: Checkpoint, readers: int) -> dict[str, int]:
 
 
 def reader_layout(ckpt: Checkpoint, readers: int, *, exchange: bool = False):
-    from ..elaborate import loads
+    """`loads(reader_text(...))`, built without parsing (layouts.py)."""
+    from .layouts import plain_layout
 
-    return loads(reader_text(ckpt, readers, exchange=exchange), f"<checkpoint {ckpt.path}>")
+    return plain_layout(reader_text(ckpt, readers, exchange=exchange), f"<checkpoint {ckpt.path}>",
+                        ("checkpoint", (("reader", readers),)), ckpt.shapes,
+                        _deal(ckpt, readers) if exchange else None)
 
 
 def _rank_of(rank: int | None, group, ranks: int) -> int:

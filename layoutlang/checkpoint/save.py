@@ -199,7 +199,7 @@ class SaveReport:
 
 def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = None, group=None,
          args: dict[str, int] | None = None, max_shard_size: int | str = "5GB", dtype: str | None = None,
-         metadata: dict[str, str] | None = None, overwrite: bool = False, per_rank: bool = False,
+         metadata: dict[str, str] | None = None, overwrite: bool = False, per_rank: bool = False, durable: bool = False,
          timeout: timedelta | float = timedelta(seconds=300)) -> SaveReport:
     """Write every key of `layout` from each rank's `tensors` ({NAME: tensor} as a Refitter's
     sources) into an HF checkpoint at `path` (a directory), in place of nobody's gather.
@@ -212,10 +212,13 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     at each of the save's meetings (a rank that died or stalls makes the others raise `RefitError`).
     `per_rank=True` writes per-rank shard files instead (ranked.py: each rank its own local
     tensors, the layout in `__metadata__`), a fast restart of the same layout and a source for
-    any other; `max_shard_size`, `dtype` and `metadata` do not apply to them.
+    any other; `max_shard_size`, `dtype` and `metadata` do not apply to them. `durable=True`:
+    rank 0 fsyncs every file (and the directory) before the checkpoint appears, so that it
+    survives a power loss too; by default, as `save_pretrained`, the page cache writes it back.
     """
     from ..compiler.plan import _as_layout, compile_plan
     from .describe import describe
+    from .layouts import plain_layout
     from .meet import as_timedelta, failures
     from .write import write_pieces
 
@@ -258,7 +261,9 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
             written = write_rank(os.path.join(partial, names[me]), src, me, tensors)
         else:
             ckpt = describe(partial)
-            dst = _loads(file_layout_text(src, files, ckpt.text), target)
+            dst = plain_layout(file_layout_text(src, files, ckpt.text), f"<checkpoint {target}>",
+                               ("checkpoint", (("slot", src.ranks + 1),)), ckpt.shapes,
+                               {name: src.ranks for name in ckpt.shapes})
             plan = compile_plan(src, dst)
             written = write_pieces(plan, me, ckpt, tensors, group)
         ok = True
@@ -273,16 +278,10 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
                 raise RefitError.at(me, 0, "save", f"{failed} rank(s) failed to write their pieces: nothing "
                                     f"was saved to {target}", reusable=False)
     if me == 0:
-        _publish(target, partial, names, _index(files) if len(files) > 1 else None)
+        _publish(target, partial, names, _index(files) if len(files) > 1 else None, durable)
     if group is not None:
         _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
     return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written)
-
-
-def _loads(text: str, where: str):
-    from ..elaborate import loads
-
-    return loads(text, f"<checkpoint {where}>")
 
 
 def _prepare(target: str, partial: str, files: tuple[FileLayout, ...], overwrite: bool) -> None:
@@ -298,8 +297,15 @@ def _prepare(target: str, partial: str, files: tuple[FileLayout, ...], overwrite
             fh.truncate(f.size)
 
 
-def _publish(target: str, partial: str, names: tuple[str, ...], index: bytes | None) -> None:
+def _publish(target: str, partial: str, names: tuple[str, ...], index: bytes | None, durable: bool) -> None:
     """Move the written files into the target, the index last; then nothing is left behind."""
+    if durable:
+        for name in names:
+            fd = os.open(os.path.join(partial, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     for n in os.listdir(target):  # an overwritten checkpoint's files that this one does not have
         if (n.endswith(".safetensors") or n == INDEX_NAME) and n not in names:
             os.unlink(os.path.join(target, n))
@@ -309,8 +315,17 @@ def _publish(target: str, partial: str, names: tuple[str, ...], index: bytes | N
         tmp = os.path.join(partial, INDEX_NAME)
         with open(tmp, "wb") as fh:
             fh.write(index)
+        if durable:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
         os.replace(tmp, os.path.join(target, INDEX_NAME))
     shutil.rmtree(partial, ignore_errors=True)
+    if durable:
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the renames
+        finally:
+            os.close(fd)
 
 
 __all__ = ["save", "SaveReport", "checkpoint_files", "layout_keys", "parse_size", "KeyFile", "FileLayout"]

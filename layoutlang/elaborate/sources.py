@@ -187,8 +187,14 @@ class Sources:
     def digest(self, args: list[tuple[str, int]]) -> str:
         """sha256 of every text read, in order, and the args (their list's repr):
         equal digests, equal layouts."""
-        h = hashlib.sha256()
-        for source in self.read:
-            h.update(len(source.text).to_bytes(8, "little") + source.text.encode("utf-8"))
-        h.update(repr(args).encode("utf-8"))
-        return h.hexdigest()
+        return digest_of(self.read, args)
+
+
+def digest_of(sources, args: list[tuple[str, int]]) -> str:
+    """A layout's digest: sha256 of its texts, in the order read, and its args' list repr
+    (layoutlang/checkpoint/layouts.py builds layouts without reading them: the same digest)."""
+    h = hashlib.sha256()
+    for source in sources:
+        h.update(len(source.text).to_bytes(8, "little") + source.text.encode("utf-8"))
+    h.update(repr(args).encode("utf-8"))
+    return h.hexdigest()
