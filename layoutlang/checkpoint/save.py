@@ -34,10 +34,9 @@ import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 
 from ..diagnostics import UsageError
-from ..ir import QUANTIZED, Layout
+from ..ir import Layout
 from ..vocabulary import DTYPE
 from .headers import DTYPE_BITS, INDEX_NAME
 from .load import _rank_of
