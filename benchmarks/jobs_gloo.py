@@ -192,7 +192,8 @@ def report(results: list[dict], args, wall: float) -> bool:
           + ("the same" if same else "DIFFERENT: " + plan["jobs_digest"][:12]))
     budget = f"budget {args.budget_mib} MiB" if args.budget_mib else "no budget"
     print(f"buckets at {budget}: one world {plan['buckets_one_world']}, jobs "
-          f"{plan['buckets_jobs']} (a job's walk stages every transfer: runtime/jobgroups.py JobWalk.walk); "
+          f"{'/'.join(map(str, r0['plan']['buckets_jobs']))} (as the jobs' walks cut them: as staged only when "
+          "some rank's tensors are not contiguous); "
           f"native moves {r0['native_bytes'] / MIB:.1f} MiB per step "
           f"({r0['native_bytes'] / plan['network_bytes']:.2f}x the plan's)")
     failed |= not same

@@ -250,8 +250,7 @@ def run(cfg: dict, rank: int, world: int, out: dict) -> None:
         out["plan"] = {"digest": plan.digest, "jobs_digest": jobs_plan.digest, "ops": stats["ops"],
                        "network_bytes": stats["network_bytes"], "local_bytes": stats["local_bytes"],
                        "max_send_bytes": stats["max_send_bytes"], "max_recv_bytes": stats["max_recv_bytes"],
-                       "buckets_one_world": len(schedule(plan, 0, budget, False).buckets),
-                       "buckets_jobs": len(schedule(plan, 0, budget, True).buckets)}
+                       "buckets_one_world": len(schedule(plan, 0, budget, False).buckets)}
 
     # tensors: the trainer's keep their memory (each step rewrites them with its version)
     if trainer:
@@ -409,6 +408,9 @@ def run(cfg: dict, rank: int, world: int, out: dict) -> None:
     out["phases"] = phases
     if rank == 0:
         out["times"] = times
+        # the buckets a job's walk cut (JobWalk.walk: staged only when some rank's tensors are strided)
+        out["plan"]["buckets_jobs"] = sorted({len(s.buckets) for w in job._walks.values()
+                                             for s in w._schedules.values()})
 
     # the end: engines leave first, then the trainer job lets its store go
     if not trainer:

@@ -236,8 +236,8 @@ def schedule(plan: Plan, rank: int, budget_bytes: int | None, strided: bool = Fa
     the buckets as cut for that flag (None: `strided`). Cutting with True on every rank and
     building the steps with each rank's own flag is exact as well: a message is one op's bytes,
     contiguous on the wire whether either end stages it, and staging only what a rank's own
-    tensors need stays under what the cut counted (runtime/jobgroups.py: ranks of separate jobs
-    cannot agree on strides before they meet)."""
+    tensors need stays under what the cut counted (runtime/jobgroups.py: the ranks of separate
+    jobs learn at their start meeting whether any of them holds a non-contiguous tensor)."""
     from .graph import buckets
 
     bucket_list = buckets(plan, budget_bytes, strided if cut is None else cut)

@@ -243,17 +243,17 @@ class JobWalk(Refitter):
                 self.dropped[slot] = f"replica {m.replicas[slot]}: {why}"
                 self.skip.update(m.plan_ranks(slot))
 
-    def walk(self, refit: int, src_tensors, dst_tensors, deadline: float) -> list[str]:
+    def walk(self, refit: int, src_tensors, dst_tensors, deadline: float, *, cut_strided: bool = True) -> list[str]:
         """Every bucket's steps, each wait bounded by `deadline` (time.monotonic()); returns
         this rank's verification mismatches (engine ranks; `verify`). Replicas `connect` dropped
-        stay dropped."""
+        stay dropped. `cut_strided`: some rank of the membership holds a non-contiguous tensor
+        (the job's meeting says), so every rank cuts its buckets as if every transfer were staged."""
         self._step, self.deadline = refit, deadline
         src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
-        # Buckets must be cut alike on every rank of every job, and ranks of different jobs do not
-        # agree on strides before the refit: the cut counts staging for every transfer (as for
-        # strided tensors), the steps stage only what this rank's own tensors need.
-        schedule = self.schedule(self.strided(src_tensors, dst_tensors), cut=True)
+        # Buckets must be cut alike on every rank of every job: the cut follows what the job's
+        # meeting said of every rank's tensors, the steps stage only what this rank's own need.
+        schedule = self.schedule(self.strided(src_tensors, dst_tensors), cut=cut_strided)
         self.meter = StagingMeter()
         self._pending = self._ahead = None
         mismatches: list[str] = []

@@ -12,9 +12,10 @@ through one process group per replica (runtime/jobgroups.py).
 
 One refit n, as the keys say it (all under `layoutlang/jobs/`)::
 
-    engine rank t     replica/R/wait/t = "<nonce>/<call>"          it waits in `receive`
+    engine rank t     replica/R/wait/t = "<nonce>/<call>/<c|s>"    it waits in `receive`
     trainer rank 0    refit/n = {members, their waits and groups, refused, plan digest}
     trainer ranks     meet "start" (each one's tensors checked), then rank 0: refit/n/go
+                      ("go", or "go strided" when a trainer rank's tensors are not contiguous)
     every rank        walks its steps of plan(K) until the one deadline (go + timeout)
     engine rank t     refit/n/done/R/t = "ok" or "fail\\n<why>"
     trainer ranks     meet "end" (each one's dropped replicas as its note)
@@ -27,7 +28,9 @@ fail, time out or do not finish by the deadline is missed: the trainer and the o
 replicas finish the step, its ranks raise `RefitError`, its tensors are marked
 `interrupted` and keep their previous version. Its wait values are cleared and its
 group is not used again: a restarted (or retrying) replica gets a new group and the
-whole of its weights at the next refit. Rank 0 reads `refit/n/read` before it lets its
+whole of its weights at the next refit. Every rank cuts its buckets as staged transfers
+when any rank of the membership holds a non-contiguous tensor (`c|s` of the waits, the
+start meeting's mark): the cut must be the same on every rank. Rank 0 reads `refit/n/read` before it lets its
 store go (`close`), so the store's host may exit right after `close` returns.
 """
 
@@ -51,12 +54,13 @@ from layoutlang.ir import Layout
 
 from .errors import RefitError
 from .jobgroups import JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, failure_text
-from .refit import _shape_problem
+from .refit import _shape_problem, _strided
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable
 
 NAMESPACE = "layoutlang/jobs/"
 MEET_GRACE = 0.4     # s the trainer's "end" meeting waits past the walks' deadline
 GRACE = 1.0          # s a reader waits for a verdict past its own deadline (the writer's is no later)
+GO, GO_STRIDED = "go", "go strided"   # refit/n/go: the walk may start (buckets cut as staged)
 POLL = 0.5           # s between looks at `trainer/closed` while an engine waits for the next refit
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -322,12 +326,12 @@ class TrainerJob:
         # (its grace past it). Announcing and connecting had their own (a replica that does not
         # connect by then is dropped, and costs the others none of their time)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        self._start(n, problems, ann, deadline)
+        strided = self._start(n, problems, ann, deadline, walk is not None and walk.strided(tensors, None))
         dropped: dict[str, str] = {}
         if walk is not None:
             membership = walk.membership
             try:
-                walk.walk(n, tensors, None, deadline)
+                walk.walk(n, tensors, None, deadline, cut_strided=strided or members_strided(ann))
             except Exception as exc:  # noqa: BLE001 - a trainer rank that fails fails the refit everywhere
                 reason = f"trainer rank {self.rank} failed in {walk._phase}: {failure_text(exc)}"
                 self._rv.give_up(self._rv.key(n, "end"), reason, (self.rank,))
@@ -459,13 +463,14 @@ class TrainerJob:
         if self.rank == 0:
             self._generation.pop(rid, None)
 
-    def _start(self, n: int, problems: list[str], ann: dict, deadline: float) -> None:
-        """Every trainer rank present with the right tensors; then rank 0 tells the engines to go."""
+    def _start(self, n: int, problems: list[str], ann: dict, deadline: float, strided: bool) -> bool:
+        """Every trainer rank present with the right tensors; then rank 0 tells the engines to go.
+        Whether some trainer rank's tensors are not contiguous (`strided`: the buckets' cut)."""
         prefix = self._rv.key(n, "start")
         self._note_keys(n, prefix)
         try:
-            (troubled,) = self._rv.meet(prefix, _until(deadline), what=f"start refit {n}",
-                                        note="; ".join(problems)[:4000], marks=(bool(problems),))
+            troubled, anywhere = self._rv.meet(prefix, _until(deadline), what=f"start refit {n}",
+                                               note="; ".join(problems)[:4000], marks=(bool(problems), strided))
         except Abandoned as exc:
             self._abort(n, f"the trainer did not start: {exc.reason}")
             raise _error(self.who, n, "agreement", exc.reason, reusable=True, help=TRAINER_AGAIN, rank=self.rank,
@@ -478,7 +483,8 @@ class TrainerJob:
             raise _error(self.who, n, "agreement", f"local tensors do not match the layouts, nothing was moved: {bad}",
                          reusable=True, help=TRAINER_AGAIN, rank=self.rank)
         if self.rank == 0:
-            self.kv.set(f"refit/{n}/go", "go")
+            self.kv.set(f"refit/{n}/go", GO_STRIDED if anywhere else GO)
+        return bool(anywhere)
 
     def _abort(self, n: int, reason: str) -> None:
         """Rank 0 tells the member replicas that refit n will not complete."""
@@ -598,6 +604,11 @@ class TrainerJob:
         self._walks.clear()
 
 
+def members_strided(ann: dict) -> bool:
+    """Some rank of a member replica said its tensors are not contiguous (its wait's `s`)."""
+    return any(w.endswith("/s") for m in ann["members"] for w in m["waits"])
+
+
 def _ranks_of(text: str) -> int:
     """The rank count a replica's layout record says (0 if it says none)."""
     try:
@@ -677,17 +688,18 @@ class EngineJob:
             raise _error(self.who, 0, "check", "local tensors do not match the layout, nothing was moved: "
                          + "; ".join(problems), reusable=True, help=ENGINE_AGAIN, replica=self.replica, rank=self.rank)
         give_up = None if wait is None else time.monotonic() + wait
+        strided = any(_strided(v) for v in (tensors or {}).values())
         while True:
-            n, ann, member = self._wait_for_refit(give_up)
+            n, ann, member = self._wait_for_refit(give_up, strided)
             if self.kv.has(f"refit/{n}/verdict"):
                 continue  # we were listed but came too late (stalled): that refit is over, wait again
             return self._take_part(n, ann, member, tensors)
 
-    def _wait_for_refit(self, give_up: float | None) -> tuple[int, dict, int]:
-        """Announce that this rank waits, then the first refit that lists this wait (n, its
-        announcement, this replica's slot)."""
+    def _wait_for_refit(self, give_up: float | None, strided: bool) -> tuple[int, dict, int]:
+        """Announce that this rank waits (and whether its tensors are `strided`), then the first
+        refit that lists this wait (n, its announcement, this replica's slot)."""
         self._calls += 1
-        value = f"{self.nonce}/{self._calls}"
+        value = f"{self.nonce}/{self._calls}/{'s' if strided else 'c'}"
         mine = f"replica/{self.replica}/wait/{self.rank}"
         self.kv.set(mine, value)
         latest = int(self.kv.get("refit/latest")) if self.kv.has("refit/latest") else 0
@@ -739,13 +751,14 @@ class EngineJob:
             raise self._fail(n, "start", f"the trainer did not start refit {n} within "
                              f"{self.timeout.total_seconds():g} s", touched=False) from None
         go = self.kv.get(f"refit/{n}/go")
-        if go != "go":
+        if go not in (GO, GO_STRIDED):
             raise self._fail(n, "start", go.split("\n", 1)[-1], touched=False)
         deadline = time.monotonic() + self.timeout.total_seconds()
         self.interrupted = True   # from here on, bytes may land
         if fail is None:
             try:
-                mismatches = walk.walk(n, None, tensors, deadline)
+                mismatches = walk.walk(n, None, tensors, deadline,
+                                       cut_strided=go == GO_STRIDED or members_strided(ann))
                 if mismatches:
                     fail = "verification failed: destination contents differ from the source: " + "; ".join(mismatches)
             except Exception as exc:  # noqa: BLE001 - any failure loses this replica's step

@@ -8,11 +8,14 @@ the version that replica reports (examples/jobs/weights.py: each version has its
 values, from the layout's logical coordinates).
 
     refit 1, 2   replicas r0, r1, r2 (r2 and the trainer pass named_parameters())
-    refit 3      r1's rank 1 is SIGKILLed as its bucket 1 starts (bytes are moving)
-    refit 4      r1 restarted (a new job, same id), r3 added between refits; `odd`, a replica
-                 whose layout is TP1, is refused with the reason and the others proceed
+    refit 3      r1's rank 1 is SIGKILLed as its bucket 0 starts (every tensor contiguous: one
+                 bucket; the trainer's bytes are moving into it)
+    refit 4      r1 restarted (a new job, same id), r3 added between refits (its destinations
+                 non-contiguous views: every rank of every job cuts its buckets as staged from
+                 here on); `odd`, a replica whose layout is TP1, is refused with the reason and
+                 the others proceed
     refit 5      every replica
-    refit 6      trainer rank 2 is SIGKILLed in its bucket 1: every rank of every job raises
+    refit 6      trainer rank 2 is SIGKILLed in its bucket 1 (of 7): every rank of every job raises
 """
 
 import pytest
@@ -21,7 +24,7 @@ from jobs_harness import EXAMPLES, Jobs
 
 TIMEOUT = 8.0        # a loaded 2-core CI machine connects 4 replicas' new groups well within it
 SLACK = 1.0          # acceptance: within timeout + 1 s
-BUDGET = 65536       # 5 buckets on every rank of this pair (so bucket 1 is mid-transfer)
+BUDGET = 65536       # 7 buckets on every rank when cut as staged (so bucket 1 is mid-transfer)
 TRAINER = 4
 
 
@@ -48,7 +51,7 @@ def _scenario(jobs: Jobs) -> None:
     jobs.trainer(TRAINER, "--refits", "6", "--budget", str(BUDGET), "--parameters",
                  "--die-refit", "6", "--die-rank", "2")
     jobs.replica("r0", 2)
-    jobs.replica("r1", 2, "--die-refit", "3", "--die-rank", "1")
+    jobs.replica("r1", 2, "--die-refit", "3", "--die-rank", "1", "--die-bucket", "0")
     jobs.replica("r2", 2, "--parameters")
     three = {"r0": 2, "r1": 2, "r2": 2}
 
@@ -79,7 +82,7 @@ def _scenario(jobs: Jobs) -> None:
     # refit 4: r1 restarted as a new job, r3 joins; both get the whole of version 40
     jobs.kill("r1", 0)
     jobs.replica("r1", 2)
-    jobs.replica("r3", 2)
+    jobs.replica("r3", 2, "--strided")
     jobs.replica("odd", 1, "--infer", str(odd), "--receives", "1")
     four = {**three, "r3": 2}
     jobs.wait_waiting({**four, "odd": 1})

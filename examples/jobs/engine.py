@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import DieInBucket  # noqa: E402
-from weights import as_parameters, engine_tensors, problems  # noqa: E402
+from weights import as_parameters, engine_tensors, problems, strided  # noqa: E402
 
 from layoutlang import load  # noqa: E402
 from layoutlang.runtime import EngineJob, RefitError  # noqa: E402
@@ -42,16 +42,20 @@ def main() -> int:
     ap.add_argument("--receives", type=int, default=0, help="stop after this many (0: until the trainer closes)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--parameters", action="store_true", help="pass dict(module.named_parameters())")
+    ap.add_argument("--strided", action="store_true", help="non-contiguous destinations (views of wider buffers)")
     ap.add_argument("--die-refit", type=int, default=0)
     ap.add_argument("--die-rank", type=int, default=-1)
+    ap.add_argument("--die-bucket", type=int, default=1)
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the replica's own world (untouched)
     layout = load(a.infer)
     tensors = engine_tensors(layout, rank)
+    if a.strided:
+        tensors = strided(tensors)
     if a.parameters:
         model, tensors = as_parameters(tensors)
-    hooks = DieInBucket(a.die_refit) if rank == a.die_rank else None
+    hooks = DieInBucket(a.die_refit, a.die_bucket) if rank == a.die_rank else None
     eng = EngineJob(a.infer, address=a.address, replica=a.replica, rank=rank, world_size=world,
                     timeout=timedelta(seconds=a.timeout), hooks=hooks, connect_timeout=timedelta(seconds=120))
     log = open(Path(a.out) / f"engine-{a.replica}-{rank}.jsonl", "a") if a.out else None

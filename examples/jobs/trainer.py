@@ -47,11 +47,12 @@ def main() -> int:
     ap.add_argument("--parameters", action="store_true", help="pass dict(module.named_parameters())")
     ap.add_argument("--die-refit", type=int, default=0)
     ap.add_argument("--die-rank", type=int, default=-1)
+    ap.add_argument("--die-bucket", type=int, default=1)
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the trainer's own world (untouched)
     layout = load(a.train)
-    hooks = DieInBucket(a.die_refit) if rank == a.die_rank else None
+    hooks = DieInBucket(a.die_refit, a.die_bucket) if rank == a.die_rank else None
     job = TrainerJob(a.train, a.infer, address=a.address, rank=rank, world_size=world,
                      timeout=timedelta(seconds=a.timeout), budget_bytes=a.budget, hooks=hooks)
     out = Path(a.out) if a.out else None

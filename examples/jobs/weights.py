@@ -27,6 +27,18 @@ def engine_tensors(layout, rank: int) -> dict[str, torch.Tensor]:
     return {t.name: empty_destination(t, rank=rank) for t in layout.tensors if t.holds(rank)}
 
 
+def strided(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors as non-contiguous views (every other element of a buffer twice as long
+    in the last dimension): an engine whose parameters are views of a larger storage."""
+    out = {}
+    for name, value in tensors.items():
+        wide = torch.full((*value.shape[:-1], 2 * value.shape[-1]), float("nan"), dtype=value.dtype)
+        view = wide[..., ::2]
+        view.copy_(value)
+        out[name] = view
+    return out
+
+
 def problems(layout, rank: int, tensors: dict, version: int) -> list[str]:
     """Every element checked against `version` (padding must be zero)."""
     out = []
