@@ -314,7 +314,25 @@ def case_megatron_save(job: dict, rank: int, report: dict) -> None:
         save_file({"tokens": tokens, "logits": full_logits.contiguous()}, out["logits"])
     dist.barrier()
     r = save(out["dir"], layout, bridge.tensors(model), group=dist.group.WORLD, max_shard_size="16KB")
-    report["megatron"] = {"files": list(r.files), "written": r.written_bytes}
+    report["megatron"] = {"files": list(r.files), "written": r.written_bytes, "exchanged": list(r.exchanged)}
+    if rank == 0:
+        os.makedirs(out["in_place"], exist_ok=True)
+        hf.config.save_pretrained(out["in_place"])
+    dist.barrier()
+    r = save(out["in_place"], layout, bridge.tensors(model), group=dist.group.WORLD, max_shard_size="16KB",
+             exchange=False)
+    report["megatron_in_place"] = {"written": r.written_bytes, "exchanged": list(r.exchanged)}
+    from layoutlang.checkpoint import exchange
+
+    if rank == 0:
+        os.makedirs(out["rounds"], exist_ok=True)
+        hf.config.save_pretrained(out["rounds"])
+    dist.barrier()
+    exchange.ROUND_BYTES = 1  # every exchanged key in a round of its own
+    try:
+        save(out["rounds"], layout, bridge.tensors(model), group=dist.group.WORLD, max_shard_size="16KB")
+    finally:
+        exchange.ROUND_BYTES = 64 * 1024 ** 2
 
 
 MXFP8_SAVE = """

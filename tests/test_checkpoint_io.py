@@ -83,6 +83,8 @@ def launched(llama, tmp_path_factory):
                      "bf16": str(out / "fsdp2-bf16"), "bf16_ref": str(out / "fsdp2-bf16-ref"),
                      "logits": str(out / "fsdp2-logits.safetensors")},
            "megatron": {"dir": str(out / "megatron"), "ref": str(out / "megatron-ref"),
+                        "in_place": str(out / "megatron-in-place"),
+                        "rounds": str(out / "megatron-rounds"),
                         "logits": str(out / "megatron-logits.safetensors")},
            "mx": {"dir": str(out / "mx")}, "fail_dir": str(out / "fail"), "kill_dir": str(out / "kill")}
     results = launch(job, 2, timeout=150, program=str(PROGRAM),
@@ -206,6 +208,13 @@ def test_a_megatron_tp2_trainer_saves_what_save_pretrained_writes(launched):
     assert report["megatron_ref_vs_megatron"] <= 1e-5  # the hand un-fusing is right: Megatron agrees
     out = job["megatron"]
     _check_same_checkpoint(out["dir"], out["ref"], 16000, same_files=False)  # the bridge's key order
+    # the column-parallel keys (Megatron's linear_proj and linear_fc2 split their inputs: a short
+    # run per row on each rank) were written whole by one rank each; saved in place, the same bytes
+    column = sorted(f"model.layers.{l}.{k}.weight" for l in range(2) for k in ("self_attn.o_proj", "mlp.down_proj"))
+    assert [_report(results, r)["megatron"]["exchanged"] for r in range(2)] == [column, column]
+    assert _report(results, 0)["megatron_in_place"]["exchanged"] == []
+    _check_same_checkpoint(out["in_place"], out["ref"], 16000, same_files=False)
+    _check_same_checkpoint(out["rounds"], out["ref"], 16000, same_files=False)  # one key per round
     tokens, trainer = _trainer_logits(out["logits"])
     got = _logits(out["dir"], tokens)
     assert torch.equal(got, _logits(out["ref"], tokens))

@@ -279,3 +279,37 @@ def test_checkpoint_layouts_are_built_as_their_text_elaborates(tmp_path):
     # (33296 B) -> 0, e (84) -> 1, a.w (24) -> 2, b (20) -> 2, c (4) -> 2, d_x_y (4) -> 2
     assert {t.name: t.fixed for t in reader_layout(ckpt, 3, exchange=True).tensors} == \
         {"x.weight": ((0, 0),), "e": ((0, 1),), "a.w": ((0, 2),), "b": ((0, 2),), "d_x_y": ((0, 2),), "c": ((0, 2),)}
+
+
+def test_a_save_exchanges_the_keys_whose_pieces_are_short_runs_and_deals_them_by_size(tmp_path):
+    from layoutlang.checkpoint.exchange import RUN_BYTES, deal, short_run_keys
+    from layoutlang.checkpoint.save import file_plan
+
+    # by hand (LANGUAGE.md 3, row-major files): a column block of `wide` is 64 runs of 64 bf16
+    # (128 B), of `narrow` 32 runs; a row block of `rows` is one run; `long` is 4 runs of
+    # 65536 bf16 (128 KiB, above RUN_BYTES); `norm` is whole on every rank (one run)
+    assert 65536 * 2 >= RUN_BYTES > 128
+    text = ("mesh m (tp=4)\ntensor wide [64, 256 over tp] bf16\ntensor narrow [32, 256 over tp] bf16\n"
+            "tensor rows [256 over tp, 64] bf16\ntensor long [4, 262144 over tp] bf16\n")
+    one = text.replace("mesh m (tp=4)", "mesh m (one=1)").replace(" over tp", "")
+    src = loads(text)
+    save(tmp_path, loads(one), {"wide": torch.zeros(64, 256, dtype=torch.bfloat16),
+                                "narrow": torch.zeros(32, 256, dtype=torch.bfloat16),
+                                "rows": torch.zeros(256, 64, dtype=torch.bfloat16),
+                                "long": torch.zeros(4, 262144, dtype=torch.bfloat16)})
+    ckpt = describe(tmp_path)
+    plan = file_plan(src, ckpt, "<files>")
+    keys = short_run_keys(plan, ckpt)
+    assert keys == {"wide", "narrow"}
+    # every rank writes the same bytes in place (a quarter of rows and of long): the larger key
+    # goes to rank 0, the smaller to rank 1 (the fewest bytes, ties to the lowest rank)
+    assert deal(plan, ckpt, keys, 4) == {"wide": 0, "narrow": 1}
+    # rounds bound what a writer assembles: wide (32 KiB) then narrow (16 KiB) on one writer
+    # do not fit 40000 B together; rows (32 KiB) on another fits the first round; a key above
+    # the cap has a round of its own
+    from layoutlang.checkpoint.exchange import rounds
+
+    owner = {"wide": 0, "narrow": 0, "rows": 1}
+    assert rounds(ckpt, owner, 40000) == [{"wide": 0, "rows": 1}, {"narrow": 0}]
+    assert rounds(ckpt, owner, 1) == [{"wide": 0, "rows": 1}, {"narrow": 0}]
+    assert rounds(ckpt, owner, 10 ** 6) == [owner]

@@ -145,7 +145,8 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
 
     names = {t.name for t in plan.src.tensors if t.holds(me)}
     with mapped(ckpt, names) as views:
-        r = Refitter(plan, group=group, budget_bytes=budget_bytes, device=device, timeout=timeout)
+        r = Refitter(plan, group=group, budget_bytes=budget_bytes, device=device, timeout=timeout,
+                     keep_staging=False)  # one step: its staging is not kept for a next
         r.refit(views, tensors)
     # the keys this rank reads, each once in the whole job (its ops may send one key to several ranks)
     read = {op.src_name for op in plan.ops if op.src_rank == me}

@@ -172,7 +172,18 @@ def _index(files: tuple[FileLayout, ...]) -> bytes:
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
-def file_layout_text(layout: Layout, files: tuple[FileLayout, ...], ckpt_text: str) -> str:
+def file_plan(src: Layout, ckpt, path: str):
+    """The plan of a save: `src` -> the checkpoint's files (`ckpt`, described from their headers)
+    as one rank past the source's ranks."""
+    from ..compiler.plan import compile_plan
+    from .layouts import plain_layout
+
+    dst = plain_layout(file_layout_text(src, ckpt.text), path, ("checkpoint", (("slot", src.ranks + 1),)),
+                       ckpt.shapes, {name: src.ranks for name in ckpt.shapes})
+    return compile_plan(src, dst)
+
+
+def file_layout_text(layout: Layout, ckpt_text: str) -> str:
     """The checkpoint's layout as the plan's destination: one rank past the source's ranks holds it all."""
     slot = layout.ranks
     lines = ckpt_text.splitlines()
@@ -188,18 +199,20 @@ def file_layout_text(layout: Layout, files: tuple[FileLayout, ...], ckpt_text: s
 
 @dataclass(frozen=True)
 class SaveReport:
-    """What one rank's save did: the files, the plan, the bytes this rank wrote."""
+    """What one rank's save did: the files, the plan, the bytes this rank wrote, the keys written
+    whole by one rank each (`exchange`)."""
 
     files: tuple[str, ...]
     plan: object
     rank: int
     written_bytes: int
+    exchanged: tuple[str, ...] = ()
 
 
 def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = None, group=None,
          args: dict[str, int] | None = None, max_shard_size: int | str = "5GB", dtype: str | None = None,
          metadata: dict[str, str] | None = None, overwrite: bool = False, per_rank: bool = False, durable: bool = False,
-         timeout: timedelta | float = timedelta(seconds=300)) -> SaveReport:
+         exchange: bool | None = None, timeout: timedelta | float = timedelta(seconds=300)) -> SaveReport:
     """Write every key of `layout` from each rank's `tensors` ({NAME: tensor} as a Refitter's
     sources) into an HF checkpoint at `path` (a directory), in place of nobody's gather.
 
@@ -214,10 +227,13 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     any other; `max_shard_size`, `dtype` and `metadata` do not apply to them. `durable=True`:
     rank 0 fsyncs every file (and the directory) before the checkpoint appears, so that it
     survives a power loss too; by default, as `save_pretrained`, the page cache writes it back.
+    `exchange` (with a group): None, each plain key that some rank would write as many short
+    runs (a column-parallel key: a run per row) is written whole by one rank, which the others
+    send their pieces to (exchange.py); True, every plain key so; False, every piece in place.
     """
-    from ..compiler.plan import _as_layout, compile_plan
+    from ..compiler.plan import _as_layout
     from .describe import describe
-    from .layouts import plain_layout
+    from .exchange import exchange_keys
     from .meet import as_timedelta, failures
     from .write import write_pieces
 
@@ -254,17 +270,17 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     finally:
         if group is not None and _barrier_ok(ok, group):
             raise UsageError(f"{target}: the save could not start (rank 0 could not create its files)")
-    ok, written, plan = False, 0, None
+    ok, written, plan, owner = False, 0, None, {}
     try:
         if per_rank:
             written = write_rank(os.path.join(partial, names[me]), src, me, tensors)
         else:
             ckpt = describe(partial)
-            dst = plain_layout(file_layout_text(src, files, ckpt.text), f"<checkpoint {target}>",
-                               ("checkpoint", (("slot", src.ranks + 1),)), ckpt.shapes,
-                               {name: src.ranks for name in ckpt.shapes})
-            plan = compile_plan(src, dst)
-            written = write_pieces(plan, me, ckpt, tensors, group)
+            plan = file_plan(src, ckpt, f"<checkpoint {target}>")
+            owner = _exchanged(plan, ckpt, src.ranks, exchange) if group is not None else {}
+            written = write_pieces(plan, me, ckpt, tensors, group, skip=set(owner))
+            if owner:
+                written += exchange_keys(src, ckpt, owner, me, tensors, group, wait, f"<checkpoint {target}>")
         ok = True
     finally:
         failed = _barrier_ok(ok, group) if group is not None else (0 if ok else 1)
@@ -280,7 +296,19 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         _publish(target, partial, names, _index(files) if len(files) > 1 else None, durable)
     if group is not None:
         _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
-    return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written)
+    return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written, tuple(sorted(owner)))
+
+
+def _exchanged(plan, ckpt, writers: int, exchange: bool | None) -> dict[str, int]:
+    """The keys a save exchanges, each with its writer (the same on every rank: the plan's)."""
+    from ..ir import QUANTIZED
+    from .exchange import deal, short_run_keys
+
+    if exchange is False or writers < 2:
+        return {}
+    keys = short_run_keys(plan, ckpt) if exchange is None else {t.name for t in ckpt.tensors
+                                                                  if t.dtype not in QUANTIZED}
+    return deal(plan, ckpt, keys, writers) if keys else {}
 
 
 def _prepare(target: str, partial: str, files: tuple[FileLayout, ...], overwrite: bool) -> None:

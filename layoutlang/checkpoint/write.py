@@ -50,16 +50,17 @@ def _refused(plan, ops) -> str | None:
     return None
 
 
-def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None) -> int:
-    """Write this rank's pieces; returns the bytes written. Raises before writing anything when
-    a tensor is missing or misshapen, or a quantized key cannot be written piece by piece."""
+def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, skip=frozenset()) -> int:
+    """Write this rank's pieces (but those of the keys in `skip`: exchange.py writes them);
+    returns the bytes written. Raises before writing anything when a tensor is missing or
+    misshapen, or a quantized key cannot be written piece by piece."""
     rank = _Rank(plan, me)
     every = plan.ops
     problem = _refused(plan, every)
     if problem:
         raise UsageError(problem, help="save in a plain dtype (dtype=\"bf16\") and convert, or save from a "
                                        "layout whose shards hold whole scale blocks")
-    mine = [op for op in every if op.src_rank == me]
+    mine = _rotated([op for op in every if op.src_rank == me and op.dst_name not in skip], ckpt, me)
     given = _as_given(tensors or {}, rank.src_held)
     problems = []
     for name in dict.fromkeys(op.src_name for op in mine):
@@ -103,6 +104,15 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None) -> 
         m.close()  # (no msync: the pages are the page cache's; `save(durable=True)` syncs once, on rank 0)
         writer.close()
     return written
+
+
+def _rotated(ops, ckpt: Checkpoint, me: int) -> list:
+    """This rank's ops, starting at its own file (rank r at file r mod the file count), each
+    file's in plan order. A buffered write holds its file's inode lock: ranks that wrote the
+    files in the same order would queue behind each other at every file."""
+    at = {f.name: i for i, f in enumerate(ckpt.files)}
+    n = max(1, len(at))
+    return sorted(ops, key=lambda op: (at[ckpt.by_name[op.dst_name].data.file] - me) % n)
 
 
 # Shorter runs go through the map. A pwrite costs a system call per run (about 2 us); the map
@@ -157,10 +167,10 @@ class _Pwriter:
         self.paths = {f.name: f.path for f in ckpt.files}
         self.fds: dict[str, int] = {}
 
-    def write(self, entry, sl, block: torch.Tensor) -> bool:
+    def write(self, entry, sl, block: torch.Tensor, min_bytes: int = MIN_RUN_BYTES) -> bool:
         r = runs(sl, entry.shape)
         itemsize = TORCH[entry.dtype].itemsize
-        if r is None or r[1] * itemsize < MIN_RUN_BYTES:
+        if r is None or r[1] * itemsize < min_bytes:
             return False
         start, length, step, count = r
         buf = block.to(TORCH[entry.dtype]).contiguous()
