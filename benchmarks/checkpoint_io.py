@@ -504,7 +504,8 @@ def run(args, s: dict, tmp: Path, enforce: bool, start: float) -> int:
         failed.append("load on 4 ranks: slower than DCP's HF reader")
 
     print(f"\n4. save on 4 ranks, fused layout -> {r0['saved_files']} files "
-          f"(max_shard_size {r0['max_shard_size']}), {total / MIB:.0f} MiB, {total / WORLD / MIB:.0f} MiB per rank's share")
+          f"(max_shard_size {r0['max_shard_size']}), {total / MIB:.0f} MiB, {total / WORLD / MIB:.0f} MiB per rank's share; "
+          f"{r0['exchanged']} column-parallel keys written whole by one rank each (checkpoint/exchange.py)")
     med = {m: statistics.median(v) for m, v in st.items()}
     print("  medians: " + ", ".join(f"{m} {1e3 * t:.0f} ms" for m, t in med.items()))
     print(rounds_text(st))
@@ -514,6 +515,8 @@ def run(args, s: dict, tmp: Path, enforce: bool, start: float) -> int:
     if vd == "MISS":
         failed.append("save on 4 ranks: above 2.0x the per-rank write floor")
     print(f"    layoutlang / write floor with fsync (printed only): {pooled(ratios(st, 'layoutlang', 'floor_fsync'))}")
+    print(f"    layoutlang / in place (save(exchange=False): column-parallel keys written a row at a time, "
+          f"printed only): {pooled(ratios(st, 'layoutlang', 'in_place'))}")
     rs = ratios(st, "layoutlang", "dcp")
     vd = verdict(rs, TARGETS["save_dcp"])
     print(f"    layoutlang / DCP (HuggingFaceStorageWriter + consolidate_safetensors_files_on_every_rank): "

@@ -120,10 +120,11 @@ class Bench:
 
         load(self.ckpt, self.layout, self.tensors, group=dist.group.WORLD, budget_bytes=self.job["budget"])
 
-    def ll_save(self, path: Path):
+    def ll_save(self, path: Path, exchange: bool | None = None):
         from layoutlang.checkpoint import save
 
-        return save(path, self.layout, self.tensors, group=dist.group.WORLD, max_shard_size=self.max_shard)
+        return save(path, self.layout, self.tensors, group=dist.group.WORLD, max_shard_size=self.max_shard,
+                    exchange=exchange)
 
     # -- DCP
     def dcp_load(self) -> None:
@@ -223,6 +224,11 @@ class Bench:
         report["max_shard_size"] = self.max_shard
         self.check_saved(path, "layoutlang save")
         self.cleanup(path)
+        report["exchanged"] = len(rep.exchanged)
+        path = self.fresh("in_place")
+        self.ll_save(path, exchange=False)
+        self.check_saved(path, "layoutlang save, in place")
+        self.cleanup(path)
 
         # DCP: the HF keys as DTensors, each rank the same slices
         mesh = init_device_mesh("cpu", (WORLD,))
@@ -263,7 +269,7 @@ class Bench:
             timed(lambda: self.floor(path, m == "floor_fsync"))
             self.cleanup(path)
 
-        st: dict[str, list[float]] = {"floor": [], "floor_fsync": [], "layoutlang": [], "dcp": []}
+        st: dict[str, list[float]] = {"floor": [], "floor_fsync": [], "layoutlang": [], "in_place": [], "dcp": []}
         last = None
         for i in range(self.job["save_rounds"]):
             order = round_order(list(st), i, last)
@@ -275,6 +281,8 @@ class Bench:
                     st[m].append(timed(lambda: self.floor(path, m == "floor_fsync")))
                 elif m == "layoutlang":
                     st[m].append(timed(lambda: self.ll_save(path)))
+                elif m == "in_place":  # every piece written where it lies (no key exchanged)
+                    st[m].append(timed(lambda: self.ll_save(path, exchange=False)))
                 else:
                     st[m].append(timed(lambda: self.dcp_save(path)))
                 self.cleanup(path)

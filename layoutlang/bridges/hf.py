@@ -22,10 +22,13 @@ source) or writes in place (as a destination): parameters detached (same
 storage), persistent buffers as they are.
 
 A model whose parameters are DTensors (FSDP2 `fully_shard`, a TP plan applied
-with `parallelize_module`) is sharded: `describe` and `tensors` hand it to the
-DTensor bridge (layoutlang.bridges.dtensor), which writes each parameter's
-placements; this bridge supplies the keys and, for stacked experts, the part
-keys and stacked dims of each parameter (`dtensor.Form`).
+with `parallelize_module` or by `from_pretrained(..., tp_plan="auto")`) is
+sharded: `describe` and `tensors` hand it to the DTensor bridge
+(layoutlang.bridges.dtensor), which writes each parameter's placements; this
+bridge supplies the keys and, for stacked experts, the part keys and stacked
+dims of each parameter (`dtensor.Form`). Under transformers' own TP plan the
+parameters the plan does not shard (norms, routers, q/k norms) stay plain
+tensors, loaded whole on every rank: they are described as replicas.
 
 transformers and torch are imported inside the calls: importing this module
 needs neither.
@@ -37,6 +40,7 @@ import re
 from collections import Counter
 from dataclasses import replace
 
+from ..modes import PlainM
 from .families import (BridgeError, ConfigError, document, model_from_config, render_document, statement_at,
                        with_dtypes)
 
@@ -67,7 +71,7 @@ def describe(model, *, at: int = 0) -> str:
 def tensors(model) -> dict:
     """Name -> tensor for every tensor `describe(model)` lists (same storage as the model's)."""
     if _sharded(model):
-        return _dtensor_module().tensors(model)
+        return _dtensor_module().tensors(model, replicated=_replicated(model))
     return _stored(model)
 
 
@@ -138,6 +142,23 @@ def _layout_dtype(name: str, tensor) -> str | None:
     return TORCH_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
 
 
+def _replicated(model) -> frozenset[str]:
+    """The plain parameters of a model that transformers loaded with a TP plan: replicas.
+
+    `from_pretrained(..., tp_plan="auto")` makes a DTensor of every parameter
+    its plan shards and loads every other one (norms, the router, q/k norms)
+    whole on every rank, from the same checkpoint; the plan's styles keep them
+    equal while training (`replicated_with_grad_allreduce`). transformers
+    records the plan's degree as `model.tp_size`. A model sharded any other way
+    (FSDP2 by hand) makes no such promise: its plain parameters stay refused.
+    """
+    if (getattr(model, "tp_size", None) or 1) <= 1:
+        return frozenset()
+    from torch.distributed.tensor import DTensor
+
+    return frozenset(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+
+
 def _sharded(model) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -162,9 +183,11 @@ def _describe_dtensors(model) -> str:
     """A sharded HF model through the DTensor bridge: its placements, this bridge's keys and forms.
 
     The hf-memory Document says, per parameter, its key, or (stacked experts,
-    part keys, transposed storage) the form of its dims; the DTensor bridge adds
-    each dim's cut from the placements. Persistent buffers are not DTensors and
-    are not described.
+    part keys, transposed storage, a dim with parts or products) the form of its
+    dims; the DTensor bridge adds each dim's cut from the placements. A model
+    loaded with a TP plan keeps its unsharded parameters as plain tensors: they
+    are replicas over the mesh (`_replicated`). Persistent buffers are not
+    DTensors and are not described.
     """
     dtensor = _dtensor_module()
     kind = type(model).__name__
@@ -189,20 +212,30 @@ def _describe_dtensors(model) -> str:
         if tuple(p.shape) != t.logical_shape:
             raise BridgeError(f"{kind} stores `{pname}` with global shape {list(p.shape)}, the layout says "
                               f"{list(t.logical_shape)}", help="the model's config does not match its parameters")
-        if t.regions is None:
+        structured = [not isinstance(dim.mode, PlainM) for dim in t.dims]  # parts, products, pads
+        if t.regions is None and not any(structured):
             keys[pname] = t.key
             continue
         stmt = statement_at(doc, where[t.span.line])
         layer = _layer_of(stmt.name, name)
-        dims = tuple(_concrete(d, consts, layer) if ("(" in d or " in " in d) else str(p.shape[i])
+        dims = tuple(_concrete(d, consts, layer) if (structured[i] or " in " in d) else str(p.shape[i])
                      for i, d in enumerate(stmt.dims))
-        key = _concrete(stmt.key, consts, layer) if stmt.key is not None and stmt.key != stmt.name else None
+        if t.regions is None:
+            key = t.key
+        else:
+            key = _concrete(stmt.key, consts, layer) if stmt.key is not None and stmt.key != stmt.name else None
         forms[pname] = dtensor.Form(key, dims, stmt.transposed)
     missing = [n for n in described if n not in plain]
     if missing:
+        if missing[0] in {dtensor.key_of(n) for n, _ in model.named_buffers()}:
+            raise BridgeError(f"{kind} keeps `{missing[0]}` as a buffer: the layout of a sharded model describes "
+                              "its parameters, and which ranks hold a plain buffer, and whether they agree, is "
+                              "not recorded", help="describe the model gathered onto one rank, or add the buffer "
+                                                   "to the layout by hand")
         raise BridgeError(f"the layout describes `{missing[0]}` but {kind} has no such parameter",
                           help="the model's config does not match its parameters")
-    return dtensor.describe(model, keys=keys, forms=lambda pname, p: forms.get(pname), name=layout.name)
+    return dtensor.describe(model, keys=keys, forms=lambda pname, p: forms.get(pname), name=layout.name,
+                            replicated=_replicated(model))
 
 
 def _const_values(consts: tuple[str, ...]) -> dict[str, str]:
