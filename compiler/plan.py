@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,16 +32,16 @@ from layoutlang.elaborate import load
 from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, TensorIR
 from layoutlang.modes import Run, cached_property
-from layoutlang.vocabulary import DTYPE
 
 from .match import Match, PlanError, match
-from .pieces import Piece, Slice, Source, pieces, split_piece
+from .pieces import Piece, Slice, Source, pieces
 from .ranks import RankSet
 from .relay import needed_recv, relay_stage
 from . import strides
-from .select import SELECTORS, SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER
+from .select import SELECTORS
 from .shards import Placement, Shard, placement_of, shards
-from .verify import check_split, check_tiling
+from .split import split_stage
+from .verify import check_tiling
 from .wire import WIRE_MODES, op_wire, wire_dtype
 
 FORMAT = "layoutlang.plan/1"
@@ -112,7 +111,7 @@ class Geometry:
 
     `requests` are in canonical order (destination rank, then piece);
     `alternatives[k]` are piece k's sources, each with the ranks that hold it.
-    A split geometry (`split_geometry`) appends the parts of its split pieces
+    A split geometry (split.py `split_geometry`) appends the parts of its split pieces
     after the pieces that tile the shards; a split request becomes requests for
     its parts, in place.
     """
@@ -724,209 +723,6 @@ def _select(plan: Plan, templates: tuple[Template, ...]):
         picks[i][j] = tuple(selector.pick(req.rank, req.senders, len(t.members), -neg_bytes, j))
     plan._progress("senders", len(order), len(order))
     return picks, selector
-
-
-def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None) -> None:
-    """Cut the requests that overload the busiest senders into parts along their outer dim.
-
-    When usable senders outnumber the pieces, each piece goes whole to one
-    sender and the busiest one sits far above the floor (all bytes / usable
-    senders: Llama-3-8B from 4096 trainer ranks to a TP2 x DP8 engine, 4.2x).
-    After selection, every network request picked from a sender above
-    SPLIT_TRIGGER x the floor is cut, per template (every member alike), into
-    the parts `Balanced.parts` says (about floor / SPLIT_GRAIN bytes each, at
-    most its candidates, none below SPLIT_MIN_BYTES, none when no candidate
-    has room) along its first destination dim of extent > 1, so each part is
-    one slice on the receiver as the piece was, cuts on the destination
-    dtype's scale blocks; then senders are selected again. Rounds repeat while
-    new requests qualify (SPLIT_ROUNDS at most); the lowest busiest sender
-    wins, a split plan only if it beats the whole one by 1 % (SPLIT_GAIN), so
-    plans that splitting cannot improve (balanced already, too few replicas)
-    stay exactly as they were. Every choice is a function of the two layouts:
-    the same on every rank. Only the balanced selector splits (round_robin is
-    kept as Megatron-LM's rule).
-
-    A caller that knows them may pass `floor` (what `_send_floor` gives) and
-    `cuttable` (per template, the indices of the requests that could be cut at
-    all, in any order: two or more candidate senders and at least two
-    SPLIT_MIN_BYTES; `Balanced.parts` keeps every other one whole), so that the
-    first round looks at those only (compiler/members.py); the plan is the same.
-    """
-    if not plan.split or plan.selector_name != "balanced" or not plan.templates:
-        return
-    base = plan.templates
-    floor = _send_floor(base) if floor is None else floor
-    line = SPLIT_TRIGGER * floor
-    if not floor or max(plan.send_load) <= line:
-        return
-    grain = floor / SPLIT_GRAIN
-    known: dict[int, tuple[int, ...]] = {}
-
-    def quanta(i: int) -> tuple[int, ...]:  # computed for the templates a cut is tried on only
-        q = known.get(i)
-        if q is None:
-            q = known[i] = _split_quanta(plan, base[i])
-        return q
-
-    marks: list[dict[int, int]] = [{} for _ in base]  # per template: request index -> parts
-    # per template, the request of `base` each current request is (None: a part of a split one;
-    # a range while the template is whole)
-    origin: list[range | tuple[int | None, ...]] = [range(len(t.geometry.requests)) for t in base]
-    templates, picks, selector = base, plan._picks, plan._selector
-    best = (max(selector.load), templates, picks, selector.load, origin)
-    for _ in range(SPLIT_ROUNDS):
-        fresh = _mark(base, picks, selector, origin, marks, quanta, line, grain,
-                      cuttable if templates is base else None)
-        if not fresh:
-            break
-        rebuilt, origin = list(templates), list(origin)
-        for i in fresh:
-            g, origin[i] = split_geometry(base[i].geometry, marks[i], quanta(i))
-            rebuilt[i] = Template(g, base[i].members)
-        templates = tuple(rebuilt)
-        picks, selector = _select(plan, templates)
-        busiest = max(selector.load)
-        if busiest < best[0] * SPLIT_GAIN:
-            best = (busiest, templates, picks, selector.load, origin)
-        if busiest <= line:
-            break
-    if best[1] is base:
-        return
-    _, plan.templates, plan._picks, plan.send_load, origin = best
-    plan.splits = sum(len(t.members) * (len(t.geometry.requests) - sum(k is not None for k in origin[i]))
-                      for i, t in enumerate(base))
-    plan._offsets = _offsets(plan._instance, plan.templates)
-
-
-def _send_floor(templates: tuple[Template, ...]) -> float:
-    """All bytes over every rank that could send (Plan.stats' floor), before any choice."""
-    total = 0
-    sets: dict[int, RankSet] = {}
-    for t in templates:
-        n = len(t.members)
-        for req in t.geometry.requests:
-            total += req.bytes * n
-            sets.setdefault(id(req.senders), req.senders)
-    usable = len({r for rs in sets.values() for r in rs})
-    return total / usable if usable else 0.0
-
-
-def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: float, rows=None) -> list[int]:
-    """Add to `marks` every whole request of `base` picked (for any member) from a sender above
-    `line` that `selector.parts` cuts and that its outer dim can cut; the templates marked anew.
-    `quanta(i)`: template i's cut quanta; `rows`: per template the request indices to look at
-    (None: every one)."""
-    over = {r for r, sent in enumerate(selector.load) if sent > line}
-    fresh = []
-    for i, t in enumerate(base):
-        g, new = t.geometry, False
-        row = picks[i]
-        for j in range(len(row)) if rows is None else rows[i]:
-            got = row[j]
-            if over.isdisjoint(got):
-                continue
-            k = origin[i][j]
-            if k is None or k in marks[i]:
-                continue
-            req = g.requests[k]
-            parts = selector.parts(req.rank, req.senders, req.bytes, line, grain)
-            if parts > 1 and _cuts(g, g.pieces[req.piece], parts, quanta(i)):
-                marks[i][k] = parts
-                new = True
-        if new:
-            fresh.append(i)
-    return fresh
-
-
-def _split_quanta(plan: Plan, t: Template) -> tuple[int, ...]:
-    """Per destination storage dim, the multiple a cut must sit on: the scale block along that
-    dim of every member's destination dtype (LANGUAGE.md 4.1; 1 for plain dtypes), so that a
-    part never shares a scale block with another."""
-    ndim = len(t.geometry.pieces[0].dst_slice) if t.geometry.pieces else 0
-    out = [1] * ndim
-    for dtype in {plan.key_matches[i].dst.dtype for i in t.members}:
-        for grid in DTYPE[dtype].scales:
-            for back, b in enumerate(reversed(grid.block), 1):
-                if back <= ndim:
-                    out[ndim - back] = math.lcm(out[ndim - back], b)
-    return tuple(out)
-
-
-def _outer(g: Geometry, p: Piece) -> int | None:
-    """The piece's first destination dim of extent > 1 (its outer dim in the receiver's storage)
-    that is contiguous on every side (destination, logical, every source): a strided dim
-    (compiler/strides.py) is never cut, the next dim is."""
-    kd = _key_dims(g.dst_box, len(p.dst_slice))
-    for d, e in enumerate(p.dst_slice):
-        if len(e) > 2 or e[1] - e[0] <= 1:
-            continue
-        q = kd.index(d)
-        if len(p.logical[q]) > 2 or any(
-                len(s.src_slice[_key_dims(g.src_boxes[s.instance] if g.src_boxes else None,
-                                          len(s.src_slice))[q]]) > 2 for s in p.sources):
-            continue
-        return d
-    return None
-
-
-def _cuts(g: Geometry, p: Piece, parts: int, quanta: tuple[int, ...]) -> tuple[int, ...]:
-    """Where to cut p along its outer dim into about `parts` even parts: local destination
-    positions strictly inside it, each a multiple of the dim's quantum."""
-    d = _outer(g, p)
-    if d is None or parts < 2:
-        return ()
-    a, b = p.dst_slice[d]
-    q = quanta[d]
-    cuts = sorted({c - c % q for c in (a + (b - a) * i // parts for i in range(1, parts))})
-    return tuple(c for c in cuts if a < c < b)
-
-
-def _key_dims(box: Box, ndim: int) -> list[int]:
-    """Storage dims in the key's dim order: stacked dims left out, reversed when transposed."""
-    if box is None:
-        return list(range(ndim))
-    _, stacked, transposed = box
-    dims = [d for d in range(ndim) if d not in stacked]
-    return dims[::-1] if transposed else dims
-
-
-def split_geometry(g: Geometry, marks: dict[int, int],
-                   quanta: tuple[int, ...]) -> tuple[Geometry, tuple[int | None, ...]]:
-    """g with request k (for k in marks) cut into about marks[k] parts along its outer dim.
-
-    Parts are appended to the pieces (one set per split piece and count, shared by
-    every request that splits it alike), each proven to tile its piece; a split
-    request becomes one request per part, in place. Returns the geometry and, per
-    new request, the index of the request it was in g (None for a part).
-    """
-    pieces_, alternatives = list(g.pieces), list(g.alternatives)
-    made: dict[tuple[int, int], range] = {}
-    requests, origin = [], []
-    for k, req in enumerate(g.requests):
-        if k not in marks:
-            requests.append(req)
-            origin.append(k)
-            continue
-        key = (req.piece, marks[k])
-        if key not in made:
-            piece = g.pieces[req.piece]
-            d = _outer(g, piece)
-            q = _key_dims(g.dst_box, len(piece.dst_slice)).index(d)
-            src_dims = tuple(_key_dims(g.src_boxes[i] if g.src_boxes else None, len(src.dims))[q]
-                             for i, src in enumerate(g.src))
-            parts = split_piece(piece, _cuts(g, piece, marks[k], quanta), d, q, src_dims)
-            fault = check_split(piece.dst_slice, [p.dst_slice for p in parts])
-            if fault is not None:
-                raise AssertionError(f"split of {piece.dst_slice}: {fault}")
-            made[key] = range(len(pieces_), len(pieces_) + len(parts))
-            pieces_.extend(parts)
-            holders = [h for _, h in g.alternatives[req.piece]]  # in the order of piece.sources
-            alternatives.extend(tuple(zip(p.sources, holders)) for p in parts)
-        for n in made[key]:
-            requests.append(g.request(req.rank, n, pieces_[n], req.senders))
-            origin.append(None)
-    return (dataclasses.replace(g, pieces=tuple(pieces_), requests=tuple(requests), alternatives=tuple(alternatives),
-                                tiling=len(g.pieces)), tuple(origin))
 
 
 def _offsets(instances: list[tuple[int, int]], templates: tuple[Template, ...]) -> list[int]:
