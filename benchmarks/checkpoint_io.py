@@ -68,14 +68,12 @@ Targets are stated for the default size and rounds; other sizes print them witho
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,7 +81,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from refit_gloo import _free_port, _median_interval, round_order  # noqa: E402
+from refit_gloo import _median_interval, round_order  # noqa: E402
+from workers import Terminated, launch, on_sigterm  # noqa: E402
 
 WORKER = HERE / "checkpoint_io_worker.py"
 MIB, GIB = 2**20, 2**30
@@ -320,66 +319,6 @@ def in_process(ckpt: Path, s: dict, rounds: int) -> dict:
 
 # ---- 3, 4, 5: four processes -----------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    os.setsid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class _Terminated(Exception):
-    pass
-
-
-def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
-    raise _Terminated()
-
-
-def launch(job: dict, tmp: Path, timeout: float) -> tuple[list[dict | None], list[str], bool]:
-    """Run the job on WORLD local gloo workers; (results, stderr tails, timed out). No worker outlives it."""
-    job_path = tmp / "job.json"
-    job_path.write_text(json.dumps(job))
-    port = _free_port()
-    procs = []
-    try:
-        for rank in range(WORLD):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-                       GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-            err = open(tmp / f"stderr{rank}.txt", "w")
-            procs.append((subprocess.Popen([sys.executable, str(WORKER), str(job_path), str(tmp / f"out{rank}.json")],
-                                           env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                           preexec_fn=_die_with_parent), err))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs):
-            if any(p.poll() not in (None, 0) for p, _ in procs):
-                time.sleep(2.0)  # a rank failed: give the others a moment to write what they have
-                break
-            time.sleep(0.1)
-        timed_out = any(p.poll() is None for p, _ in procs)
-        if timed_out:  # every live worker's Python stacks into its stderr, then they go
-            for p, _ in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
-    finally:
-        for p, err in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
-            err.close()
-    results, errs = [], []
-    for rank in range(WORLD):
-        out = tmp / f"out{rank}.json"
-        results.append(json.loads(out.read_text()) if out.exists() else None)
-        errs.append("\n".join((tmp / f"stderr{rank}.txt").read_text().strip().splitlines()[-8:]))
-    return results, errs, timed_out
-
-
 # ---- the report ------------------------------------------------------------------------------------
 
 def rounds_text(times: dict) -> str:
@@ -401,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="rank 0 profiles one load and one save (cProfile)")
     ap.add_argument("--timeout", type=float, default=900.0, help="hard limit for the 4 workers, seconds (default 900)")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     s = sizes(0.25 if args.small else args.size, args.small)
     if args.small:
         s["L"] = 2
@@ -410,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         return run(args, s, tmp, enforce, start)
-    except (KeyboardInterrupt, _Terminated):
+    except (KeyboardInterrupt, Terminated):
         print("interrupted: every worker was killed", file=sys.stderr)
         return 130
     finally:
@@ -473,7 +412,7 @@ def run(args, s: dict, tmp: Path, enforce: bool, start: float) -> int:
            "fused": layout(s, "fused"), "rounds": args.rounds, "save_rounds": args.save_rounds,
            "budget": BUDGET, "files": FILES, "profile": args.profile, "here": str(HERE)}
     t0 = time.monotonic()
-    results, errs, timed_out = launch(job, tmp, args.timeout)
+    results, errs, timed_out = launch(WORKER, job, WORLD, tmp, args.timeout)
     bad = [(rank, r, e) for rank, (r, e) in enumerate(zip(results, errs)) if r is None or not r.get("ok")]
     if timed_out or bad:
         print(f"{len(bad)} rank(s) failed" + (f" (stopped at the {args.timeout:g} s hard limit, or a rank "

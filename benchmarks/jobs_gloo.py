@@ -56,13 +56,10 @@ against transfers) say where each one's step goes.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
 import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +68,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from refit_gloo import _free_port, _median_interval  # noqa: E402
+from workers import Terminated, launch, on_sigterm  # noqa: E402
 
 WORKER = HERE / "jobs_gloo_worker.py"
 EXAMPLES = HERE.parent / "examples" / "jobs"
@@ -95,66 +93,6 @@ def scaled(path: Path, consts: dict[str, int]) -> str:
     if len(CONST.findall(text)) != 1:
         raise SystemExit(f"{path}: expected one `const L = ...` line to scale")
     return CONST.sub("const " + ", ".join(f"{k} = {v}" for k, v in consts.items()), text)
-
-
-def _die_with_parent() -> None:
-    os.setsid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class _Terminated(Exception):
-    pass
-
-
-def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
-    raise _Terminated()
-
-
-def launch(job: dict, world: int, tmp: Path, timeout: float) -> tuple[list[dict | None], list[str], bool]:
-    """Run the job on `world` local workers; (results, stderr tails, timed out). No worker outlives it."""
-    job_path = tmp / "job.json"
-    job_path.write_text(json.dumps(job))
-    port = _free_port()
-    procs = []
-    try:
-        for rank in range(world):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                       GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-            err = open(tmp / f"stderr{rank}.txt", "w")
-            procs.append((subprocess.Popen([sys.executable, str(WORKER), str(job_path), str(tmp / f"out{rank}.json")],
-                                           env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                           preexec_fn=_die_with_parent), err))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs):
-            if any(p.poll() not in (None, 0) for p, _ in procs):
-                time.sleep(2.0)  # a rank failed: give the others a moment to write what they have
-                break
-            time.sleep(0.1)
-        timed_out = any(p.poll() is None for p, _ in procs)
-        if timed_out:  # every live worker's Python stacks into its stderr, then they go
-            for p, _ in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
-    finally:
-        for p, err in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
-            err.close()
-    results, errs = [], []
-    for rank in range(world):
-        out = tmp / f"out{rank}.json"
-        results.append(json.loads(out.read_text()) if out.exists() else None)
-        errs.append("\n".join((tmp / f"stderr{rank}.txt").read_text().strip().splitlines()[-6:]))
-    return results, errs, timed_out
 
 
 def _interval(ratios: list[float]) -> str:
@@ -268,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="hard limit for the whole run, seconds (default 300)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the workers' files (job, outputs, stderr) here")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     size = "quick" if args.quick else "full"
     consts = SIZES[size]
     rounds = args.rounds if args.rounds is not None else (8 if args.quick else 20)
@@ -288,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.keep or Path(tmp_name)
         tmp.mkdir(parents=True, exist_ok=True)
         try:
-            results, errs, timed_out = launch(job, world, tmp, args.timeout)
-        except (KeyboardInterrupt, _Terminated):
+            results, errs, timed_out = launch(WORKER, job, world, tmp, args.timeout, tail=6)
+        except (KeyboardInterrupt, Terminated):
             print("interrupted: every worker was killed", file=sys.stderr)
             return 130
     wall = time.monotonic() - start
