@@ -3,15 +3,29 @@
 # framework extras its bridge tests run against (megatron-core, transformers).
 # torch is pinned to the local CPU build 2.13.0 through constraints.txt so pip
 # never pulls a multi-GB CUDA wheel.
+#
+# megatron-core is pinned to 0.19.2 (constraints.txt), whose cp311 wheel declares
+# Requires-Python >= 3.12 yet works on 3.11: pip would refuse it, so it goes in
+# first with --no-deps --ignore-requires-python, and the normal install below then
+# finds it installed and pulls its declared deps (numpy, packaging, torch). Its
+# modules also import triton, which it does not declare: the version torch 2.13.0's
+# own metadata pins (`triton==3.7.1` on Linux; the CPU wheel lists none). Nothing
+# of this leaves this script: `pip install 'layoutlang[megatron]'` on Python 3.11
+# resolves to megatron-core 0.16.1 (pyproject.toml). scripts/megatron_matrix.sh
+# runs the Megatron bridge tests on that oldest supported release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+MCORE=$(grep -E '^megatron-core==' constraints.txt | cut -d= -f3)
+TRITON=3.7.1   # torch 2.13.0's pin (Requires-Dist: triton==3.7.1); megatron-core imports it at module level
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+stamp=.venv/.installed-$(cat scripts/setup.sh pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,megatron,hf]'
+  pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+  "${pip[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" "triton==$TRITON"
+  "${pip[@]}" -e '.[dev,megatron,hf]'
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

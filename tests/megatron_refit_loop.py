@@ -1,6 +1,6 @@
 # megatron_refit_loop.py: torchrun --nproc-per-node 2 megatron_refit_loop.py
 # A Megatron-Core GPT trained at TP2 on ranks 0-1 feeds an HF Llama held whole on rank 0
-# (collocated). The "CPU only" lines are what megatron-core 0.16 needs without a GPU. Imports sit
+# (collocated). The "CPU only" lines are what megatron-core (0.16 to 0.19) needs without a GPU. Imports sit
 # inside main() so that importing this file (pytest's doctest collection) runs nothing.
 
 

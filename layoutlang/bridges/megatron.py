@@ -30,12 +30,31 @@ holds its slice of gate, then of up), and an expert's local index restarts at
 0 on every EP rank while its key carries the global expert id
 (`for e in 0..E over ep`, `...local_experts.{e.local}...` as `experts.{e}`).
 
+Multi-latent attention (DeepSeek-V3; megatron-core 0.19 builds it with the local
+spec once `core_attention` is a module that takes MLA's `k_channels` /
+`v_channels`, such as one calling torch's SDPA) keys to DeepSeek-V3's HF names:
+`linear_q_down_proj` (q_a_proj), `linear_q_up_proj` (q_b_proj) or, without q
+LoRA, `linear_q_proj` (q_proj), `linear_kv_down_proj` (kv_a_proj_with_mqa),
+`linear_kv_up_proj` (kv_b_proj), `q_layernorm` / `kv_layernorm` (q_a_layernorm /
+kv_a_layernorm) and `linear_proj` (o_proj). The local spec splits every
+projection on dim 0 over tp, the down projections included:
+`[KV_LORA + QK_ROPE over tp, H]` cuts the kv_lora rows and the rope rows as one
+extent, exactly as Megatron stores them (a rank may hold latent rows and rope
+rows). The up projections split whole heads: `[(NH, QK_NOPE + V_HEAD) over tp,
+KV_LORA]`. The Transformer Engine spec instead keeps the down projections whole
+on every TP rank (`tensor_model_parallel` False: no `over`) and fuses the LoRA
+norms into the up projections (`linear_q_up_proj.layer_norm_weight`).
+`moe_grouped_gemm=True` with the local spec builds SequentialMLP experts
+(`local_experts.{i}`), described as above; TE's grouped GEMM stores
+`linear_fc1.weight{i}`, one tensor per expert too.
+
 >>> from layoutlang.bridges import megatron  # doctest: +SKIP
 >>> text = megatron.describe(gpt_model, vocab_size=hf_config.vocab_size)  # doctest: +SKIP
 >>> plan = layoutlang.compile_plan(layoutlang.loads(text), engine_layout)  # doctest: +SKIP
 >>> Refitter(plan).refit(megatron.tensors(gpt_model), engine_tensors)  # doctest: +SKIP
 
-Not described (a BridgeError naming the parameter): MLA, legacy GroupedMLP,
+Not described (a BridgeError naming the parameter): MLA's fused down projection
+(`linear_qkv_down_proj`, TE's mla_down_proj_fusion), legacy GroupedMLP,
 multi-token prediction, virtual pipeline stages, a custom
 pipeline_model_parallel_layout, parameters of modules the bridge does not
 know. megatron-core is imported lazily, inside the calls that need it.
@@ -69,7 +88,11 @@ _LLAMA = {
     "shared_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate",
 }
 _DEEPSEEK = {**_LLAMA, "shared_gate": "mlp.shared_experts.gate_proj",
-             "shared_up": "mlp.shared_experts.up_proj", "shared_down": "mlp.shared_experts.down_proj"}
+             "shared_up": "mlp.shared_experts.up_proj", "shared_down": "mlp.shared_experts.down_proj",
+             # multi-latent attention (q_a/q_b with q LoRA, else the plain q_proj of `q`)
+             "q_a": "self_attn.q_a_proj", "q_a_norm": "self_attn.q_a_layernorm", "q_b": "self_attn.q_b_proj",
+             "kv_a": "self_attn.kv_a_proj_with_mqa", "kv_a_norm": "self_attn.kv_a_layernorm",
+             "kv_b": "self_attn.kv_b_proj"}
 _MIXTRAL = {**_LLAMA, "router": "block_sparse_moe.gate",
             "expert_gate": "block_sparse_moe.experts.{e}.w1",
             "expert_up": "block_sparse_moe.experts.{e}.w3",
@@ -83,8 +106,11 @@ FAMILIES = {  # HF model_type -> its checkpoint names
 
 
 def _family(config, family: str | None) -> dict[str, str]:
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if family is None:  # what the config can tell apart; pass family= where it cannot
-        if not config.num_moe_experts:
+        if mla:
+            family = "deepseek_v3"
+        elif not config.num_moe_experts:
             family = "llama"
         elif getattr(config, "moe_shared_expert_intermediate_size", None):
             family = "qwen2_moe" if getattr(config, "moe_shared_expert_gate", False) else "deepseek_v3"
@@ -95,6 +121,11 @@ def _family(config, family: str | None) -> dict[str, str]:
     if family not in FAMILIES:
         raise BridgeError(f"unknown model family `{family}`: expected one of {', '.join(sorted(FAMILIES))}",
                           help=did_you_mean(family, FAMILIES))
+    if mla and "kv_a" not in FAMILIES[family]:
+        mla_families = sorted(f for f, k in FAMILIES.items() if "kv_a" in k)
+        raise BridgeError(f"family `{family}` has no HF names for multi-latent attention "
+                          "(config.multi_latent_attention is True)",
+                          help=f"MLA keys are DeepSeek-V3's: pass family= one of {', '.join(mla_families)}")
     return FAMILIES[family]
 
 
@@ -202,7 +233,9 @@ class Role:
     sit inside them. `key` is the tensor's key when it has no part keys. `split`
     is the dim Megatron splits over TP (expert TP for experts), `parts` the
     number of parts of that dim's concatenation (the largest partition_stride
-    it can hold).
+    it can hold). `replicable`: a spec may instead keep it whole on every TP
+    rank (MLA's down projections: split by the local spec, duplicated by TE's),
+    which the parameter's `tensor_model_parallel` attribute then says.
     """
 
     dims: tuple[str, ...]
@@ -210,18 +243,24 @@ class Role:
     split: int | None
     expert: bool = False
     parts: int = 1
+    replicable: bool = False
 
 
 _NORM = re.compile(r"(?:(input_layernorm\.|self_attention\.linear_qkv\.layer_norm_)"
                    r"|(pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_))(weight|bias)")
 
 
-def _layer_role(rel: str, keys: dict[str, str], gated: bool) -> Role | None:
-    """The role of `decoder.layers.N.<rel>` (experts' local index written `{e}`); None if unknown."""
+def _layer_role(rel: str, keys: dict[str, str], gated: bool, mla: bool = False) -> Role | None:
+    """The role of `decoder.layers.N.<rel>` (experts' local index written `{e}`); None if unknown.
+
+    `mla`: the layer's attention is multi-latent (`_mla_role`), not grouped-query.
+    """
     pre = "model.layers.{l}."
     m = _NORM.fullmatch(rel)
     if m:
         return Role(("H",), pre + keys["attn_norm" if m.group(1) else "mlp_norm"] + "." + m.group(3), None)
+    if mla and rel.startswith("self_attention."):
+        return _mla_role(rel[len("self_attention."):], pre, keys)
     m = re.fullmatch(r"self_attention\.linear_qkv\.(weight|bias)", rel)
     if m:
         w = m.group(1)
@@ -257,6 +296,42 @@ def _layer_role(rel: str, keys: dict[str, str], gated: bool) -> Role | None:
     return None
 
 
+# MLA projections: Megatron module -> (HF role, rows, columns, may a spec keep it whole on every TP rank).
+# Rows of the up projections are per head (nope then rope for q, nope then v for kv), as HF stores them.
+_MLA_LINEAR = {
+    "linear_q_down_proj": ("q_a", "Q_LORA", "H", True),
+    "linear_q_up_proj": ("q_b", "(NH, QK_NOPE + QK_ROPE)", "Q_LORA", False),
+    "linear_q_proj": ("q", "(NH, QK_NOPE + QK_ROPE)", "H", False),
+    "linear_kv_down_proj": ("kv_a", "KV_LORA + QK_ROPE", "H", True),
+    "linear_kv_up_proj": ("kv_b", "(NH, QK_NOPE + V_HEAD)", "KV_LORA", False),
+}
+# The LoRA norms: the local spec's own modules, or TE's norm fused into the up projection.
+_MLA_NORM = re.compile(r"(?:(q_layernorm\.|linear_q_up_proj\.layer_norm_)"
+                       r"|(kv_layernorm\.|linear_kv_up_proj\.layer_norm_))(weight|bias)")
+
+
+def _mla_role(rel: str, pre: str, keys: dict[str, str]) -> Role | None:
+    """The role of `self_attention.<rel>` in a multi-latent attention layer; None if unknown.
+
+    The kv down projection's rows are the latent (KV_LORA) then the shared rope key
+    (QK_ROPE); the local spec splits them as ONE extent over tp, so the layout writes
+    the plain sum (HF's kv_a_proj_with_mqa is one key of that extent, no parts).
+    """
+    m = _MLA_NORM.fullmatch(rel)
+    if m:
+        which, extent = ("q_a_norm", "Q_LORA") if m.group(1) else ("kv_a_norm", "KV_LORA")
+        return Role((extent,), f"{pre}{keys[which]}.{m.group(3)}", None)
+    m = re.fullmatch(r"(linear_\w+)\.weight", rel)
+    if m and m.group(1) in _MLA_LINEAR:
+        role, rows, cols, replicable = _MLA_LINEAR[m.group(1)]
+        return Role((rows, cols), f"{pre}{keys[role]}.weight", 0, replicable=replicable)
+    if rel == "linear_proj.weight":
+        return Role(("H", "NH*V_HEAD"), pre + keys["o"] + ".weight", 1)
+    if rel == "linear_proj.bias":
+        return Role(("H",), pre + keys["o"] + ".bias", None)
+    return None
+
+
 def _mlp_role(fc: str, w: str, ext: str, kind: str, expert: bool, pre: str, keys: dict, gated: bool) -> Role:
     if fc == "1":
         if gated:
@@ -274,10 +349,14 @@ _UNSUPPORTED = (
       "concatenated along the FFN dim, transposed), which a `.layout` dim cannot key per expert"),
      ("build the experts with moe_grouped_gemm=False (SequentialMLP) or Transformer Engine's grouped GEMM "
       "(TEGroupedMLP, one `linear_fc1.weight{i}` per expert)")),
-    (r"self_attention\.linear_(q|kv)_(down|up)_proj.*|self_attention\.linear_q_proj.*|self_attention\.kv_layernorm.*",
-     "multi-latent attention (MLA) is not described by this bridge yet",
-     ("megatron-core 0.16.1 builds MLA only with Transformer Engine (its local spec fails on CPU), so the "
-      "bridge has no live model to check MLA's names and splits against")),
+    (r"self_attention\.linear_qkv_down_proj\..*",
+     ("MLA's fused q/kv down projection (Transformer Engine's mla_down_proj_fusion, FusedMLASelfAttention) "
+      "is not described: it needs Transformer Engine, so no live model checks its rows and norm"),
+     "build the model with mla_down_proj_fusion=False (separate linear_q_down_proj / linear_kv_down_proj)"),
+    (r"self_attention\.linear_(q|kv)_(down|up)_proj.*|self_attention\.linear_q_proj.*"
+     r"|self_attention\.(q|kv)_layernorm.*",
+     "a multi-latent attention parameter the bridge does not know (or config.multi_latent_attention is False)",
+     "described: the local spec's and Transformer Engine's unfused MLA (see layoutlang/bridges/megatron.py)"),
 )
 
 
@@ -359,7 +438,7 @@ def _check_attributes(name: str, p, role: Role, tp: int, etp: int, ep: int) -> i
                           "weight; the bridge cannot place it on the expert mesh")
     if not is_tp:
         size = etp if role.expert else tp
-        if role.split is not None and size > 1:
+        if role.split is not None and size > 1 and not role.replicable:
             raise BridgeError(f"parameter `{name}` is not marked tensor-parallel, but Megatron splits its dim "
                               f"{role.split} over {'etp' if role.expert else 'tp'}={size}")
         return None
@@ -374,8 +453,8 @@ def _check_attributes(name: str, p, role: Role, tp: int, etp: int, ep: int) -> i
     return dim
 
 
-def _role_or_error(name: str, rel: str, keys, gated: bool) -> Role:
-    role = _layer_role(rel, keys, gated)
+def _role_or_error(name: str, rel: str, keys, gated: bool, mla: bool) -> Role:
+    role = _layer_role(rel, keys, gated, mla)
     if role is not None:
         return role
     for pattern, what, help_ in _UNSUPPORTED:
@@ -484,7 +563,8 @@ def _layer_templates(model, t: _Trainer, weights: dict, keys: dict[str, str]) ->
         entries = []
         for rel, held in layers[local].items():
             pname = held[0][0]
-            role = _role_or_error(pname, rel, keys, bool(config.gated_linear_unit))
+            role = _role_or_error(pname, rel, keys, bool(config.gated_linear_unit),
+                                  bool(getattr(config, "multi_latent_attention", False)))
             if role.expert:
                 ids = sorted(e for _, _, e in held)
                 if E % t.ep or ids != list(range(E // t.ep)):
@@ -559,11 +639,17 @@ def _outside_layers(model, t: _Trainer, weights: dict, vocab: str, default: str)
 def _render(name: str, model, t: _Trainer, templates, outside, V: int, default: str) -> str:
     config = model.config
     E = config.num_moe_experts or 0
-    consts = [("L", config.num_layers), ("H", config.hidden_size), ("Q", config.num_attention_heads),
-              ("KV", config.num_query_groups or config.num_attention_heads), ("QG", "Q/KV"),
-              ("D", config.kv_channels), ("V", V)]
     used = " ".join(" ".join(e.role.dims) for kind in templates.values() for e in kind)
     used += " " + " ".join(" ".join(p.role.dims) for _, p, _ in outside)
+    if getattr(config, "multi_latent_attention", False):   # DeepSeek-V3's names for MLA's sizes
+        attention = [("NH", config.num_attention_heads), ("Q_LORA", config.q_lora_rank),
+                     ("KV_LORA", config.kv_lora_rank), ("QK_NOPE", config.qk_head_dim),
+                     ("QK_ROPE", config.qk_pos_emb_head_dim), ("V_HEAD", config.v_head_dim)]
+        attention = [(n, v) for n, v in attention if re.search(rf"\b{n}\b", used)]
+    else:
+        attention = [("Q", config.num_attention_heads), ("KV", config.num_query_groups or config.num_attention_heads),
+                     ("QG", "Q/KV"), ("D", config.kv_channels)]
+    consts = [("L", config.num_layers), ("H", config.hidden_size), *attention, ("V", V)]
     if E:
         consts.append(("E", E))
     for const, value in (("F", config.ffn_hidden_size),
