@@ -45,6 +45,9 @@ from typing import Mapping
 from ..diagnostics import LayoutError, UsageError
 
 CONVENTIONS = ("megatron", "hf", "hf-memory", "vllm", "sglang")
+# Trainers whose convention lives in a module of its own (torchtitan_layout.py); kept apart from
+# CONVENTIONS until every convention pair plans (a Meta-order Llama3 needs rotary parts on its partner)
+TRAINER_CONVENTIONS = ("torchtitan",)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # config `dtype` -> layout dtype
 
@@ -787,8 +790,8 @@ def _megatron_doc(m: Model, sizes: Mapping[str, int]) -> Document:
     if moe is not None:
         args += [("EP", sizes["EP"]), ("ETP", sizes["ETP"])]
         meshes.append("experts (pp=PP, edp=DP*TP/(EP*ETP), ep=EP, etp=ETP) at AT")
-        notes += ["Routed experts: SequentialMLP (moe_grouped_gemm off), local expert numbers under",
-                  "EP, fc1 gate | up split over etp; rank order etp fastest, then ep, then edp."]
+        notes += ["Routed experts: SequentialMLP (local spec, moe_grouped_gemm on or off), local expert",
+                  "numbers under EP, fc1 gate | up split over etp; rank order etp fastest, ep, edp."]
     if len(m.runs) > 1:
         notes += ["Dense and routed layers alternate: each MLP is placed on its layer's stage",
                   "(L/PP layers per stage, so PP must divide L)."]
@@ -808,7 +811,7 @@ SIZE_DEFAULTS = {"TP": 1, "PP": 1, "DP": 1, "EP": 1, "AT": 0}
 
 def arg_names(model: Model, convention: str) -> tuple[str, ...]:
     """The args a convention's layout of `model` declares (what `--set` may change)."""
-    if convention in ("hf", "hf-memory"):
+    if convention in ("hf", "hf-memory", *TRAINER_CONVENTIONS):
         return ("DP", "AT")
     moe = ("EP",) if model.moe is not None else ()
     if convention == "megatron":
@@ -818,8 +821,9 @@ def arg_names(model: Model, convention: str) -> tuple[str, ...]:
 
 def document(model: Model, convention: str, sizes: Mapping[str, int] | None = None) -> Document:
     """The Document of `model` in `convention`; `sizes` give the args' values (TP, PP, ...)."""
-    if convention not in CONVENTIONS:
-        raise UsageError(f"unknown convention `{convention}`", help=f"use one of {', '.join(CONVENTIONS)}")
+    if convention not in CONVENTIONS + TRAINER_CONVENTIONS:
+        raise UsageError(f"unknown convention `{convention}`",
+                         help=f"use one of {', '.join(CONVENTIONS + TRAINER_CONVENTIONS)}")
     given = dict(sizes or {})
     allowed = arg_names(model, convention)
     for name, value in given.items():
@@ -832,6 +836,10 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
     full = {**SIZE_DEFAULTS, "ETP": given.get("TP", 1), **given}  # Megatron's default expert TP is TP
     if convention == "megatron":
         return _megatron_doc(model, full)
+    if convention == "torchtitan":  # its module imports this one
+        from .torchtitan_layout import torchtitan_document
+
+        return torchtitan_document(model, full)
     if convention in ("hf", "hf-memory"):
         return _hf_doc(model, full, memory=convention == "hf-memory")
     return _engine_doc(model, full, convention)
