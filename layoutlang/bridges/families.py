@@ -3,7 +3,7 @@
 `layoutc new vllm --config config.json --set TP=4` prints the `.layout` text of
 the model that config describes, as vLLM stores it at TP4. Pure Python: no
 framework is imported; the conventions are written down here from each
-framework's source (transformers 5, Megatron-Core 0.16 local spec, vLLM,
+framework's source (transformers 5, Megatron-Core 0.16-0.19 local spec, vLLM,
 SGLang) and checked against the live models by the bridges' tests.
 
 Every key is the HF checkpoint name of the unfused, per-expert weight
