@@ -328,11 +328,11 @@ def case_megatron_save(job: dict, rank: int, report: dict) -> None:
         os.makedirs(out["rounds"], exist_ok=True)
         hf.config.save_pretrained(out["rounds"])
     dist.barrier()
-    exchange.ROUND_BYTES = 1  # every exchanged key in a round of its own
+    default, exchange.ROUND_BYTES = exchange.ROUND_BYTES, 1  # every exchanged key in a round of its own
     try:
         save(out["rounds"], layout, bridge.tensors(model), group=dist.group.WORLD, max_shard_size="16KB")
     finally:
-        exchange.ROUND_BYTES = 64 * 1024 ** 2
+        exchange.ROUND_BYTES = default
 
 
 MXFP8_SAVE = """

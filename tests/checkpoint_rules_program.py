@@ -33,6 +33,13 @@ def body(job: dict, rank: int) -> dict:
     rows = -torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512)
     save(job["big_out"], big, {"cols": cols[:, 32768 * rank:32768 * (rank + 1)].clone(),
                                "rows": rows[128 * rank:128 * (rank + 1)].clone()}, group=dist.group.WORLD)
+    # column-parallel keys with short runs: exchanged (their rows split over the writers)
+    cp = loads(job["cp_layout"])
+    full = {"wide": torch.arange(64 * 256).reshape(64, 256).to(torch.bfloat16),
+            "odd": torch.arange(5 * 256).reshape(5, 256).to(torch.float32)}
+    r = save(job["cp_out"], cp, {k: v[:, 128 * rank:128 * (rank + 1)].clone() for k, v in full.items()},
+             group=dist.group.WORLD)
+    report["cp_exchanged"] = list(r.exchanged)
     # a stalled rank: the other raises within the save's timeout (its own group: a timed-out
     # gloo wait leaves the group unusable, and the frame still meets on the world afterwards)
     import time

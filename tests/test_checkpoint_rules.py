@@ -8,6 +8,7 @@ References, independent of layoutlang.checkpoint:
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -133,6 +134,10 @@ def test_each_rank_loads_its_own_slices_in_one_process(tmp_path):
         assert report.read_bytes == (4 + 2 + 2) * 6 * 2 + (6 if rank == 0 else 4) * 6 * 2 + 6 * 4
 
 
+CP_LAYOUT = "mesh m (tp=2)\ntensor wide [64, 256 over tp] bf16\ntensor odd [5, 256 over tp] fp32\n"
+CP_KEYS = {"wide": ((64, 256), torch.bfloat16), "odd": ((5, 256), torch.float32)}
+
+
 def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     ref = _reference()
     src = tmp_path / "src"
@@ -141,7 +146,8 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     save_file({"emb.weight": ref["emb.weight"]}, src / "b.safetensors")
     job = {"src": str(src), "out": str(tmp_path / "out"), "layout": TP_LAYOUT, "big_out": str(tmp_path / "big"),
            "stall_out": str(tmp_path / "stall"), "ranked_out": str(tmp_path / "ranked"),
-           "big_layout": "mesh m (tp=2)\ntensor cols [4, 65536 over tp] fp32\ntensor rows [256 over tp, 512] fp32\n"}
+           "big_layout": "mesh m (tp=2)\ntensor cols [4, 65536 over tp] fp32\ntensor rows [256 over tp, 512] fp32\n",
+           "cp_out": str(tmp_path / "cp"), "cp_layout": CP_LAYOUT}
     results = launch(job, 2, program=os.path.join(HERE, "checkpoint_rules_program.py"), timeout=120)
     assert all(r.ok for r in results), [(r.error, (r.result or {}).get("trace")) for r in results]
     for r in results:
@@ -164,6 +170,12 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     with safe_open(tmp_path / "big" / "model.safetensors", "pt") as fh:
         assert torch.equal(fh.get_tensor("cols"), torch.arange(4 * 65536, dtype=torch.float32).reshape(4, 65536))
         assert torch.equal(fh.get_tensor("rows"), -torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512))
+    # column-parallel keys (a short run per row): exchanged, rows split over the 2 writers as
+    # torch.chunk cuts them (wide 32 + 32, odd 3 + 2); every element where the full tensor has it
+    assert [sorted(r.result["cp_exchanged"]) for r in results] == [["odd", "wide"]] * 2
+    with safe_open(tmp_path / "cp" / "model.safetensors", "pt") as fh:
+        for name, (shape, dtype) in CP_KEYS.items():
+            assert torch.equal(fh.get_tensor(name), torch.arange(math.prod(shape)).reshape(shape).to(dtype)), name
     # rank 1 stalled 4 s before its save: rank 0 gave up after its 1 s timeout, not the group's 120 s
     stall = results[0].result
     assert "did not meet within 1 s" in stall["stall"] and stall["stall_s"] < 4.0, stall
@@ -281,35 +293,29 @@ def test_checkpoint_layouts_are_built_as_their_text_elaborates(tmp_path):
         {"x.weight": ((0, 0),), "e": ((0, 1),), "a.w": ((0, 2),), "b": ((0, 2),), "d_x_y": ((0, 2),), "c": ((0, 2),)}
 
 
-def test_a_save_exchanges_the_keys_whose_pieces_are_short_runs_and_deals_them_by_size(tmp_path):
-    from layoutlang.checkpoint.exchange import RUN_BYTES, deal, short_run_keys
+def test_a_save_exchanges_the_keys_whose_pieces_are_short_runs_and_splits_their_rows(tmp_path):
+    from layoutlang.checkpoint.exchange import RUN_BYTES, rounds, rows_of, short_run_keys
     from layoutlang.checkpoint.save import file_plan
 
     # by hand (LANGUAGE.md 3, row-major files): a column block of `wide` is 64 runs of 64 bf16
     # (128 B), of `narrow` 32 runs; a row block of `rows` is one run; `long` is 4 runs of
-    # 65536 bf16 (128 KiB, above RUN_BYTES); `norm` is whole on every rank (one run)
+    # 65536 bf16 (128 KiB, above RUN_BYTES)
     assert 65536 * 2 >= RUN_BYTES > 128
     text = ("mesh m (tp=4)\ntensor wide [64, 256 over tp] bf16\ntensor narrow [32, 256 over tp] bf16\n"
-            "tensor rows [256 over tp, 64] bf16\ntensor long [4, 262144 over tp] bf16\n")
+            "tensor rows [256 over tp, 64] bf16\ntensor long [4, 262144 over tp] bf16\ntensor odd [5, 256 over tp] bf16\n")
     one = text.replace("mesh m (tp=4)", "mesh m (one=1)").replace(" over tp", "")
     src = loads(text)
-    save(tmp_path, loads(one), {"wide": torch.zeros(64, 256, dtype=torch.bfloat16),
-                                "narrow": torch.zeros(32, 256, dtype=torch.bfloat16),
-                                "rows": torch.zeros(256, 64, dtype=torch.bfloat16),
-                                "long": torch.zeros(4, 262144, dtype=torch.bfloat16)})
+    shapes = {"wide": (64, 256), "narrow": (32, 256), "rows": (256, 64), "long": (4, 262144), "odd": (5, 256)}
+    save(tmp_path, loads(one), {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()})
     ckpt = describe(tmp_path)
     plan = file_plan(src, ckpt, "<files>")
     keys = short_run_keys(plan, ckpt)
-    assert keys == {"wide", "narrow"}
-    # every rank writes the same bytes in place (a quarter of rows and of long): the larger key
-    # goes to rank 0, the smaller to rank 1 (the fewest bytes, ties to the lowest rank)
-    assert deal(plan, ckpt, keys, 4) == {"wide": 0, "narrow": 1}
-    # rounds bound what a writer assembles: wide (32 KiB) then narrow (16 KiB) on one writer
-    # do not fit 40000 B together; rows (32 KiB) on another fits the first round; a key above
-    # the cap has a round of its own
-    from layoutlang.checkpoint.exchange import rounds
-
-    owner = {"wide": 0, "narrow": 0, "rows": 1}
-    assert rounds(ckpt, owner, 40000) == [{"wide": 0, "rows": 1}, {"narrow": 0}]
-    assert rounds(ckpt, owner, 1) == [{"wide": 0, "rows": 1}, {"narrow": 0}]
-    assert rounds(ckpt, owner, 10 ** 6) == [owner]
+    assert sorted(keys) == ["narrow", "odd", "wide"]
+    # rows over 4 writers as torch.chunk cuts them: 64 -> 16 each; 5 -> 2, 2, 1, 0
+    assert [rows_of(ckpt.by_name["wide"], w, 4) for w in range(4)] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert [rows_of(ckpt.by_name["odd"], w, 4) for w in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    # rounds bound what a writer assembles: writer 0's rows of wide are 16 x 512 B = 8192 B, of
+    # narrow 8 x 512 = 4096 B; a key whose block alone is above the cap has a round of its own
+    assert rounds(ckpt, ["wide", "narrow"], 4, 10000) == [["wide"], ["narrow"]]
+    assert rounds(ckpt, ["wide", "narrow"], 4, 12288) == [["wide", "narrow"]]
+    assert rounds(ckpt, ["wide", "narrow"], 4, 1) == [["wide"], ["narrow"]]

@@ -228,8 +228,9 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     rank 0 fsyncs every file (and the directory) before the checkpoint appears, so that it
     survives a power loss too; by default, as `save_pretrained`, the page cache writes it back.
     `exchange` (with a group): None, each plain key that some rank would write as many short
-    runs (a column-parallel key: a run per row) is written whole by one rank, which the others
-    send their pieces to (exchange.py); True, every plain key so; False, every piece in place.
+    runs (a column-parallel key: a run per row) is written by rows, each rank a block of them
+    that the others send their pieces of (exchange.py); True, every plain key so; False, every
+    piece in place.
     """
     from ..compiler.plan import _as_layout
     from .describe import describe
@@ -270,17 +271,17 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     finally:
         if group is not None and _barrier_ok(ok, group):
             raise UsageError(f"{target}: the save could not start (rank 0 could not create its files)")
-    ok, written, plan, owner = False, 0, None, {}
+    ok, written, plan, exchanged = False, 0, None, []
     try:
         if per_rank:
             written = write_rank(os.path.join(partial, names[me]), src, me, tensors)
         else:
             ckpt = describe(partial)
             plan = file_plan(src, ckpt, f"<checkpoint {target}>")
-            owner = _exchanged(plan, ckpt, src.ranks, exchange) if group is not None else {}
-            written = write_pieces(plan, me, ckpt, tensors, group, skip=set(owner))
-            if owner:
-                written += exchange_keys(src, ckpt, owner, me, tensors, group, wait, f"<checkpoint {target}>")
+            exchanged = _exchanged(plan, ckpt, src.ranks, exchange) if group is not None else []
+            written = write_pieces(plan, me, ckpt, tensors, group, skip=set(exchanged))
+            if exchanged:
+                written += exchange_keys(src, ckpt, exchanged, me, tensors, group, wait, f"<checkpoint {target}>")
         ok = True
     finally:
         failed = _barrier_ok(ok, group) if group is not None else (0 if ok else 1)
@@ -296,19 +297,18 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         _publish(target, partial, names, _index(files) if len(files) > 1 else None, durable)
     if group is not None:
         _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
-    return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written, tuple(sorted(owner)))
+    return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written, tuple(exchanged))
 
 
-def _exchanged(plan, ckpt, writers: int, exchange: bool | None) -> dict[str, int]:
-    """The keys a save exchanges, each with its writer (the same on every rank: the plan's)."""
+def _exchanged(plan, ckpt, writers: int, exchange: bool | None) -> list[str]:
+    """The keys a save exchanges (the same on every rank: the plan's), in the checkpoint's order."""
     from ..ir import QUANTIZED
-    from .exchange import deal, short_run_keys
+    from .exchange import short_run_keys
 
     if exchange is False or writers < 2:
-        return {}
-    keys = short_run_keys(plan, ckpt) if exchange is None else {t.name for t in ckpt.tensors
-                                                                  if t.dtype not in QUANTIZED}
-    return deal(plan, ckpt, keys, writers) if keys else {}
+        return []
+    return short_run_keys(plan, ckpt) if exchange is None else [t.name for t in ckpt.tensors
+                                                                 if t.dtype not in QUANTIZED]
 
 
 def _prepare(target: str, partial: str, files: tuple[FileLayout, ...], overwrite: bool) -> None:
