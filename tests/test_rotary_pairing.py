@@ -7,7 +7,7 @@ write the parts (LANGUAGE.md 3: a dim with parts on one side only is an error), 
 conventions that store HF order must say so for a Meta-order source to pair without edits.
 
 Whatever the conventions say, the ops and bytes of every shipped pair are guarded
-here against the numbers main planned before this work (tests/golden/pair_ops.json):
+here against the numbers main planned before this work (tests/golden/pairs/ops.json):
 the `layoutc new` conventions of every family at tests/test_layoutc_new.py's sizes,
 and the example groups of tests/test_example_pairs.py. The full-size groups (Llama-3-8B,
 DeepSeek-V3: about 80 s of planning on a 2-core machine) run with `python
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import test_example_pairs as pairs  # noqa: E402  (the groups of shipped examples)
 import test_layoutc_new as new  # noqa: E402  (the families' configs and the sizes of their pairs)
 
-GOLDEN = json.loads((Path(__file__).parent / "golden" / "pair_ops.json").read_text())["pairs"]
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "pairs" / "ops.json").read_text())["pairs"]
 FULL_SIZE = ("Llama-3-8B", "DeepSeek-V3")
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
