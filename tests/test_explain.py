@@ -10,6 +10,7 @@ writing; check the pictures by hand again before committing).
 """
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -86,12 +87,12 @@ def test_no_stray_golden_pictures():
 
 
 def representatives(layout):
-    """One key per distinct placement (what explain's output depends on), or every key."""
-    if len(layout.by_key) <= 2000:
-        return list(layout.by_key)
+    """One key per kind of tensor and placement: numbers (layer, expert, rank) read as N, in the
+    key and in its placement, so layers and experts that differ only there are explained once
+    (DeepSeek-V3's 256 ranks gave 527 keys, 80 s)."""
     seen, keys = set(), []
     for t in layout.tensors:
-        sig = placement_of(t)
+        sig = (re.sub(r"\d+", "N", t.key), re.sub(r"\d+", "N", repr(placement_of(t))))
         if sig not in seen:
             seen.add(sig)
             keys.append(t.key)
