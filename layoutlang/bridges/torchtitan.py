@@ -30,6 +30,7 @@ import re
 
 from ..modes import PlainM
 from .families import GQA, MLA, BridgeError, Model, MoE, render_document, statement_at
+from .hf import _layer_of
 from .torchtitan_layout import INTERLEAVED, torchtitan_document
 
 _CLASSES = {"Llama3Model": "llama", "Qwen3Model": "qwen3", "DeepSeekV3Model": "deepseek_v3"}
@@ -184,15 +185,6 @@ def _concrete(text: str, consts: dict[str, str], layer: int | None) -> str:
     for _ in range(2):
         text = re.sub(r"\b[A-Z][A-Z0-9_]*\b", lambda m: consts.get(m.group(), m.group()), text)
     return text
-
-
-def _layer_of(template: str, name: str) -> int | None:
-    """The layer number `{l}` takes in `template` to give `name`."""
-    if "{l}" not in template:
-        return None
-    match = re.fullmatch(re.escape(template).replace(re.escape("{l}"), r"(\d+)"), name)
-    assert match is not None, (template, name)
-    return int(match.group(1))
 
 
 __all__ = ["describe", "tensors", "model_of", "BridgeError"]
