@@ -6,7 +6,8 @@ slotted: a generated file of a million tensor lines holds ten million of them.
 
 Notation::
 
-    Expr := Num | Name | Local | BinOp | Neg | Call
+    Expr := Num | Name | Local | BinOp | Neg | Call | Index
+    Binding.value := Expr | Table                   (v2: tables, `arg MAP = [[0, 1], [1, 0]]`)
     Mode := Plain | Product | Concat | Pad          (one dimension's structure)
     Dim.mode := Mode | Stack                        (v2: `e in 0..E` is a stacked dim)
     Stmt := Header | Include | Arg | Const | MeshDecl | DefaultDtype | TensorDecl | ForLoop
@@ -67,7 +68,24 @@ class Call:
     span: Span = _span()
 
 
-Expr = Num | Name | Local | BinOp | Neg | Call
+@dataclass(frozen=True, slots=True)
+class Index:
+    """`T[i][j]`: an entry of a table (docs/language.md 14.8)."""
+
+    name: str
+    indices: tuple["Expr", ...]
+    span: Span = _span()
+
+
+Expr = Num | Name | Local | BinOp | Neg | Call | Index
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """`[1, 2, [3, 4]]` on the right of `arg` / `const`: integers in nested lists."""
+
+    items: tuple["Expr | Table", ...]
+    span: Span = _span()
 
 
 # ---- tensor names ----------------------------------------------------------
@@ -169,7 +187,8 @@ class Dim:
     over: tuple[AxisRef, ...]  # empty: not split; several: a combined axis
     chunk: Chunk | None
     span: Span = _span()
-    ragged: bool = False  # `over AXES ragged` (v2, LANGUAGE.md 8.5): torch.chunk's split
+    # `over AXES PLACEMENT` (v2, LANGUAGE.md 8.5, docs/language.md 14.8): "even" (none written), "ragged", "balanced", "cyclic"
+    placement: str = "even"
 
 
 # ---- statements ------------------------------------------------------------
@@ -177,7 +196,7 @@ class Dim:
 @dataclass(frozen=True, slots=True)
 class Binding:
     name: str
-    value: Expr
+    value: Expr | Table
     span: Span = _span()
 
 

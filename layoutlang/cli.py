@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import re
 import sys
@@ -35,11 +36,26 @@ def _parse_sets(items: list[str], flag: str = "--set") -> dict[str, int]:
         name = name.strip()
         if not eq or not name.isidentifier():
             raise UsageError(f"{flag} {item!r}: expected NAME=VALUE, e.g. {flag} TP=4")
-        try:
-            out[name] = int(value.replace("_", ""), 10)
-        except ValueError:
-            raise UsageError(f"{flag} {item!r}: {value!r} is not an integer") from None
+        out[name] = _set_value(item, value.strip(), flag)
     return out
+
+
+def _set_value(item: str, value: str, flag: str):
+    """An integer (`TP=4`), a table as JSON (`MAP=[[0,1],[1,0]]`), or a JSON file of one (`MAP=@map.json`):
+    data, parsed as data (docs/language.md 14.8); the layout checks the kind."""
+    if not value.startswith(("[", "@")):
+        try:
+            return int(value.replace("_", ""), 10)
+        except ValueError:
+            raise UsageError(f"{flag} {item!r}: {value!r} is not an integer (or a table: [..] or @FILE.json)") \
+                from None
+    try:
+        text = Path(value[1:]).read_text() if value.startswith("@") else value
+        return json.loads(text)
+    except OSError as e:
+        raise UsageError(f"{flag} {item!r}: cannot read {value[1:]}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{flag} {item!r}: not a JSON table: {e.msg} at character {e.pos}") from None
 
 
 def _pair_args(ns) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:

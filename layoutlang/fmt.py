@@ -86,6 +86,10 @@ def format_expr(expr: ast.Expr) -> str:
             return f"{name}.local"
         case ast.Call(func=func, args=args):
             return f"{func}({', '.join(format_expr(a) for a in args)})"
+        case ast.Index(name=name, indices=indices):
+            return name + "".join(f"[{format_expr(i)}]" for i in indices)
+        case ast.Table(items=items):
+            return "[" + ", ".join(format_expr(i) for i in items) + "]"
         case ast.Neg(operand=operand):
             inner = format_expr(operand)
             return f"-({inner})" if isinstance(operand, ast.BinOp) else f"-{inner}"
@@ -142,7 +146,7 @@ def _part(part: ast.Part) -> str:
 
 
 def format_dim(dim: ast.Dim) -> str:
-    """`MODE [over AXES [ragged]] [chunk AXIS [align K | ragged]]`; a stacked dim `e in 0..E over ep`."""
+    """`MODE [over AXES [ragged | balanced | cyclic]] [chunk AXIS [align K | ragged]]`; a stacked dim `e in 0..E over ep`."""
     if isinstance(dim.mode, ast.Stack):
         stack = dim.mode
         text = f"{stack.var} in {format_expr(stack.start)}..{format_expr(stack.stop)}"
@@ -152,8 +156,8 @@ def format_dim(dim: ast.Dim) -> str:
         text += f" over {dim.over[0].name}"
     elif dim.over:
         text += f" over ({', '.join(a.name for a in dim.over)})"
-    if dim.ragged:
-        text += " ragged"
+    if dim.placement != "even":
+        text += f" {dim.placement}"
     if dim.chunk is not None:
         text += f" chunk {dim.chunk.axis.name}"
         if dim.chunk.align is not None:

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from .diagnostics import Source, Span
 from .modes import (RAGGED, ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals,
-                    runs, select, select_ragged)
+                    runs, select, select_uneven)
 from .vocabulary import DTYPE, DTYPES, ELEMENT_BYTES, MXFP8_BLOCK, QUANTIZED
 
 
@@ -88,11 +88,18 @@ class Split:
     axes: tuple[int, ...]  # indices into the mesh's axes
     names: tuple[str, ...]
     sizes: tuple[int, ...]
-    ragged: bool = False   # `over AXES ragged` (LANGUAGE.md 8.5): torch.chunk's blocks
+    # "even" (LANGUAGE.md 3), or an uneven placement (`modes.UNEVEN`): "ragged" (torch.chunk's
+    # blocks, 8.5), "balanced" (the first n mod s one longer), "cyclic" (round-robin) (docs/language.md 14.8)
+    placement: str = "even"
 
     @property
     def size(self) -> int:
         return prod(self.sizes)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether coordinates may hold different extents (any placement but "even")."""
+        return self.placement != "even"
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,7 @@ class DimIR:
 
     @cached_property
     def ragged(self) -> bool:
-        """Whether local extents differ between coordinates (`ragged` on `over` or `chunk`)."""
+        """Whether local extents may differ between coordinates (an uneven `over`, `chunk ... ragged`)."""
         return bool((self.over is not None and self.over.ragged) or (self.chunk is not None and self.chunk.ragged))
 
     def local_at(self, c: int, g: int) -> int:
@@ -155,7 +162,7 @@ class DimIR:
 
     def _select(self, c: int) -> list[tuple[int, int]]:
         if self.over.ragged:
-            return select_ragged(self.mode, self.over.size, c)
+            return select_uneven(self.mode, self.over.size, c, self.over.placement)
         return select(self.mode, self.over.size, c)
 
     @property

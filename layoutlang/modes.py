@@ -362,27 +362,54 @@ def ragged_block(n: int, s: int, c: int) -> tuple[int, int]:
     return min(c * b, n), min((c + 1) * b, n)
 
 
-def select_ragged(mode: ModeIR, s: int, c: int, base: int = 0) -> list[tuple[int, int]]:
-    """`select` for `over AXIS ragged`: a plain (or padded) extent cuts elements, a
-    product cuts its copies, a concatenation gives each part its own ragged split.
+def balanced_block(n: int, s: int, c: int) -> tuple[int, int]:
+    """[lo, hi) of coordinate c when n things split over s as evenly as they can, the first
+    n mod s coordinates one longer (`over AXIS balanced`: numpy.array_split, vLLM's expert map).
+
+    >>> [balanced_block(5, 2, c) for c in range(2)], [balanced_block(10, 4, c) for c in range(4)]
+    ([(0, 3), (3, 5)], [(0, 3), (3, 6), (6, 8), (8, 10)])
+    """
+    q, r = divmod(n, s)
+    lo = c * q + min(c, r)
+    return lo, lo + q + (c < r)
+
+
+def unit_intervals(placement: str, n: int, s: int, c: int) -> list[tuple[int, int]]:
+    """The units [lo, hi) coordinate c of s holds when n units split by an uneven placement
+    (LANGUAGE.md 8.5, docs/language.md 14.8), in storage order; empty intervals left out.
+
+    `cyclic`: c, c+s, c+2s, ... (round-robin; vLLM's `round_robin` expert placement).
+
+    >>> unit_intervals("ragged", 5, 4, 3), unit_intervals("balanced", 5, 4, 0), unit_intervals("cyclic", 5, 2, 1)
+    ([], [(0, 2)], [(1, 2), (3, 4)])
+    """
+    if placement == "cyclic":
+        return [(i, i + 1) for i in range(c, n, s)]
+    lo, hi = (ragged_block if placement == "ragged" else balanced_block)(n, s, c)
+    return [(lo, hi)] if lo < hi else []
+
+
+UNEVEN = ("ragged", "balanced", "cyclic")  # placements whose coordinates may hold different extents
+
+
+def select_uneven(mode: ModeIR, s: int, c: int, placement: str, base: int = 0) -> list[tuple[int, int]]:
+    """`select` for `over AXIS ragged | balanced | cyclic`: a plain (or padded) extent cuts
+    elements, a product cuts its copies, a concatenation gives each part its own split.
 
     Empty intervals are left out: a coordinate may hold nothing.
     Preserves: the pieces of all coordinates partition storage (never replicated).
     """
     match mode:
         case ProductM(count=n, inner=inner):
-            lo, hi = ragged_block(n, s, c)
-            out = [(base + lo * inner.stored, base + hi * inner.stored)]
+            step = inner.stored
+            return [(base + lo * step, base + hi * step) for lo, hi in unit_intervals(placement, n, s, c)]
         case ConcatM(parts=parts):
             out, offset = [], base
             for part in parts:
-                out.extend(select_ragged(part.mode, s, c, offset))
+                out.extend(select_uneven(part.mode, s, c, placement, offset))
                 offset += part.mode.stored
             return out
-        case _:
-            lo, hi = ragged_block(mode.stored, s, c)
-            out = [(base + lo, base + hi)]
-    return [(a, b) for a, b in out if a < b]
+    return [(base + lo, base + hi) for lo, hi in unit_intervals(placement, mode.stored, s, c)]
 
 
 def select(mode: ModeIR, s: int, c: int, base: int = 0) -> list[tuple[int, int]]:

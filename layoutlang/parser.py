@@ -29,13 +29,20 @@ from .vocabulary import KEYWORDS
 MAX_NESTING = 64
 _RESERVED = frozenset(KEYWORDS)
 _RAGGED = object()  # the `ragged` marker the transformer passes from `over`/`chunk` to the dim
+_CYCLIC, _BALANCED = object(), object()  # `over AXES cyclic | balanced` (docs/language.md 14.8)
+_PLACEMENTS = {_RAGGED: "ragged", _CYCLIC: "cyclic", _BALANCED: "balanced"}
+
+
+def _placement(items) -> str:
+    """The placement word after `over AXES`, if one is written there ("even" if not)."""
+    return _PLACEMENTS.get(items[0], "even") if items else "even"
 
 
 class _Over(NamedTuple):
-    """`over AXES [ragged]` on its way from the parse tree to `ast.Dim`."""
+    """`over AXES [ragged | balanced | cyclic]` on its way from the parse tree to `ast.Dim`."""
 
     axes: tuple
-    ragged: bool
+    placement: str
 _INTERP = re.compile(r"\{([^{}\n#]*)\}")
 _TERMINAL_WORDS = {
     "NAME": "a name",
@@ -237,6 +244,12 @@ class _ToAst(Transformer):
     def call(self, meta, c):
         return ast.Call(_word(c[0]), tuple(c[1:]), self.pos.of_meta(meta))
 
+    def index(self, meta, c):
+        return ast.Index(_word(c[0]), tuple(c[1:]), self.pos.of_meta(meta))
+
+    def table(self, meta, c):
+        return ast.Table(tuple(x for x in c if x is not None), self.pos.of_meta(meta))
+
     def neg(self, meta, c):
         return ast.Neg(c[0], self.pos.of_meta(meta))
 
@@ -288,14 +301,20 @@ class _ToAst(Transformer):
         return ast.Pad(c[0], c[1], self.pos.of_meta(meta))
 
     def over_one(self, meta, c):
-        return _Over((self._axis(c[0]),), len(c) > 1)
+        return _Over((self._axis(c[0]),), _placement(c[1:]))
 
     def over_tuple(self, meta, c):
-        ragged = c[-1] is _RAGGED
-        return _Over(tuple(self._axis(t) for t in (c[:-1] if ragged else c)), ragged)
+        placement = _placement(c[-1:])
+        return _Over(tuple(self._axis(t) for t in (c if placement == "even" else c[:-1])), placement)
 
     def ragged(self, meta, c):
         return _RAGGED
+
+    def cyclic(self, meta, c):
+        return _CYCLIC
+
+    def balanced(self, meta, c):
+        return _BALANCED
 
     def chunk(self, meta, c):
         ragged = len(c) > 1 and c[1] is _RAGGED
@@ -313,25 +332,25 @@ class _ToAst(Transformer):
                              "are supported", mode.span,
                              help="a product `(A, B, C)` nests one level per item; a real layout "
                                   "needs a few levels")
-        ragged = False
+        placement = "even"
         for item in c[1:]:
             if isinstance(item, ast.Chunk):
                 chunk = item
             else:
-                over, ragged = item
-        return ast.Dim(mode, over, chunk, self.pos.of_meta(meta), ragged)
+                over, placement = item
+        return ast.Dim(mode, over, chunk, self.pos.of_meta(meta), placement)
 
     def stacked_dim(self, meta, c):
         var, start, stop = c[0], c[1], c[2]
-        over, chunk, ragged = (), None, False
+        over, chunk, placement = (), None, "even"
         for item in c[3:]:
             if isinstance(item, ast.Chunk):
                 chunk = item
             else:
-                over, ragged = item
+                over, placement = item
         head = self.pos.span(var.line, var.column, stop.span.end_line, stop.span.end_col)
         stack = ast.Stack(_word(var), start, stop, head, self.pos.of_token(var))
-        return ast.Dim(stack, over, chunk, self.pos.of_meta(meta), ragged)
+        return ast.Dim(stack, over, chunk, self.pos.of_meta(meta), placement)
 
     def dims(self, meta, c):
         return tuple(c)
@@ -345,6 +364,8 @@ class _ToAst(Transformer):
     # -- statements
     def binding(self, meta, c):
         return ast.Binding(str(c[0]), c[1], self.pos.of_token(c[0]))
+
+    table_binding = binding
 
     axis_def = binding
 

@@ -25,7 +25,8 @@ from typing import Literal
 # Reserved everywhere: never a name, an axis, a part or a loop variable.
 KEYWORDS = ("layout", "include", "arg", "const", "mesh", "at", "default", "dtype", "tensor", "as", "on",
             "for", "in", "over", "sizes", "pad", "chunk", "align", "local",
-            "transposed", "ragged")  # v2: `transposed` (LANGUAGE.md 8.3), `ragged` (8.5)
+            "transposed", "ragged", "balanced", "cyclic")  # v2: `transposed` (LANGUAGE.md 8.3), `ragged` (8.5),
+# `balanced` and `cyclic` (docs/language.md 14.8)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ FUNCTIONS = {f.name: f for f in (
     Function("max", 2, variadic=True),
     Function("cdiv", 2),     # ceil(a / b)
     Function("roundup", 2),  # cdiv(a, b) * b
+    Function("len", 1),      # a table's entries (docs/language.md 14.8)
 )}
 
 __all__ = ["KEYWORDS", "ScaleGrid", "Dtype", "DTYPE", "DTYPES", "ELEMENT_BYTES", "QUANTIZED", "MXFP8_BLOCK",

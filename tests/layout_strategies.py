@@ -16,7 +16,7 @@ A generated case is a `Case(spec, text)`: the plain-data model
 Most splits are valid by construction (extents are chosen as multiples of the
 axis sizes); about one dim in seven is generated for a different axis size, so
 it may be indivisible, and the test then expects `LayoutError`. About one
-`over` in five is `ragged` (LANGUAGE.md 8.5) on a mode drawn for any size, so
+`over` in five is uneven (`ragged`, LANGUAGE.md 8.5; `balanced` or `cyclic`, docs/language.md 14.8) on a mode drawn for any size, so
 its extents rarely divide and are often smaller than the axis (coordinates that
 hold nothing); its `chunk` is mostly `ragged` too (an equal one is the error
 case), and about one `chunk` of an equal split in five is `ragged`. The rendering
@@ -159,7 +159,7 @@ def render_dim(style: Style, dim: Dim) -> str:
     elif dim.over:
         text += f" over ({', '.join(dim.over)})"
     if dim.ragged:
-        text += " ragged"
+        text += f" {dim.placement}"
     if dim.chunk is not None:
         text += f" chunk {dim.chunk}"
         if dim.align is not None:
@@ -314,6 +314,8 @@ def dims(draw, mesh: MeshSpec, free: Sequence[str], ragged_percent: int = RAGGED
     s = math.prod(sizes[a] for a in over)
     # `over ... ragged` (shrinks to the equal split).
     ragged = bool(over) and draw(st.integers(0, 99)) >= 100 - ragged_percent
+    # which uneven rule (LANGUAGE.md 8.5, docs/language.md 14.8): torch.chunk's blocks, array_split's, round-robin
+    placement = draw(st.sampled_from(["ragged", "balanced", "cyclic"])) if ragged else "ragged"
     if ragged:
         # Any mode splits raggedly: one drawn for size 1 or 3 rarely divides s, and its
         # extents and copy counts (1..8) are often below s, leaving coordinates empty.
@@ -324,23 +326,23 @@ def dims(draw, mesh: MeshSpec, free: Sequence[str], ragged_percent: int = RAGGED
     mode = draw(modes(target, MAX_STORED))
     chunk_axis = rest[0] if rest and draw(st.integers(0, 99)) < 40 else None
     if chunk_axis is None:
-        return Dim(mode, over, ragged=ragged)
+        return Dim(mode, over, ragged=ragged, placement=placement)
     if ragged:  # an equal chunk of a ragged split is an error: keep that rare
         chunk_ragged = draw(st.integers(0, 99)) < 90
     else:
         chunk_ragged = draw(st.integers(0, 99)) >= 100 - ragged_percent
     if chunk_ragged:
-        return Dim(mode, over, chunk_axis, None, ragged, True)
+        return Dim(mode, over, chunk_axis, None, ragged, True, placement)
     g = sizes[chunk_axis]
     try:
-        n = len(dim_local(Dim(mode, over, ragged=ragged), sizes, {a: 0 for a in over}))
+        n = len(dim_local(Dim(mode, over, ragged=ragged, placement=placement), sizes, {a: 0 for a in over}))
     except SplitError:
         n = stored_extent(mode)
     if n % g == 0:
         align = draw(st.sampled_from([None, 1, 2, 4, 3]))
     else:  # without `align` this chunk is indivisible: keep that rare
         align = draw(st.sampled_from([1, 2, 4, 3, None]))
-    return Dim(mode, over, chunk_axis, align, ragged)
+    return Dim(mode, over, chunk_axis, align, ragged, placement=placement)
 
 
 @st.composite

@@ -98,8 +98,9 @@ class Dim:
     over: tuple[str, ...] = ()
     chunk: str | None = None
     align: int | None = None
-    ragged: bool = False        # `over AXES ragged`
+    ragged: bool = False        # `over AXES ragged` (or, with `placement`, `balanced` / `cyclic`)
     chunk_ragged: bool = False  # `chunk AXIS ragged`
+    placement: str = "ragged"   # the word of an uneven `over` (LANGUAGE.md 8.5, docs/language.md 14.8), when `ragged`
 
     def __post_init__(self) -> None:
         # The grammar: `ragged` follows an `over AXES` or a `chunk AXIS`, never with `align`.
@@ -274,22 +275,48 @@ def torch_chunk(xs: list[T], s: int, c: int) -> list[T]:
     return xs[c * b : (c + 1) * b]  # a slice past the end is empty
 
 
-def over_ragged_labels(mode: Mode, s: int, c: int) -> list[Stored]:
-    """What coordinate c of s stores of `mode` under `over ... ragged` (LANGUAGE.md 8.5).
+def array_split(xs: list, s: int, c: int) -> list:
+    """Block c of s as numpy.array_split cuts: sizes differ by at most one, the longer first
+    (`over ... balanced`, docs/language.md 14.8; vLLM's expert map for E mod EP != 0).
+
+    >>> [array_split([0, 1, 2, 3, 4], 3, c) for c in range(3)]
+    [[0, 1], [2, 3], [4]]
+    """
+    sizes = [len(xs) // s + (1 if i < len(xs) % s else 0) for i in range(s)]
+    start = sum(sizes[:c])
+    return xs[start : start + sizes[c]]
+
+
+def round_robin(xs: list, s: int, c: int) -> list:
+    """Every s-th item from item c (`over ... cyclic`, docs/language.md 14.8; vLLM's `round_robin`).
+
+    >>> [round_robin([0, 1, 2, 3, 4], 2, c) for c in range(2)]
+    [[0, 2, 4], [1, 3]]
+    """
+    return xs[c::s]
+
+
+UNEVEN_CUTS = {"ragged": torch_chunk, "balanced": array_split, "cyclic": round_robin}
+
+
+def over_ragged_labels(mode: Mode, s: int, c: int, placement: str = "ragged") -> list[Stored]:
+    """What coordinate c of s stores of `mode` under `over ... ragged` (LANGUAGE.md 8.5), or
+    `balanced` / `cyclic` (docs/language.md 14.8): the same cuts with another rule for which units c takes.
 
     A plain extent cuts its elements, a product `(N, M)` its N copies, a
     concatenation gives each part its own ragged split. A padded extent cuts its
     stored elements, as the equal split does (the spec is silent on `pad`).
     """
     assert 0 <= c < s
+    cut = UNEVEN_CUTS[placement]
     match mode:
         case Plain(_) | Pad(_, _):
-            return torch_chunk(labels(mode), s, c)
+            return cut(labels(mode), s, c)
         case Product(n, inner):
             copies = [_in_copy(i, labels(inner)) for i in range(n)]
-            return [x for copy in torch_chunk(copies, s, c) for x in copy]
+            return [x for copy in cut(copies, s, c) for x in copy]
         case Concat(parts):
-            return [x for p, (_, m) in enumerate(parts) for x in _in_part(p, over_ragged_labels(m, s, c))]
+            return [x for p, (_, m) in enumerate(parts) for x in _in_part(p, over_ragged_labels(m, s, c, placement))]
         case _:
             assert_never(mode)
 
@@ -348,6 +375,7 @@ def local(
     *,
     ragged: bool = False,
     chunk_ragged: bool = False,
+    placement: str = "ragged",
 ) -> list[int | None]:
     """A rank's stored elements of one dim: logical index or None (padding), in local order.
 
@@ -364,7 +392,7 @@ def local(
     >>> local(Plain(6), 2, 1, 4, 3, ragged=True, chunk_ragged=True)  # [3 4 5] -> [3] [4] [5] []
     []
     """
-    stored = over_ragged_labels(mode, s, c) if ragged else over_labels(mode, s, c)
+    stored = over_ragged_labels(mode, s, c, placement) if ragged else over_labels(mode, s, c)
     return chunk(to_indices(mode, stored), g, gc, align, chunk_ragged)
 
 
@@ -372,12 +400,12 @@ def dim_local(dim: Dim, sizes: dict[str, int], coords: dict[str, int]) -> list[i
     """`local` for a Dim on the rank with the given mesh coordinates."""
     s, c = combine(tuple(sizes[a] for a in dim.over), tuple(coords[a] for a in dim.over))
     if dim.chunk is None:
-        return local(dim.mode, s, c, ragged=dim.ragged)
+        return local(dim.mode, s, c, ragged=dim.ragged, placement=dim.placement)
     if dim.ragged and not dim.chunk_ragged:
         raise SplitError("an equal `chunk` of a ragged `over`: the local extents differ")
     return local(
         dim.mode, s, c, sizes[dim.chunk], coords[dim.chunk], dim.align,
-        ragged=dim.ragged, chunk_ragged=dim.chunk_ragged,
+        ragged=dim.ragged, chunk_ragged=dim.chunk_ragged, placement=dim.placement,
     )
 
 

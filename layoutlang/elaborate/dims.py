@@ -96,10 +96,10 @@ class Dims:
             if d.over:
                 idx = tuple(claims.claim(ref, "by `over`") for ref in d.over)
                 sizes = tuple(mesh.axes[i].size for i in idx)
-                over = Split(idx, tuple(r.name for r in d.over), sizes, d.ragged)
+                over = Split(idx, tuple(r.name for r in d.over), sizes, d.placement)
                 label = d.over[0].name if len(d.over) == 1 else "(" + ", ".join(r.name for r in d.over) + ")"
                 try:
-                    if not d.ragged:  # a ragged split cuts any extent (LANGUAGE.md 8.5)
+                    if d.placement == "even":  # an uneven split cuts any extent (LANGUAGE.md 8.5, docs/language.md 14.8)
                         check_split(mode, over.size, label)
                 except SplitError as e:
                     raise ElaborationError(e.message, e.node.origin.span if e.node.origin else d.span,
@@ -113,7 +113,7 @@ class Dims:
                 chunk = ChunkSplit(idx, d.chunk.axis.name, mesh.axes[idx].size, align, d.chunk.ragged)
             dim = DimIR(mode, over, chunk)
             if chunk is not None and dim.ragged and not chunk.ragged:
-                raise ElaborationError(f"`chunk {chunk.name}` cuts equal chunks, but `over ... ragged` leaves "
+                raise ElaborationError(f"`chunk {chunk.name}` cuts equal chunks, but `over ... {over.placement}` leaves "
                                        "ranks different local extents", d.chunk.span,
                                        help=f"write `chunk {chunk.name} ragged` to cut each rank's storage like "
                                             "torch.chunk")

@@ -98,6 +98,8 @@ def _uses(tpl: ast.NameTemplate, var: str) -> ast.Interp | None:
                 stack.append(e.operand)
             elif isinstance(e, ast.Call):
                 stack.extend(e.args)
+            elif isinstance(e, ast.Index):
+                stack.extend(e.indices)
     return None
 
 
@@ -247,7 +249,7 @@ class Keys:
         frames = [LoopFrame(s, a, a + dims[i].logical) for (i, s), a in zip(info.stacked, starts)]
         out: list[KeyRegion] = []
         spans: list[Span] = []
-        held: dict[str, Span] = {}
+        held: dict[str, tuple[Span, tuple[int, ...]]] = {}  # key -> (template, stack index) first holding it
         scope.loops.extend(frames)
         try:
             for index in itertools.product(*(range(dims[i].logical) for i in stacked_idx)):
@@ -260,11 +262,14 @@ class Keys:
                         box[info.keyed_dim] = cut
                     key = render(tpl, "reject", scope) if tpl is not None else render(stmt.name, "global", scope)
                     span = tpl.span if tpl is not None else stmt.name.span
-                    if key in held:
+                    prior = held.get(key)
+                    if prior is not None and not (prior[0] is span and prior[1] != index):
                         raise ElaborationError(f"key `{key}` is held twice by this tensor", span,
-                                               notes=[Note("also here", held[key])] if held[key] is not span else [],
+                                               notes=[Note("also here", prior[0])] if prior[0] is not span else [],
                                                help="every part key and every stack index must give its own key")
-                    held[key] = span
+                    # the same key template at another stack index (a table maps both to one key:
+                    # EPLB's redundant experts) holds a replica of the key (docs/language.md 14.8)
+                    held.setdefault(key, (span, index))
                     out.append(KeyRegion(key, tuple(box), stacked_idx, info.transposed,
                                          info.keyed_dim if info.parts else None))
                     spans.append(span)

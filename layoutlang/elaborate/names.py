@@ -97,6 +97,8 @@ class Names:
                 prior = self.keys.get(region.key)
                 if prior is None:
                     self.keys[region.key] = t
+                elif prior is t:  # another stack index of this tensor holds a replica (keys.py)
+                    continue
                 elif prior.span is stmt.span:
                     raise ElaborationError(f"key `{region.key}` repeats across iterations of this statement", span,
                                            help="interpolate every loop variable into the key, e.g. `{l}`")

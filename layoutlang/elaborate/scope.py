@@ -27,13 +27,33 @@ if TYPE_CHECKING:
     from .loops import LoopFrame
 
 
+Table = tuple  # a table's value: nested tuples of ints (docs/language.md 14.8)
+
+
 @dataclass(slots=True)
 class Value:
-    """An arg's or a const's value, and where it was defined."""
+    """An arg's or a const's value (an int, or a table: nested tuples of ints), and where it was defined."""
 
-    value: int
+    value: int | Table
     kind: str  # "arg" or "const"
     span: Span
+
+
+def table_value(value, what: str, span: Span | None = None):
+    """An override's value (`--set`, the API's `args`) as the layout holds it: an int, or a table
+    (lists of ints and tables, any depth) as nested tuples; anything else is a UsageError.
+
+    >>> table_value([[0, 1], [1, 0]], "MAP"), table_value(4, "TP")
+    (((0, 1), (1, 0)), 4)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+        raise UsageError(f"{what}: {value!r} is neither an integer nor a table (a list of integers and lists)",
+                         span)
+    if isinstance(value, int):
+        if not -limits.INT64_MAX - 1 <= value <= limits.INT64_MAX:
+            raise UsageError(f"{what}: {value} does not fit in a signed 64-bit integer", span)
+        return value
+    return tuple(table_value(v, what, span) for v in value)
 
 
 class Scope:
@@ -48,7 +68,7 @@ class Scope:
         self.overrides = dict(overrides)
         self.used_overrides: set[str] = set()
         self.values: dict[str, Value] = {}
-        self.arg_values: list[tuple[str, int]] = []  # in declaration order: the layout's args
+        self.arg_values: list[tuple[str, int | Table]] = []  # in declaration order: the layout's args
         self.meshes = meshes
         self.loops: list[LoopFrame] = []
         # (template id, local mode) -> its resolved pieces (names.render), inside loops only:
@@ -64,8 +84,14 @@ class Scope:
                                    notes=[Note(f"first defined here as {first.kind}", first.span)],
                                    help="give it another name")
         if kind == "arg" and b.name in self.overrides:
-            value = self.overrides[b.name]
+            value = table_value(self.overrides[b.name], f"--set {b.name}")
             self.used_overrides.add(b.name)
+            if isinstance(value, tuple) != isinstance(b.value, ast.Table):
+                what = "a table" if isinstance(b.value, ast.Table) else "an integer"
+                raise UsageError(f"--set {b.name}: `{b.name}` is {what} in the layout", b.span,
+                                 help="give it a value of the same kind")
+        elif isinstance(b.value, ast.Table):
+            value = self.table(b.value)
         else:
             value = self.evaluate(b.value)
         self.values[b.name] = Value(value, kind, b.span)
@@ -85,6 +111,10 @@ class Scope:
         raise UsageError(f"--set {name}: the layout has no arg `{name}`", None,
                          help=("args are: " + ", ".join(args)) if args else "the layout declares no args")
 
+    def table(self, node: ast.Table) -> Table:
+        """A table's value: every entry evaluated (an entry may be an expression: `[E, 2*E]`)."""
+        return tuple(self.table(x) if isinstance(x, ast.Table) else self.evaluate(x) for x in node.items)
+
     # ---- expressions ------------------------------------------------------------
     def evaluate(self, expr: ast.Expr, local: str = "forbid") -> int:
         """Evaluate an integer expression; `local` says what `x.local` means here:
@@ -94,7 +124,9 @@ class Scope:
             case ast.Num(value=v):
                 return fit(v, expr)
             case ast.Name(name=n):
-                return self.lookup(n, expr.span)
+                return self.integer(self.lookup(n, expr.span), n, expr.span)
+            case ast.Index():
+                return self.integer(self.entry(expr, local), expr_text(expr), expr.span)
             case ast.Local(name=n):
                 return self.local_value(n, expr.span, local)
             case ast.Neg(operand=o):
@@ -106,7 +138,39 @@ class Scope:
                 return self.call(f, args, expr, local)
         raise AssertionError(expr)
 
+    def entry(self, expr: ast.Index, local: str) -> int | Table:
+        """`T[i][j]...`: the entry (an int, or a table when fewer indices than levels are given)."""
+        value = self.lookup(expr.name, expr.span)
+        for depth, index in enumerate(expr.indices):
+            at = self.evaluate(index, local)
+            if not isinstance(value, tuple):
+                raise ElaborationError(f"`{expr.name}` has {depth} level{'s' if depth != 1 else ''} of lists; "
+                                       f"index {depth + 1} has nothing to index", index.span,
+                                       help=f"write at most {depth} index{'es' if depth != 1 else ''}")
+            if not 0 <= at < len(value):
+                raise ElaborationError(f"index {at} is out of range: `{expr.name}"
+                                       + "".join(f"[{expr_text(i)}]" for i in expr.indices[:depth])
+                                       + f"` has {len(value)} entries", index.span,
+                                       help=f"indices run from 0 to {len(value) - 1}" if value else
+                                       "that list is empty")
+            value = value[at]
+        return value
+
+    @staticmethod
+    def integer(value: int | Table, what: str, span: Span) -> int:
+        """`value` where an integer is needed: a table there is an error."""
+        if isinstance(value, tuple):
+            raise ElaborationError(f"`{what}` is a table of {len(value)} entries, not an integer", span,
+                                   help=f"index it (`{what}[i]`), or take its length: `len({what})`")
+        return value
+
     def call(self, name: str, args: tuple[ast.Expr, ...], expr: ast.Call, local: str) -> int:
+        if name == "len" and len(args) == 1 and isinstance(args[0], (ast.Name, ast.Index)):
+            arg = args[0]
+            found = self.lookup(arg.name, arg.span) if isinstance(arg, ast.Name) else self.entry(arg, local)
+            if not isinstance(found, tuple):
+                raise ElaborationError(f"`len` takes a table; `{expr_text(arg)}` is the integer {found}", arg.span)
+            return len(found)
         func = FUNCTIONS.get(name)
         if func is None:
             hint = did_you_mean(name, FUNCTIONS)
@@ -114,6 +178,9 @@ class Scope:
                                    help=(hint + " " if hint else "") + "functions are: " + ", ".join(FUNCTIONS))
         if not func.accepts(len(args)):
             raise ElaborationError(f"`{name}` takes {func.arity_text} arguments, got {len(args)}", expr.span)
+        if name == "len":
+            raise ElaborationError("`len` takes a table: a name or an entry of one (`len(MAP[l])`)",
+                                   args[0].span)
         vals = [self.evaluate(a, local) for a in args]
         if name == "min":
             return min(vals)
@@ -125,7 +192,7 @@ class Scope:
             return fit(-(-vals[0] // vals[1]), expr)
         return fit(-(-vals[0] // vals[1]) * vals[1], expr)  # roundup
 
-    def lookup(self, name: str, span: Span) -> int:
+    def lookup(self, name: str, span: Span) -> int | Table:
         for frame in reversed(self.loops):
             if frame.node.var == name:
                 return frame.value
