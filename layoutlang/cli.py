@@ -595,7 +595,7 @@ def cmd_new(ns, out: Console, err: Console) -> int:
                          help="a checkpoint directory goes with `layoutc new checkpoint DIR`")
     sizes = _parse_sets(ns.set)
     model = model_from_config(_read_config(ns.config), source=ns.config)
-    text = render(model, ns.framework, sizes)
+    text = render(model, ns.framework, sizes, ns.expert_placement)
     where = ns.output or f"<layoutc new {ns.framework}>"
     from .elaborate import loads
 
@@ -776,6 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--set", action="append", metavar="NAME=VALUE",
                      help="an arg's value in the output, e.g. --set TP=4 (repeatable)")
     new.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    new.add_argument("--expert-placement", choices=("linear", "round_robin"), default="linear",
+                     help="vllm only: vLLM's --expert-placement-strategy (docs/language.md 14.8)")
     new.set_defaults(run=cmd_new)
     return parser
 

@@ -433,3 +433,23 @@ def render_new(cfg: dict, convention: str, sizes: dict) -> str:
     from layoutlang.bridges.families import layout_text
 
     return layout_text(cfg, convention, sizes)
+
+
+def test_vllm_expert_placements_are_written_as_vllm_builds_them(tmp_path, capsys):
+    """`--expert-placement` (vLLM's --expert-placement-strategy): linear is `over ep balanced`
+    (the first E mod EP ranks one more), round_robin `over ep cyclic` (docs/language.md 14.8);
+    other conventions place experts in blocks and refuse it."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIGS["qwen3_moe"]))
+    assert CONFIGS["qwen3_moe"]["num_experts"] == 4  # over 3 ranks, by vLLM's determine_expert_map:
+    expected = {"linear": [[0, 1], [2], [3]], "round_robin": [[0, 3], [1], [2]]}
+    for placement, word in (("linear", "balanced"), ("round_robin", "cyclic")):
+        assert main(["new", "vllm", "--config", str(config), "--set", "TP=1", "--set", "DP=3", "--set", "EP=3",
+                     "--expert-placement", placement]) == 0
+        text = capsys.readouterr().out
+        assert f"routed_experts.w13_weight [e in 0..E over ep {word}," in text
+        w13 = next(t for t in loads(text).tensors if t.name == "model.layers.0.mlp.experts.routed_experts.w13_weight")
+        held = [[r.logical_start + i for r in w13.runs(rank)[0] for i in range(r.length)] for rank in range(3)]
+        assert held == expected[placement]
+    assert main(["new", "hf", "--config", str(config), "--expert-placement", "round_robin"]) == 2
+    assert "expert placement `round_robin` is vLLM's" in capsys.readouterr().err

@@ -268,32 +268,48 @@ def report(cases: dict) -> None:
 
 
 def run_placement() -> None:
-    """Expert placement the layout does not say, read off vLLM's expert_map (EP faked at 2 in
-    a world first set up for a MoE model, so that vLLM's EP group exists)."""
+    """vLLM's uneven linear and round_robin expert maps, described (docs/language.md 14.8): EP
+    faked at 2 (in a world first set up for a MoE model, so that vLLM's EP group exists), on
+    each rank the backend reads which placement vLLM built, the layout's shapes match
+    `named_parameters`, and after vLLM's own `load_weights` of a checkpoint every local slot j
+    of every routed w13 / w2 holds the checkpoint expert that the LAYOUT says slot j holds."""
     from vllm.config import set_current_vllm_config
 
-    from layoutlang.integrations.vllm_engine import EngineRefused
+    from layoutlang.elaborate import loads
+    from layoutlang.integrations.vllm_engine import (LiveModel, _expert_placement, _routed_maps, live_problems,
+                                                     replica_layout)
 
     tmp = tempfile.mkdtemp()
     vm.init_distributed(vm.make_vllm_config(vm.write_config(vm.QWEN3_MOE, Path(tmp) / "world")))
-    cases = {}
     builds = {"uneven": (vm.copy_config(vm.QWEN3_MOE, num_experts=5), {}),
               "round_robin": (vm.copy_config(vm.DEEPSEEK_V3, n_group=2, topk_group=1),
                               {"expert_placement_strategy": "round_robin"})}
-    with vm.fake_tp(0, 2):
-        for name, (cfg, extra) in builds.items():
-            vc, model = vm.build(cfg, Path(tmp) / name, enable_expert_parallel=True, **extra)
-            vc.parallel_config.tensor_parallel_size = 2
-            engine = make_engine(vc, model)
-            try:
+    for name, (cfg, extra) in builds.items():
+        weights = checkpoint(cfg, 1)
+        for rank in range(2):
+            with vm.fake_tp(rank, 2):
+                vc, model = vm.build(cfg, Path(tmp) / f"{name}{rank}", enable_expert_parallel=True, **extra)
+                vc.parallel_config.tensor_parallel_size = 2
                 with set_current_vllm_config(vc), vm.cpu_accelerator_noops():
-                    engine.init_transfer_engine(engine.parse_init_info(
-                        {"address": "127.0.0.1:9", "replica": REPLICA, "timeout": 5.0}))
-            except EngineRefused as exc:
-                cases[name] = str(exc)
-            else:
-                cases[name] = None
-    report(cases)
+                    placement, problems = _expert_placement(vc, model, rank)
+                    layout = loads(replica_layout(vc, placement), "engine.layout")
+                    problems += live_problems(layout, rank, LiveModel.of(model, True))
+                    vm.load_hf_weights(model, weights, vc)
+            params = dict(model.named_parameters())
+            slots, wrong = {}, []
+            for path in _routed_maps(model):
+                w13 = next(t for t in layout.tensors if t.name == f"{path}.w13_weight")
+                experts = [r.logical_start + i for r in w13.runs(rank)[0] for i in range(r.length)]
+                slots[path] = experts
+                block = path.removesuffix(".routed_experts")
+                for j, e in enumerate(experts):
+                    gate_up = torch.cat([weights[f"{block}.{e}.gate_proj.weight"], weights[f"{block}.{e}.up_proj.weight"]])
+                    if not torch.equal(params[f"{path}.w13_weight"][j], gate_up.to(params[f"{path}.w13_weight"].dtype)):
+                        wrong.append(f"{path}.w13_weight[{j}] (expert {e})")
+                    down = weights[f"{block}.{e}.down_proj.weight"]
+                    if not torch.equal(params[f"{path}.w2_weight"][j], down.to(params[f"{path}.w2_weight"].dtype)):
+                        wrong.append(f"{path}.w2_weight[{j}] (expert {e})")
+            say(case=name, rank=rank, placement=placement, problems=problems[:6], slots=slots, wrong=wrong[:6])
 
 
 def run_llm(port: int) -> None:

@@ -599,7 +599,11 @@ def _engine_dense(prefix: str, inter: str, key_prefix: str | None = None) -> lis
             Tensor(_hf(f"{prefix}.down_proj.weight"), ("H", f"{inter} over tp"), key=_hf(f"{kp}.down_proj.weight"))]
 
 
-def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str) -> Document:
+# vLLM's `expert_placement_strategy` -> the placement word of its stacked experts' `over ep`
+VLLM_EXPERT_PLACEMENTS = {"linear": "balanced", "round_robin": "cyclic"}
+
+
+def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str = "linear") -> Document:
     moe = m.moe
     gptoss = m.model_type == "gpt_oss"
     embed = "model.embedding.weight" if engine == "vllm" and gptoss else "model.embed_tokens.weight"
@@ -618,7 +622,10 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str) -> Document:
             biases = ("w13_bias", "w2_bias") if engine == "vllm" else ("w13_weight_bias", "w2_weight_bias")
             # vLLM 0.33: FusedMoE keeps its weights in a `routed_experts` submodule
             experts = f"{moe.block}.experts" + (".routed_experts" if engine == "vllm" else "")
-            layer += _stacked_hf(moe, _hf(experts), " over ep", " over etp",
+            # vLLM's expert map (docs/language.md 14.8): `linear` gives the first E mod EP ranks one
+            # more expert (balanced), `round_robin` deals them out (cyclic)
+            placed = f" over ep {VLLM_EXPERT_PLACEMENTS[placement]}" if engine == "vllm" else " over ep"
+            layer += _stacked_hf(moe, _hf(experts), placed, " over etp",
                                  names=("w13_weight", "w2_weight"), bias_names=biases, mesh="experts",
                                  hf_layout=False)
             if moe.shared:
@@ -651,7 +658,11 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str) -> Document:
                       "[E/ep, 2I/etp, H] (gate | up, as loaded: a backend that repacks after loading is",
                       "written through vLLM's reload, docs/engines.md) and routed_experts.w2_weight",
                       "[E/ep, H, I/etp] (vLLM 0.33 names). vLLM shards experts over all DP x TP ranks: EP=1",
-                      "splits every expert over them (etp), --enable-expert-parallel is EP=DP*TP."]
+                      "splits every expert over them (etp), --enable-expert-parallel is EP=DP*TP.",
+                      f"Experts placed as vLLM's `{placement}` expert map places them (`over ep "
+                      f"{VLLM_EXPERT_PLACEMENTS[placement]}`):",
+                      "the first E mod EP ranks hold one more." if placement == "linear" else
+                      "rank r holds experts r, r + EP, r + 2*EP, ..."]
         else:
             meshes.append("experts (edp=DP, ep=EP, etp=TP/EP) at AT")
             notes += ["FusedMoE stacks each layer's local experts in w13_weight [E/ep, 2I/etp, H] and",
@@ -819,8 +830,15 @@ def arg_names(model: Model, convention: str) -> tuple[str, ...]:
     return ("TP", "DP", *moe, "AT")
 
 
-def document(model: Model, convention: str, sizes: Mapping[str, int] | None = None) -> Document:
-    """The Document of `model` in `convention`; `sizes` give the args' values (TP, PP, ...)."""
+def document(model: Model, convention: str, sizes: Mapping[str, int] | None = None,
+             expert_placement: str = "linear") -> Document:
+    """The Document of `model` in `convention`; `sizes` give the args' values (TP, PP, ...);
+    `expert_placement` is vLLM's `expert_placement_strategy` (the vllm convention only)."""
+    if expert_placement not in VLLM_EXPERT_PLACEMENTS:
+        raise UsageError(f"expert placement `{expert_placement}`: expected one of {', '.join(VLLM_EXPERT_PLACEMENTS)}")
+    if expert_placement != "linear" and convention != "vllm":
+        raise UsageError(f"expert placement `{expert_placement}` is vLLM's; the {convention} layout places "
+                         "experts in blocks")
     if convention not in CONVENTIONS + TRAINER_CONVENTIONS:
         raise UsageError(f"unknown convention `{convention}`",
                          help=f"use one of {', '.join(CONVENTIONS + TRAINER_CONVENTIONS)}")
@@ -842,19 +860,21 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
         return torchtitan_document(model, full)
     if convention in ("hf", "hf-memory"):
         return _hf_doc(model, full, memory=convention == "hf-memory")
-    return _engine_doc(model, full, convention)
+    return _engine_doc(model, full, convention, expert_placement)
 
 
-def render(model: Model, convention: str, sizes: Mapping[str, int] | None = None) -> str:
+def render(model: Model, convention: str, sizes: Mapping[str, int] | None = None,
+           expert_placement: str = "linear") -> str:
     """The `.layout` text of `model` in `convention` (canonical: `layoutc fmt --check` passes)."""
-    return render_document(document(model, convention, sizes))[0]
+    return render_document(document(model, convention, sizes, expert_placement))[0]
 
 
-def layout_text(config: Mapping, convention: str, sizes: Mapping[str, int] | None = None) -> str:
+def layout_text(config: Mapping, convention: str, sizes: Mapping[str, int] | None = None,
+                expert_placement: str = "linear") -> str:
     """`render(model_from_config(config), ...)`: what `layoutc new` prints."""
-    return render(model_from_config(config), convention, sizes)
+    return render(model_from_config(config), convention, sizes, expert_placement)
 
 
 __all__ = ["CONVENTIONS", "FAMILIES", "ConfigError", "BridgeError", "Model", "GQA", "MLA", "MoE", "Document",
            "Tensor", "Loop", "model_from_config", "document", "render", "render_document", "layout_text",
-           "arg_names", "statement_at", "with_dtypes"]
+           "arg_names", "statement_at", "with_dtypes", "VLLM_EXPERT_PLACEMENTS"]

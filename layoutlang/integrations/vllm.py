@@ -37,10 +37,11 @@ def register() -> None:
             factory.register_engine(BACKEND, module, name)
 
 
-def engine_layout(hf_config: Mapping, *, dtype: str, tp: int, ep: int = 1) -> str:
+def engine_layout(hf_config: Mapping, *, dtype: str, tp: int, ep: int = 1, expert_placement: str = "linear") -> str:
     """The layout of one vLLM replica of TP `tp` ranks (experts over `ep` of them, 1: each
-    expert split over all `tp`), in vLLM's storage of `dtype` (a torch dtype name such as
-    "bfloat16", the model's: vLLM may run a float32 config in bfloat16)."""
+    expert split over all `tp`; placed as vLLM's `expert_placement` map places them), in
+    vLLM's storage of `dtype` (a torch dtype name such as "bfloat16", the model's: vLLM may
+    run a float32 config in bfloat16)."""
     if dtype not in DTYPES:
         raise ValueError(f"vLLM runs this model in {dtype}, which no layout dtype describes")
     config = dict(hf_config, dtype=dtype)
@@ -49,4 +50,4 @@ def engine_layout(hf_config: Mapping, *, dtype: str, tp: int, ep: int = 1) -> st
     sizes = {"TP": tp, "DP": 1}
     if model.moe is not None:
         sizes["EP"] = ep
-    return render(model, "vllm", sizes)
+    return render(model, "vllm", sizes, expert_placement)

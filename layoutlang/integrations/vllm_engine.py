@@ -47,6 +47,8 @@ from layoutlang.elaborate import loads
 from layoutlang.runtime import EngineJob, TrainerJob
 from layoutlang.runtime.errors import RefitError
 
+from layoutlang.bridges.families import VLLM_EXPERT_PLACEMENTS
+
 from .vllm import BACKEND, engine_layout
 
 LAYOUT_PATH = "vllm-replica.layout"   # the engine layout's name on both sides (its digest covers it)
@@ -240,39 +242,55 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def replica_layout(vllm_config) -> str:
-    """This replica's layout text, from vLLM's own config: what the trainer must plan into."""
+def replica_layout(vllm_config, expert_placement: str = "linear") -> str:
+    """This replica's layout text, from vLLM's own config: what the trainer must plan into
+    (`expert_placement`: the expert map vLLM built, `_expert_placement` reads it)."""
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size > 1 or par.data_parallel_size > 1:
         raise EngineRefused(f"pipeline parallel {par.pipeline_parallel_size}, data parallel "
                             f"{par.data_parallel_size}: the layoutlang backend describes one TP group per replica")
     if getattr(par, "enable_eplb", False):
-        raise EngineRefused("EPLB is on: its physical expert map is not described yet (docs/engines.md)")
+        raise EngineRefused("EPLB is on: a layout can say its physical -> logical map (a table, docs/language.md "
+                            "14.8), but this backend does not read vLLM's live map yet (docs/engines.md)")
     hf = vllm_config.model_config.hf_config.to_dict()
     tp = par.tensor_parallel_size
     ep = tp if getattr(par, "enable_expert_parallel", False) else 1
-    return engine_layout(hf, dtype=_dtype_name(vllm_config.model_config.dtype), tp=tp, ep=ep)
+    return engine_layout(hf, dtype=_dtype_name(vllm_config.model_config.dtype), tp=tp, ep=ep,
+                         expert_placement=expert_placement)
 
 
-def _expert_problems(model: torch.nn.Module, ep: int, rank: int) -> list[str]:
-    """The layout places experts linearly, evenly: say where vLLM placed them otherwise."""
-    out = []
-    for path, module in model.named_modules():
-        emap = getattr(module, "expert_map", None) if type(module).__name__.endswith("RoutedExperts") else None
-        if emap is None:
-            continue
-        total = int(emap.numel())
-        if total % ep:
-            out.append(f"`{path}`: {total} experts over {ep} ranks is uneven (vLLM gives the first ranks one more): "
-                       "not described yet")
-            continue
-        local = total // ep
-        expected = torch.full((total,), -1, dtype=emap.dtype)
-        expected[rank * local:(rank + 1) * local] = torch.arange(local, dtype=emap.dtype)
-        if not torch.equal(emap.cpu(), expected):
-            out.append(f"`{path}`: vLLM placed experts {emap.tolist()} on this rank, not the linear block the layout "
-                       "describes (round_robin placement is not described yet)")
+def _routed_maps(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each FusedMoE's global -> local expert map on this rank (-1: held elsewhere), by module path."""
+    return {path: module.expert_map.cpu() for path, module in model.named_modules()
+            if type(module).__name__.endswith("RoutedExperts") and getattr(module, "expert_map", None) is not None}
+
+
+def _layout_map(layout, name: str, rank: int, total: int) -> torch.Tensor | None:
+    """The expert map a layout says rank `rank` holds for the stacked tensor `name`: its stacked
+    dim's runs (local index -> expert), written as vLLM writes its map. None: no such tensor."""
+    t = next((t for t in layout.tensors if t.name == name and t.holds(rank)), None)
+    if t is None:
+        return None
+    out = torch.full((total,), -1, dtype=torch.int32)
+    for run in t.runs(rank)[0]:
+        out[run.logical_start:run.logical_start + run.length] = torch.arange(
+            run.local_start, run.local_start + run.length, dtype=torch.int32)
     return out
+
+
+def _expert_placement(vllm_config, model: torch.nn.Module, rank: int) -> tuple[str, list[str]]:
+    """(vLLM's expert placement, problems): the placement whose layout holds, on this rank, exactly
+    the experts vLLM's own expert maps place here; problems name each map no layout describes."""
+    maps = _routed_maps(model)
+    if not maps:
+        return "linear", []
+    for placement in VLLM_EXPERT_PLACEMENTS:
+        layout = loads(replica_layout(vllm_config, placement), LAYOUT_PATH)
+        if all((m := _layout_map(layout, f"{path}.w13_weight", rank, int(emap.numel()))) is not None
+               and torch.equal(m, emap.to(torch.int32)) for path, emap in maps.items()):
+            return placement, []
+    return "linear", [f"`{path}`: vLLM placed experts {emap.tolist()} (global -> local) on this rank, which "
+                      f"neither the linear nor the round_robin layout describes" for path, emap in maps.items()]
 
 
 # ---- worker side ------------------------------------------------------------------------------
@@ -296,11 +314,9 @@ class LayoutlangEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdate
         return get_tensor_model_parallel_rank()
 
     def init_transfer_engine(self, init_info: LayoutlangInitInfo) -> None:
-        par = self.parallel_config
-        ep = par.tensor_parallel_size if getattr(par, "enable_expert_parallel", False) else 1
-        problems = _expert_problems(self.model, ep, self.rank) if ep > 1 else []
+        placement, problems = _expert_placement(self.vllm_config, self.model, self.rank)
         if not problems:  # (a placement the layout cannot say is the reason, not the layout's error)
-            self.text = replica_layout(self.vllm_config)
+            self.text = replica_layout(self.vllm_config, placement)
             layout = loads(self.text, LAYOUT_PATH)
             live = LiveModel.of(self.model, self.device.type == "cpu")
             problems = live_problems(layout, self.rank, live)
