@@ -133,11 +133,19 @@ class Geometry:
     def _local_of(self) -> dict[int, tuple[int, ...]]:
         return dict(self.dst_local)
 
-    def request(self, rank: int, k: int, piece: Piece, senders: RankSet) -> Request:
-        """The request of `rank` for piece k, with its wire format and bytes (compiler/wire.py)."""
+    def request(self, rank: int, k: int, piece: Piece, senders: RankSet, wires: dict | None = None) -> Request:
+        """The request of `rank` for piece k, with its wire format and bytes (compiler/wire.py);
+        `wires` memoizes `op_wire` (a pure function of its arguments) for one compilation."""
         local = self._local_of.get(rank)  # None: a plain destination (a 0-dim one's shape is ())
-        wire, nbytes = op_wire(piece.dst_slice, local, self.dst_dtype, self.wire_mode) if local is not None else \
-            (None, piece.elements * self.wire_bytes)
+        if local is None:
+            return Request(rank, k, piece.elements * self.wire_bytes, senders, None)
+        key = (piece.dst_slice, local, self.dst_dtype, self.wire_mode)
+        found = wires.get(key) if wires is not None else None
+        if found is None:
+            found = op_wire(*key)
+            if wires is not None:
+                wires[key] = found
+        wire, nbytes = found
         return Request(rank, k, nbytes, senders, wire)
 
     def is_part(self, request: Request) -> bool:
@@ -198,6 +206,9 @@ class PlanCache:
         self._narrow: dict[tuple, tuple] = {}  # (placement, dim) -> shards sorted by their extent there
         self._pieces: dict[tuple, tuple] = {}
         self._holders: dict[tuple[int, ...], RankSet] = {}
+        # (dst slice, local shape, dtype, wire mode) -> op_wire's (format, bytes): experts of every
+        # layer (and an EPLB map's slots) ask for the same few
+        self.wires: dict[tuple, tuple[str | None, int]] = {}
 
     def shards(self, p: Placement) -> tuple[Shard, ...]:
         hit = self._shards.get(p)
@@ -355,7 +366,7 @@ def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wir
     local = tuple((rank, tuple(first.dst.local_shape_at(rank))) for rank in sorted(shard_index)) if quantized else ()
     g = Geometry(dst, src, wire_bytes, tuple(piece_list), (), alternatives, dst_box, tuple(src_boxes),
                  dst_dtype=first.dst.dtype, wire_mode=wire_mode, dst_local=local)
-    requests = tuple(g.request(rank, k, piece_list[k], senders[k])
+    requests = tuple(g.request(rank, k, piece_list[k], senders[k], cache.wires)
                      for rank in sorted(shard_index) for k in per_shard[shard_index[rank]])
     return dataclasses.replace(g, requests=requests)
 

@@ -99,6 +99,14 @@ def test_stacked_scale_quick():
 
 
 @pytest.mark.timeout(300)
+def test_replan_eplb_quick():
+    proc = _run("benchmarks/replan_eplb.py", "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("re-plan / cold") == 4, proc.stdout  # 3 rounds and the median
+    assert "verdict: --quick is a smoke run (checks pass" in proc.stdout
+
+
+@pytest.mark.timeout(300)
 def test_strided_scale_quick():
     proc = _run("benchmarks/strided_scale.py", "--quick", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
