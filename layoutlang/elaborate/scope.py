@@ -124,7 +124,8 @@ class Scope:
             case ast.Num(value=v):
                 return fit(v, expr)
             case ast.Name(name=n):
-                return self.integer(self.lookup(n, expr.span), n, expr.span)
+                value = self.lookup(n, expr.span)
+                return value if value.__class__ is int else self.integer(value, n, expr.span)
             case ast.Index():
                 return self.integer(self.entry(expr, local), expr_text(expr), expr.span)
             case ast.Local(name=n):
