@@ -18,6 +18,18 @@ steps, at one or two levels) become one *group*, a strided entry on each side
 halves are one piece per part and source shard, not one per row. A group is
 formed only where it replaces at least STRIDE_MIN_RUNS segments; fewer stay
 plain pieces, as before.
+
+Storage continuity (issue 29): a piece is a pair of storage slices, so what an op
+needs is that BOTH storages continue, not the logical order. Segments that
+continue in the destination's and the source's storage while their logical
+starts jump (the hoisted order of section 3: HF's `(NH, (re: D/2 | im: D/2))` on
+both sides puts every re half before every im half) are one *span*, whose logical
+side is a chain (compiler/strides.py); a span is one piece, as the plain rows were.
+After the shards are tiled, pieces of one shard that still continue in both
+storages along one dim (equal elsewhere, the same alternatives, each continuing
+too) are merged the same way (`merge`). Merging never changes which destination
+element receives which source element, and the merged pieces tile the shard
+exactly when the parts did (verify.check_tiling proves it on the result).
 """
 
 from __future__ import annotations
@@ -29,9 +41,10 @@ from dataclasses import dataclass
 from layoutlang.modes import Run, RunLike
 
 from . import strides
-from .strides import Entry
+from .strides import Chain, Entry, Logical
 
 Slice = tuple[Entry, ...]  # per dim: (start, stop), or a strided entry (compiler/strides.py)
+LogicalSlice = tuple[Logical, ...]  # a piece's logical side: per dim an entry or a chain
 
 # A dim's segments become one strided group only when it replaces at least this many of them:
 # two or three parts of a concatenation stay plain pieces (a strided copy packs on both ends).
@@ -57,8 +70,11 @@ class Source:
 
 @dataclass(frozen=True)
 class Piece:
+    """`logical` lists, per dim and in the destination slice's element order, the logical
+    elements the piece carries (a chain where its storage continues across a logical jump)."""
+
     dst_slice: Slice
-    logical: Slice
+    logical: LogicalSlice
     sources: tuple[Source, ...]
 
     @property
@@ -162,22 +178,69 @@ def _pass(items: list, order: int) -> list:
 
 @dataclass(frozen=True)
 class Group:
-    """Segments of one dim that form one strided entry on every side."""
+    """Segments of one dim that form one strided entry on every side, or one span: contiguous in
+    both storages, its logical side a chain (`spans`)."""
 
     dst: Entry
     src: Entry
-    logical: Entry
+    logical: Logical
     members: tuple[Segment, ...]
 
 
-def groups(segs: list[Segment]) -> list[Group]:
-    """A dim's segments as strided groups (one group per segment where nothing is regular).
+def spans(segs: list[Segment]) -> list[tuple[Segment, ...]]:
+    """Segments (sorted by destination start) in maximal runs that continue in both storages.
 
-    Greedy passes, repeated while they shrink the list (a second pass chains the
-    groups of the first: the two levels of a rotary pair), in the order of each
-    side's starts; the order that leaves the fewest groups wins (ties: the
-    destination's). Deterministic: a pure function of the segments.
+    Preserves: each run's destination and source slices are contiguous and shifted alike
+    (element k of one is element k of the other), so a run is one piece.
+    >>> spans([Segment(0, 0, 0, 4), Segment(4, 4, 32, 4), Segment(8, 12, 4, 4)])
+    [(Segment(dst=0, src=0, logical=0, length=4), Segment(dst=4, src=4, logical=32, length=4)), \
+(Segment(dst=8, src=12, logical=4, length=4),)]
     """
+    out: list[list[Segment]] = []
+    for s in segs:
+        last = out[-1][-1] if out else None
+        if last is not None and last.dst + last.length == s.dst and last.src + last.length == s.src:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return [tuple(run) for run in out]
+
+
+def _span_group(run: tuple[Segment, ...]) -> Group:
+    """One group of a run of `spans`: contiguous on both storages, the logical side in turn."""
+    first, n = run[0], sum(s.length for s in run)
+    return Group((first.dst, first.dst + n), (first.src, first.src + n),
+                 strides.chain((s.logical, s.logical + s.length) for s in run), run)
+
+
+def groups(segs: list[Segment]) -> list[Group]:
+    """A dim's segments as spans and strided groups (one group per segment where nothing is regular).
+
+    Two ways, the one that leaves fewer groups wins (ties: strides alone, the
+    plan as it was before spans): every segment grouped by strides, or runs of
+    segments that continue in both storages (`spans`) one group each and the
+    rest grouped by strides. Spans win where the hoisted order jumps alike on
+    both sides (HF's rotary halves against vLLM's: one span, where strides
+    leave two groups); strides win where a span would be a few rows that happen
+    to meet (Meta's interleaved pairs against HF's halves, at head boundaries).
+    Deterministic: a pure function of the segments.
+    """
+    runs = spans(segs)
+    by_strides = _strided(segs)
+    if all(len(run) == 1 for run in runs):
+        return by_strides
+    single = [run[0] for run in runs if len(run) == 1]
+    by_spans = [_span_group(run) for run in runs if len(run) > 1] + _strided(single)
+    if len(by_spans) >= len(by_strides):
+        return by_strides
+    by_spans.sort(key=lambda g: g.dst)
+    return by_spans
+
+
+def _strided(segs: list[Segment]) -> list[Group]:
+    """Segments as strided groups: greedy passes, repeated while they shrink the list (a second
+    pass chains the groups of the first: the two levels of a rotary pair), in the order of each
+    side's starts; the order that leaves the fewest groups wins (ties: the destination's)."""
     def plain(s: Segment) -> Group:
         return Group((s.dst, s.dst + s.length), (s.src, s.src + s.length),
                      (s.logical, s.logical + s.length), (s,))
@@ -243,15 +306,16 @@ class _Index:
             data = sorted(data_runs(runs), key=lambda r: r.logical_start)
             self.dims.append(([r.logical_start for r in data], data))
 
-    def locate(self, logical: Slice) -> Slice | None:
+    def locate(self, logical: LogicalSlice) -> Slice | None:
         """Local slice holding the logical box, if one run per dim holds all of it (a strided
         logical entry: its hull; the local entry is then the logical one, shifted) or, per dim,
-        the elements' local positions, in logical order, form one entry (a strided holder)."""
+        the elements' local positions, in the piece's order, form one entry (a strided holder;
+        a chain always takes this way: its local positions are not the chain shifted)."""
         out = []
         for (starts, data), e in zip(self.dims, logical):
             lo, hi = strides.hull(e)
             k = bisect.bisect_right(starts, lo) - 1
-            if k >= 0 and data[k].logical_start + data[k].length >= hi:
+            if not isinstance(e, Chain) and k >= 0 and data[k].logical_start + data[k].length >= hi:
                 out.append(strides.shift(e, data[k].local_start - data[k].logical_start))
                 continue
             found = _local_entry(starts, data, e)
@@ -261,7 +325,7 @@ class _Index:
         return tuple(out)
 
 
-def _local_entry(starts: list[int], data: list[Run], e: Entry, limit: int = 4096) -> Entry | None:
+def _local_entry(starts: list[int], data: list[Run], e: Logical, limit: int = 4096) -> Entry | None:
     """The local entry whose elements are those of logical entry `e`, in the same order, or None
     (an element no run holds, more than `limit` local segments, or positions no entry writes)."""
     segs: list[tuple[int, int]] = []
@@ -355,8 +419,69 @@ def pieces(dst_runs: tuple[tuple[RunLike, ...], ...],
                 if found is not None:
                     sources.append(Source(inst, k, found))
         out.append(Piece(dst_slice, logical, tuple(sources)))
+    out = merge(out)
     out.sort(key=lambda p: p.dst_slice)
     return tuple(out)
+
+
+def _continues(a: Entry, b: Entry) -> bool:
+    """Whether contiguous entry b starts where contiguous entry a stops."""
+    return len(a) == 2 and len(b) == 2 and a[1] == b[0]
+
+
+def _joined(p: Piece, q: Piece, d: int) -> Piece | None:
+    """p and q as one piece along dim d, if q continues p there in the destination's storage and in
+    every alternative's (the same alternatives, in order) and both are equal along every other
+    dim; else None. The logical side of d is p's elements, then q's (a chain where they jump)."""
+    if len(p.sources) != len(q.sources) or not _continues(p.dst_slice[d], q.dst_slice[d]):
+        return None
+    rest = lambda sl: sl[:d] + sl[d + 1:]  # noqa: E731
+    if rest(p.dst_slice) != rest(q.dst_slice) or rest(p.logical) != rest(q.logical):
+        return None
+    sources = []
+    for a, b in zip(p.sources, q.sources):
+        if (a.instance, a.shard) != (b.instance, b.shard) or rest(a.src_slice) != rest(b.src_slice) \
+                or not _continues(a.src_slice[d], b.src_slice[d]):
+            return None
+        sources.append(Source(a.instance, a.shard, _with(a.src_slice, d, (a.src_slice[d][0], b.src_slice[d][1]))))
+    dst = _with(p.dst_slice, d, (p.dst_slice[d][0], q.dst_slice[d][1]))
+    return Piece(dst, _with(p.logical, d, strides.then(p.logical[d], q.logical[d])), tuple(sources))
+
+
+def _with(sl: tuple, d: int, e) -> tuple:
+    return sl[:d] + (e,) + sl[d + 1:]
+
+
+def merge(found: list[Piece]) -> list[Piece]:
+    """Pieces of one destination shard, those that continue in both storages merged (`_joined`).
+
+    Per dim in turn, pieces equal elsewhere are taken in destination order and each is joined
+    to the one before it where it can be; repeated until nothing joins. Preserves: the union of
+    the destination slices (so the tiling), and for every destination element the source
+    element (and every alternative's) that feeds it.
+    >>> a = Piece(((0, 4), (0, 8)), ((0, 4), (0, 8)), (Source(0, 0, ((0, 4), (0, 8))),))
+    >>> b = Piece(((4, 8), (0, 8)), ((32, 36), (0, 8)), (Source(0, 0, ((4, 8), (0, 8))),))
+    >>> merge([a, b])
+    [Piece(dst_slice=((0, 8), (0, 8)), logical=(Chain(blocks=((0, 4), (32, 36))), (0, 8)), \
+sources=(Source(instance=0, shard=0, src_slice=((0, 8), (0, 8))),))]
+    """
+    if len(found) < 2:
+        return found
+    ndim = len(found[0].dst_slice)
+    changed = True
+    while changed:
+        changed = False
+        for d in range(ndim):
+            out: list[Piece] = []
+            for p in sorted(found, key=lambda p: (p.dst_slice[:d] + p.dst_slice[d + 1:], strides.hull(p.dst_slice[d]))):
+                joined = _joined(out[-1], p, d) if out else None
+                if joined is None:
+                    out.append(p)
+                else:
+                    out[-1] = joined
+                    changed = True
+            found = out
+    return found
 
 
 def split_piece(p: Piece, cuts: tuple[int, ...], dst_dim: int, key_dim: int,
@@ -372,9 +497,8 @@ def split_piece(p: Piece, cuts: tuple[int, ...], dst_dim: int, key_dim: int,
     lo, hi = p.dst_slice[dst_dim]
     bounds = (lo, *cuts, hi)
 
-    def cut(sl: Slice, d: int, a: int, b: int) -> Slice:
-        start = sl[d][0] + a - lo
-        return sl[:d] + ((start, start + b - a),) + sl[d + 1:]
+    def cut(sl: tuple, d: int, a: int, b: int) -> tuple:
+        return sl[:d] + (strides.sub(sl[d], a - lo, b - lo),) + sl[d + 1:]  # a chain cuts anywhere
 
     return tuple(Piece(cut(p.dst_slice, dst_dim, a, b), cut(p.logical, key_dim, a, b),
                        tuple(Source(s.instance, s.shard, cut(s.src_slice, src_dims[s.instance], a, b))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from layoutlang.vocabulary import DTYPE
 
+from . import strides
 from .pieces import Piece, split_piece
 from .ranks import RankSet
 from .select import SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER
@@ -155,13 +156,13 @@ def _split_quanta(plan: Plan, t: Template) -> tuple[int, ...]:
 def _outer(g: Geometry, p: Piece) -> int | None:
     """The piece's first destination dim of extent > 1 (its outer dim in the receiver's storage)
     that is contiguous on every side (destination, logical, every source): a strided dim
-    (compiler/strides.py) is never cut, the next dim is."""
+    (compiler/strides.py) is never cut, the next dim is; a logical chain is (strides.cuttable)."""
     kd = _key_dims(g.dst_box, len(p.dst_slice))
     for d, e in enumerate(p.dst_slice):
         if len(e) > 2 or e[1] - e[0] <= 1:
             continue
         q = kd.index(d)
-        if len(p.logical[q]) > 2 or any(
+        if not strides.cuttable(p.logical[q]) or any(
                 len(s.src_slice[_key_dims(g.src_boxes[s.instance] if g.src_boxes else None,
                                           len(s.src_slice))[q]]) > 2 for s in p.sources):
             continue

@@ -16,11 +16,60 @@ needs it, in a separate field (`src_block` / `dst_block`).
 Two levels are what a real layout needs: Meta's interleaved rotary rows are one
 stride-2 set (`(start, stop, 2)`) while HF's split halves are NH blocks of D/2
 rows at stride D (`(start, stop, D, D/2)`).
+
+A piece's LOGICAL side may also be a *chain* (`Chain`): contiguous blocks read in
+turn, where the piece's storage continues on both ends while the logical order
+jumps (compiler/pieces.py: HF's `(NH, (re: D/2 | im: D/2))` rows on both sides are
+one piece, whose logical rows are head 0's re half, its im half, head 1's re half,
+...). Storage slices are never chains: an op is a pair of entries.
+
+>>> chain([(0, 4), (32, 36), (4, 8)])
+Chain(blocks=((0, 4), (32, 36), (4, 8)))
+>>> chain([(0, 4), (4, 8)]), sub(chain([(0, 4), (32, 36), (4, 8)]), 2, 7)
+((0, 8), Chain(blocks=((2, 4), (32, 35))))
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 Entry = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A logical dim's elements as contiguous [lo, hi) blocks read in turn (at least two, none
+    continuing the one before it: `chain` builds the canonical form)."""
+
+    blocks: tuple[tuple[int, int], ...]
+
+
+Logical = Entry | Chain  # one dim of a piece's logical side
+
+
+def chain(parts) -> Logical:
+    """The elements of contiguous blocks `parts`, in turn: a plain entry where they continue."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in parts:
+        if lo == hi:
+            continue
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    assert out, parts
+    return out[0] if len(out) == 1 else Chain(tuple(out))
+
+
+def then(a: Logical, b: Logical) -> Logical:
+    """The elements of `a`, then those of `b` (a chain where b does not continue a)."""
+    return chain(blocks(a) + blocks(b))
+
+
+def cuttable(e: Logical) -> bool:
+    """Whether every element range [k0, k1) of `e` is again one entry or chain (`sub`):
+    contiguous entries and chains; a strided entry only on block boundaries."""
+    return isinstance(e, Chain) or len(e) == 2
 
 
 def entry(start: int, count: int, step: int, block: int) -> Entry:
@@ -40,8 +89,10 @@ def parts(e: Entry) -> tuple[int, int, int, int]:
     return e[0], len(range(e[0], e[1], step)), step, (e[3] if len(e) == 4 else 1)
 
 
-def extent(e: Entry) -> int:
+def extent(e: Logical) -> int:
     """Elements of the dim."""
+    if isinstance(e, Chain):
+        return sum(hi - lo for lo, hi in e.blocks)
     if len(e) == 2:
         return e[1] - e[0]
     _, count, _, block = parts(e)
@@ -61,29 +112,43 @@ def strided(sl) -> bool:
     return any(len(e) > 2 for e in sl)
 
 
-def blocks(e: Entry) -> list[tuple[int, int]]:
-    """The contiguous [lo, hi) blocks of an entry, in order."""
+def blocks(e: Logical) -> list[tuple[int, int]]:
+    """The contiguous [lo, hi) blocks of an entry (or chain), in order."""
+    if isinstance(e, Chain):
+        return list(e.blocks)
     if len(e) == 2:
         return [e]
     start, count, step, block = parts(e)
     return [(start + i * step, start + i * step + block) for i in range(count)]
 
 
-def hull(e: Entry) -> tuple[int, int]:
-    """[first, last + 1) of the entry's elements."""
+def hull(e: Logical) -> tuple[int, int]:
+    """[first, last + 1) of the entry's elements (a chain: its lowest and highest)."""
+    if isinstance(e, Chain):
+        return min(lo for lo, _ in e.blocks), max(hi for _, hi in e.blocks)
     if len(e) == 2:
         return e
     start, count, step, block = parts(e)
     return start, start + (count - 1) * step + block
 
 
-def shift(e: Entry, delta: int) -> Entry:
+def shift(e: Logical, delta: int) -> Logical:
+    if isinstance(e, Chain):
+        return Chain(tuple((lo + delta, hi + delta) for lo, hi in e.blocks))
     return (e[0] + delta, e[1] + delta, *e[2:])
 
 
-def sub(e: Entry, k0: int, k1: int) -> Entry:
+def sub(e: Logical, k0: int, k1: int) -> Logical:
     """Elements [k0, k1) of the entry (in its element order), as an entry; both must sit on
-    block boundaries of a strided entry."""
+    block boundaries of a strided entry. A chain is cut anywhere (`cuttable`)."""
+    if isinstance(e, Chain):
+        out, seen = [], 0
+        for lo, hi in e.blocks:
+            a, b = max(lo, lo + k0 - seen), min(hi, lo + k1 - seen)
+            if a < b:
+                out.append((a, b))
+            seen += hi - lo
+        return chain(out)
     start, count, step, block = parts(e)
     if count == 1:
         return (start + k0, start + k1)
@@ -91,8 +156,10 @@ def sub(e: Entry, k0: int, k1: int) -> Entry:
     return entry(start + k0 // block * step, (k1 - k0) // block, step, block)
 
 
-def text(e: Entry) -> str:
-    """`a:b`, `a:b:step`, `a:b:step:block` (the text and dot renderings)."""
+def text(e: Logical) -> str:
+    """`a:b`, `a:b:step`, `a:b:step:block` (the text and dot renderings); a chain `a:b+c:d`."""
+    if isinstance(e, Chain):
+        return "+".join(f"{lo}:{hi}" for lo, hi in e.blocks)
     return ":".join(str(x) for x in e)
 
 

@@ -759,16 +759,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "whole conversion's deadline")
     conv.add_argument("--max-nproc", type=int, default=None, metavar="N", help="allow more than 64 local processes")
     conv.set_defaults(run=cmd_convert)
-    from .bridges.families import CONVENTIONS, FAMILIES
+    from .bridges.families import CONVENTIONS, FAMILIES, TRAINER_CONVENTIONS
 
     new = sub.add_parser("new", help="write the layout of a known model from its config.json, or of a checkpoint",
                          description="Write the `.layout` of a model (a HF config.json of a known family: "
                                      f"{', '.join(FAMILIES)}) as FRAMEWORK stores it, with its parallel "
                                      "sizes as args (TP, PP, DP, EP, ETP, AT). Keys are the HF checkpoint "
                                      "names, so any two outputs for one config plan with each other.")
-    new.add_argument("framework", choices=(*CONVENTIONS, "checkpoint"), metavar="FRAMEWORK",
-                     help=f"one of {', '.join(CONVENTIONS)} (hf: the checkpoint; hf-memory: a "
-                          "transformers model in memory, experts stacked), or checkpoint DIR: the layout "
+    new.add_argument("framework", choices=(*CONVENTIONS, *TRAINER_CONVENTIONS, "checkpoint"), metavar="FRAMEWORK",
+                     help=f"one of {', '.join(CONVENTIONS + TRAINER_CONVENTIONS)} (hf: the checkpoint; hf-memory: a "
+                          "transformers model in memory, experts stacked; torchtitan: its live parameters, "
+                          "Llama3 / Qwen3 / DeepSeek-V3 only), or checkpoint DIR: the layout "
                           "a safetensors directory describes, from its headers")
     new.add_argument("directory", nargs="?", metavar="DIR", help="with `checkpoint`: the checkpoint directory")
     new.add_argument("--config", metavar="CONFIG_JSON", help="the model's config.json (every FRAMEWORK but "

@@ -14,7 +14,7 @@ Every key is the HF checkpoint name of the unfused, per-expert weight
 ...        "vocab_size": 500}
 >>> text = render(model_from_config(cfg), "vllm", {"TP": 2})
 >>> print(next(line for line in text.splitlines() if "tensor" in line and "qkv_proj" in line).strip())
-tensor model.layers.{l}.self_attn.qkv_proj.weight [(q: (Q, D) as model.layers.{l}.self_attn.q_proj.weight | k: (KV, D) as model.layers.{l}.self_attn.k_proj.weight | v: (KV, D) as model.layers.{l}.self_attn.v_proj.weight) over tp, H]
+tensor model.layers.{l}.self_attn.qkv_proj.weight [(q: (Q, (re: D/2 | im: D/2)) as model.layers.{l}.self_attn.q_proj.weight | k: (KV, (re: D/2 | im: D/2)) as model.layers.{l}.self_attn.k_proj.weight | v: (KV, D) as model.layers.{l}.self_attn.v_proj.weight) over tp, H]
 
 Conventions (`CONVENTIONS`):
 - `megatron`: Megatron-Core GPTModel state-dict names with the local layer spec
@@ -45,8 +45,9 @@ from typing import Mapping
 from ..diagnostics import LayoutError, UsageError
 
 CONVENTIONS = ("megatron", "hf", "hf-memory", "vllm", "sglang")
-# Trainers whose convention lives in a module of its own (torchtitan_layout.py); kept apart from
-# CONVENTIONS until every convention pair plans (a Meta-order Llama3 needs rotary parts on its partner)
+# Trainers whose convention lives in a module of its own (torchtitan_layout.py), for some families
+# only (`layoutc new torchtitan` refuses the others): kept apart from CONVENTIONS, which every family
+# has. Its Meta-order Llama3 pairs with every convention (they write the rotary halves: _rotary_rows).
 TRAINER_CONVENTIONS = ("torchtitan",)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # config `dtype` -> layout dtype
@@ -382,6 +383,23 @@ def _parts(*parts: tuple[str, str, str]) -> str:
     return "(" + " | ".join(f"{n}: {e} as {k}" for n, e, k in parts) + ")"
 
 
+ROTARY_HALVES = "(re: D/2 | im: D/2)"  # one head's q/k rows under rotary, as HF stores them
+
+
+def _rotary_rows(heads: str | None) -> str:
+    """q/k rows of `heads` heads (None: one head) as HF, vLLM, SGLang and Megatron store them:
+    each head's rotary halves, `rotate_half`'s re rows then im rows (LANGUAGE.md 3).
+
+    Every GQA family here rotates q and k, and a Meta-order source (torchtitan's Llama3,
+    Meta's checkpoints: `(NH, D/2, (re: 1 | im: 1))`) names those parts; two matched dims need
+    the same parts on both sides, so the conventions write them. Pairs between these
+    conventions plan as the plain rows did (compiler/pieces.py: storage continues on both).
+    >>> _rotary_rows("Q"), _rotary_rows(None)
+    ('(Q, (re: D/2 | im: D/2))', '(re: D/2 | im: D/2)')
+    """
+    return ROTARY_HALVES if heads is None else f"({heads}, {ROTARY_HALVES})"
+
+
 def _consts(m: Model, *, megatron: bool = False) -> tuple[str, ...]:
     out = [f"L = {m.layers}, H = {m.hidden}, V = {_int(m.vocab)}"]
     a = m.attention
@@ -421,7 +439,7 @@ def _hf_attention(m: Model) -> list[Tensor]:
     a = m.attention
     out = [Tensor(_hf("input_layernorm.weight"), ("H",))]
     if isinstance(a, GQA):
-        for proj, rows in (("q_proj", "Q*D"), ("k_proj", "KV*D"), ("v_proj", "KV*D")):
+        for proj, rows in (("q_proj", _rotary_rows("Q")), ("k_proj", _rotary_rows("KV")), ("v_proj", "KV*D")):
             out.append(Tensor(_hf(f"self_attn.{proj}.weight"), (rows, "H")))
             if a.qkv_bias:
                 out.append(Tensor(_hf(f"self_attn.{proj}.bias"), (rows,)))
@@ -560,8 +578,8 @@ def _engine_attention(m: Model, engine: str) -> list[Tensor]:
     p = f"model.layers.{{l}}.{attn}"
     out = [Tensor(_hf("input_layernorm.weight"), ("H",))]
     if isinstance(a, GQA):
-        qkv = lambda s: _parts(("q", "(Q, D)", _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
-                               ("k", "(KV, D)", _hf(f"self_attn.k_proj.{s}")),
+        qkv = lambda s: _parts(("q", _rotary_rows("Q"), _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
+                               ("k", _rotary_rows("KV"), _hf(f"self_attn.k_proj.{s}")),
                                ("v", "(KV, D)", _hf(f"self_attn.v_proj.{s}"))) + " over tp"
         out.append(Tensor(f"{p}.qkv_proj.weight", (qkv("weight"), "H")))
         if a.qkv_bias:
@@ -689,8 +707,8 @@ def _megatron_attention(m: Model, n: str) -> list[Tensor]:
     p = f"decoder.layers.{{{n}}}.self_attention"
     out = [Tensor(f"decoder.layers.{{{n}}}.input_layernorm.weight", ("H",), key=_hf("input_layernorm.weight"))]
     if isinstance(a, GQA):
-        qkv = lambda s: ("(KV, " + _parts(("q", "QG*D", _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
-                                          ("k", "D", _hf(f"self_attn.k_proj.{s}")),
+        qkv = lambda s: ("(KV, " + _parts(("q", _rotary_rows("QG"), _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
+                                          ("k", _rotary_rows(None), _hf(f"self_attn.k_proj.{s}")),
                                           ("v", "D", _hf(f"self_attn.v_proj.{s}"))) + ") over tp")
         out.append(Tensor(f"{p}.linear_qkv.weight", (qkv("weight"), "H")))
         if a.qkv_bias:

@@ -11,8 +11,10 @@ feed_forward.py and each model's state_dict_adapter.py):
   `_split_qkv_on_save`);
 - Llama3 rotates with ComplexRoPE, so its q/k rows keep each head's rotary pairs
   interleaved (Meta's order, undone by `Llama3StateDictAdapter._permute`):
-  `(QG, D/2, (re: 1 | im: 1))`; Qwen3 (CosSinRoPE) keeps HF's order, plain rows;
-  DeepSeek-V3 keeps interleaved rope dims exactly as HF does, plain rows;
+  `(QG, D/2, (re: 1 | im: 1))`; Qwen3 (CosSinRoPE) keeps HF's order, each head's
+  halves `(QG, (re: D/2 | im: D/2))` as every HF-order convention writes them
+  (families.py `_rotary_rows`); DeepSeek-V3 keeps interleaved rope dims exactly as
+  HF does, plain rows;
 - dense MLPs are `feed_forward.w1` / `w3` / `w2` (gate / up / down), MoE experts
   stacked `moe.routed_experts.inner_experts.w1_EFD [E, I, H]`, `w3_EFD`,
   `w2_EDF [E, H, I]` (no `.weight`), the router `moe.router.gate.weight`, shared
@@ -37,7 +39,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
-from .families import GQA, ConfigError, Document, Loop, Model, Stmt, Tensor, _consts, _header, _hf, _parts
+from .families import (GQA, ConfigError, Document, Loop, Model, Stmt, Tensor, _consts, _header, _hf, _parts,
+                       _rotary_rows)
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")  # torchtitan 0.3.0's Llama3, Qwen3, DeepSeek-V3
 INTERLEAVED = ("llama",)  # ComplexRoPE on GQA rows: Meta's order (DeepSeek-V3's MLA rows are HF's own)
@@ -69,8 +72,8 @@ def torchtitan_document(m: Model, sizes: Mapping[str, int]) -> Document:
              + "feed_forward.w1/w3/w2" + (", stacked experts *_EFD / *_EDF." if m.moe else ".")]
     if m.model_type in INTERLEAVED:
         notes += ["Llama3 rotates with ComplexRoPE: q/k rows keep each head's rotary pairs",
-                  "interleaved (Meta's order). Its HF partner must write HF's halves,",
-                  "(Q, (re: D/2 | im: D/2)), to pair (LANGUAGE.md 3)."]
+                  "interleaved (Meta's order); every HF-order convention writes HF's halves,",
+                  "(Q, (re: D/2 | im: D/2)), so the two pair without edits (LANGUAGE.md 3)."]
     if m.moe is not None and m.moe.score_bias:
         notes.append("moe.expert_bias_E is a persistent buffer (fp32): HF's e_score_correction_bias.")
     elif m.moe is not None:
@@ -86,7 +89,8 @@ def _attention(m: Model) -> list[Tensor]:
     out = [Tensor("layers.{l}.attention_norm.weight", ("H",), key=_hf("input_layernorm.weight"))]
     if isinstance(a, GQA):
         meta = m.model_type in INTERLEAVED
-        q, k = ("(QG, D/2, (re: 1 | im: 1))", "(D/2, (re: 1 | im: 1))") if meta else ("QG*D", "D")
+        q, k = (("(QG, D/2, (re: 1 | im: 1))", "(D/2, (re: 1 | im: 1))") if meta
+                else (_rotary_rows("QG"), _rotary_rows(None)))
         qkv = _parts(("q", q, _hf("self_attn.q_proj.weight")), ("k", k, _hf("self_attn.k_proj.weight")),
                      ("v", "D", _hf("self_attn.v_proj.weight")))
         out += [Tensor(f"{p}.qkv_linear.wqkv.weight", (f"(KV, {qkv})", "H")),
@@ -139,10 +143,9 @@ def with_rotary_halves(doc: Document) -> Document:
     """`doc` (an hf / hf-memory Document of a GQA model) with q_proj / k_proj rows written as
     HF stores them under rotary: each head's halves, `(Q, (re: D/2 | im: D/2))`.
 
-    Why: a Meta-order source (torchtitan's Llama3) names the rotary parts, and two
-    matched dims need the same parts on both sides (LANGUAGE.md 3). The hf convention
-    does not write them yet (every shipped pair would move: docs/bridges.md), so a
-    refit from such a source plans against this partner.
+    The hf and hf-memory conventions write them themselves now (families.py
+    `_rotary_rows`, issue 29), so this returns such a Document unchanged; kept for
+    callers that built a partner for a Meta-order source (torchtitan's Llama3) by hand.
     """
     rows = {"self_attn.q_proj.weight": "(Q, (re: D/2 | im: D/2))",
             "self_attn.k_proj.weight": "(KV, (re: D/2 | im: D/2))"}
