@@ -226,7 +226,9 @@ def test_a_sharded_model_goes_through_the_dtensor_bridge_with_these_keys(tmp_pat
                 "up_proj.weight), 64] fp32\n") in text
         assert ("tensor model.layers.0.mlp.experts.down_proj as model.layers.0.mlp.experts.{e}.down_proj.weight "
                 "[e in 0..4 chunk d0 ragged, 64, 32] fp32\n") in text
-        assert "tensor model.layers.0.self_attn.k_proj.weight [32 over d0 ragged, 64] fp32\n" in text
+        # k_proj's rows are each head's rotary halves (issue 29): Shard(0) cuts the stored rows, `chunk`
+        assert ("tensor model.layers.0.self_attn.k_proj.weight [(2, (re: 16/2 | im: 16/2)) chunk d0 ragged, 64] "
+                "fp32\n") in text
         sharded = loads(text)
         assert _runs_by_key(sharded, 0) == _runs_by_key(whole, 0)
         local = hf.tensors(model)

@@ -177,10 +177,14 @@ def test_gloo_refit_of_the_small_llama2_pair(src, dst):
 
 def test_a_strided_holder_is_an_alternative_source():
     """t0 `(4, (x: 1 | y: 1))` declared on ranks 0 and 1, planned onto itself: x is rows 0, 2, 4, 6
-    (logical 0..3), y rows 1, 3, 5, 7 on both; rank 1's copy comes from its own tensor (a local
-    op), found by walking the logical rows through rank 1's runs (each one row long)."""
+    (logical 0..3), y rows 1, 3, 5, 7 on both. Both storages continue, so each copy is one piece
+    of all 8 rows (compiler/pieces.py: a span, its logical side the chain x0, y0, x1, ...); rank
+    1's copy comes from its own tensor (a local op), found by walking that chain through rank 1's
+    runs (each one row long). Into the parts written apart, `(x: 4 | y: 4)` on rank 1, each part
+    is a strided read of either copy: rank 1's own, found the same way, feeds it locally."""
     text = ("mesh m (a=2)\ntensor t0 [(4, (x: 1 | y: 1))] at a=0\n"
             "tensor t0_1 as t0 [(4, (x: 1 | y: 1))] at a=1\n")
     _, ops = _ops(text, text)
-    assert ops == [(0, ((0, 7, 2),), 0, ((0, 7, 2),), 8), (0, ((1, 8, 2),), 0, ((1, 8, 2),), 8),
-                   (1, ((0, 7, 2),), 1, ((0, 7, 2),), 8), (1, ((1, 8, 2),), 1, ((1, 8, 2),), 8)]
+    assert ops == [(0, ((0, 8),), 0, ((0, 8),), 16), (1, ((0, 8),), 1, ((0, 8),), 16)]
+    _, ops = _ops(text, "mesh m (a=2)\ntensor d as t0 [(x: 4 | y: 4)] at a=1\n")
+    assert ops == [(1, ((0, 7, 2),), 1, ((0, 4),), 8), (1, ((1, 8, 2),), 1, ((4, 8),), 8)]
