@@ -119,14 +119,23 @@ class Runs:
         return self._memo[k]
 
 
-def _logical(merged, sl) -> tuple[tuple[int, int], ...] | None:
-    """The logical box a local slice holds, if one merged run per dim holds it whole."""
+def _logical(merged, sl) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """The logical elements a local slice holds, per dim as logical segments in storage order
+    (one segment where one merged run holds it; several where the slice continues across a
+    logical jump, as rotary halves of consecutive heads do), or None if padding is in it."""
     out = []
     for runs, (a, b) in zip(merged, sl):
-        hit = next(((lo, hi, lg) for lo, hi, lg in runs if lo <= a and b <= hi), None)
-        if hit is None:
+        segs, at = [], a
+        for lo, hi, lg in runs:  # sorted by local start, adjacent continuing runs merged
+            x, y = max(at, lo), min(b, hi)
+            if x < y:
+                if x != at:
+                    return None
+                segs.append((lg + x - lo, lg + y - lo))
+                at = y
+        if at != b:
             return None
-        out.append((hit[2] + a - hit[0], hit[2] + b - hit[0]))
+        out.append(tuple(segs))
     return tuple(out)
 
 

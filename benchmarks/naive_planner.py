@@ -7,7 +7,9 @@ dim in logical coordinates, with the runs of every rank that holds every source
 instance of the key; identical rectangles found on several source ranks form a
 replica set (found by scanning ranks, not from mesh axes); the first source
 instance tiles the destination, the others are offered as alternatives where
-one rank holds a whole piece; and a sender is picked op by op, in canonical
+one rank holds a whole piece; pieces of one destination shard that continue in
+its storage and in every alternative's are joined (rotary halves of consecutive
+heads: logically apart, one copy in storage); and a sender is picked op by op, in canonical
 order (destination instance, destination rank, piece), with the balanced rule:
 the receiver itself if it holds the piece, then a rank on its node, then the
 least-loaded candidate so far, ties to the lowest rank. Nothing is shared
@@ -169,6 +171,47 @@ def volume(sl: Slice) -> int:
     return n
 
 
+# ---- merging pieces whose storages continue ---------------------------------------
+
+def _joined(p, q, d: int):
+    """p then q as one piece along dim d, if q continues p there in the destination's storage,
+    both are equal along every other dim, and they have the same alternatives (instance and
+    holder ranks), each continuing in its source's storage; else None."""
+    (pd, pa), (qd, qa) = p, q
+    rest = lambda sl: sl[:d] + sl[d + 1:]  # noqa: E731
+    if pd[d][1] != qd[d][0] or rest(pd) != rest(qd) or len(pa) != len(qa):
+        return None
+    pk = sorted((inst, tuple(ranks), sl) for (inst, sl), ranks in pa.items())
+    qk = sorted((inst, tuple(ranks), sl) for (inst, sl), ranks in qa.items())
+    alts = {}
+    for (i, r, a), (j, s, b) in zip(pk, qk):
+        if (i, r) != (j, s) or rest(a) != rest(b) or a[d][1] != b[d][0]:
+            return None
+        alts[(i, a[:d] + ((a[d][0], b[d][1]),) + a[d + 1:])] = list(r)
+    return pd[:d] + ((pd[d][0], qd[d][1]),) + pd[d + 1:], alts
+
+
+def _merged(found: list) -> list:
+    """Pieces of one destination shard, those that continue in both storages joined: per dim in
+    turn, in destination order, each joined to the one before it where it can be, until nothing
+    joins (the real planner's rule, compiler/pieces.py `merge`, written out on plain slices)."""
+    if len(found) < 2:
+        return found
+    changed = True
+    while changed:
+        changed = False
+        for d in range(len(found[0][0])):
+            out: list = []
+            for piece in sorted(found, key=lambda pc: (pc[0][:d] + pc[0][d + 1:], pc[0][d])):
+                joined = _joined(out[-1], piece, d) if out else None
+                if joined is None:
+                    out.append(piece)
+                else:
+                    out[-1], changed = joined, True
+            found = out
+    return sorted(found, key=lambda pc: pc[0])
+
+
 # ---- the planner --------------------------------------------------------------------
 
 class NaivePlan:
@@ -255,7 +298,7 @@ class NaivePlan:
         for a, b in itertools.combinations(rects, 2):
             if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
                 raise NaiveError(f"{t.name} on rank {rank}: pieces {a} and {b} overlap")
-        return [(r, groups[r][1]) for r in rects]
+        return _merged([(r, groups[r][1]) for r in rects])
 
     def _pick(self, selector, rpn, receiver, cands, nbytes, ordinal) -> int:
         if selector == "round_robin":
@@ -373,29 +416,47 @@ def _feeds(src_t: TensorIR, src_region, op) -> bool:
 
 
 def _key_box(t: TensorIR, region, rank: int, sl: Slice):
-    """The box of the key (in its dims) that stored slice `sl` holds, or None if no run holds it whole."""
+    """The elements of the key (per dim, in its dims: the logical segments, in storage order) that
+    stored slice `sl` holds, or None if an element of it is padding or outside the key."""
     box = []
     for i, (runs, (a, b)) in enumerate(zip(t.runs(rank), sl)):
-        lo = _logical(runs, a, b)
-        if lo is None:
+        segs = _logical(runs, a, b)
+        if segs is None:
             return None
         if region is not None:
             rlo, rhi = region.box[i]
-            if not (rlo <= lo and lo + b - a <= rhi):
+            if not all(rlo <= lo and hi <= rhi for lo, hi in segs):
                 return None
             if i in region.stacked:
                 continue
-            lo -= rlo
-        box.append((lo, lo + b - a))
+            segs = [(lo - rlo, hi - rlo) for lo, hi in segs]
+        box.append(_joined_segments(segs))
     return tuple(box[::-1] if region is not None and region.transposed else box)
 
 
 def _logical(runs, lo, hi):
-    """The logical start of local [lo, hi) if one data run holds it, else None."""
-    for r in runs:
-        if isinstance(r, Run) and r.local_start <= lo and hi <= r.local_start + r.length:
-            return r.logical_start + lo - r.local_start
-    return None
+    """The logical [start, stop) segments of local [lo, hi), in local order, if data runs hold
+    every element of it, else None."""
+    segs, at = [], lo
+    for r in sorted((r for r in runs if isinstance(r, Run)), key=lambda r: r.local_start):
+        a, b = max(at, r.local_start), min(hi, r.local_start + r.length)
+        if a < b:
+            if a != at:
+                return None
+            segs.append((r.logical_start + a - r.local_start, r.logical_start + b - r.local_start))
+            at = b
+    return segs if at == hi else None
+
+
+def _joined_segments(segs):
+    """Adjacent logical segments joined: one element order, one way to write it."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in segs:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
 
 
 _DST_CACHE: list[tuple[TensorIR, KeyRegion | None]] = []  # the destination's (instance, region) pairs

@@ -59,6 +59,17 @@ def _describe(tree: PartTree) -> str:
     return "(" + " | ".join((f"{n}: " if n else "") + _describe(t) for n, t in tree.parts) + ")"
 
 
+ROTARY_HELP = ("q/k rows under rotary are each head's halves, `(heads, (re: D/2 | im: D/2))` as HF stores "
+               "them: every `layoutc new` convention and the HF, Megatron and torchtitan bridges write them "
+               "so, and a checkpoint does when its config.json is beside it (or with `config=`); write the "
+               "plain side so too (docs/bridges.md, rotary rows)")
+
+
+def _rotary(tree: PartTree) -> bool:
+    """Whether a hoisted part tree is rotary halves, `(re: ... | im: ...)`."""
+    return isinstance(tree, PartNode) and tuple(n for n, _ in tree.parts) == ("re", "im")
+
+
 def tree_difference(dst: PartTree, src: PartTree, path: str = "") -> str | None:
     """Why two hoisted part trees differ, or None if they match."""
     where = f" in part {path}" if path else ""
@@ -257,5 +268,6 @@ def _check_same_key(m: Match, compared: set) -> None:
             raise PlanError(
                 f"`{m.key}` dim {i}: {diff}", m.dst.span,
                 notes=[Note("the source declaration", first.span)],
-                help="write the same parts on both sides (names may be left out on one); "
-                     "a strided `(gate: F | up: F)` never matches a plain `2*F`")
+                help=ROTARY_HELP if _rotary(d) != _rotary(s) else
+                "write the same parts on both sides (names may be left out on one); "
+                "a strided `(gate: F | up: F)` never matches a plain `2*F`")

@@ -232,7 +232,7 @@ def case_fsdp2_save(job: dict, rank: int, report: dict) -> None:
 
     from fsdp2_refit_program import V, config  # the tiny FSDP2 Llama of tests/test_bridge_dtensor.py
     from layoutlang import loads
-    from layoutlang.bridges import dtensor
+    from layoutlang.bridges import dtensor, hf
     from layoutlang.checkpoint import load, save
 
     torch.manual_seed(0)
@@ -242,8 +242,10 @@ def case_fsdp2_save(job: dict, rank: int, report: dict) -> None:
     for layer in trainer.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(trainer, mesh=mesh)
-    layout = loads(dtensor.describe(trainer, name="fsdp2_llama"), "<fsdp2>")  # before a forward: after
-    # one, FSDP2 leaves the root's own parameters unsharded (plain tensors) until the next backward
+    # the HF bridge (its families write q/k rows as rotary halves, as the saved config.json makes the
+    # files say), through the DTensor bridge's placements; before a forward: after one, FSDP2 leaves
+    # the root's own parameters unsharded (plain tensors) until the next backward
+    layout = loads(hf.describe(trainer), "<fsdp2>")
     out = job["fsdp2"]
     sizes = {}
     for kind, dtype in (("fp32", None), ("bf16", "bf16")):
@@ -265,7 +267,7 @@ def case_fsdp2_save(job: dict, rank: int, report: dict) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(fresh, mesh=mesh)
     dist.barrier()  # rank 0 has written the reference files
-    load(out["fp32_ref"], loads(dtensor.describe(fresh, name="fresh"), "<fresh>"), dtensor.tensors(fresh),
+    load(out["fp32_ref"], loads(hf.describe(fresh), "<fresh>"), dtensor.tensors(fresh),
          group=dist.group.WORLD)
     files = read_checkpoint(out["fp32_ref"])
     for name, p in fresh.named_parameters():

@@ -162,9 +162,10 @@ def test_gpt_tp2_refits_into_hf_llama_and_the_logits_match():
     # 90 rows padded to 256 (128 x TP), split over tp; tied: one weight, no output layer at PP=1
     assert "tensor embedding.word_embeddings.weight as model.embed_tokens.weight [V pad 256 over tp, H]" in text
     assert "output_layer" not in text and "lm_head" not in text
-    assert ("[(KV, (q: QG*D as model.layers.{l}.self_attn.q_proj.weight | k: D as "
-            "model.layers.{l}.self_attn.k_proj.weight | v: D as model.layers.{l}.self_attn.v_proj.weight)) "
-            "over tp, H]") in text
+    # q/k rows as each head's rotary halves (Megatron's rotate_half, `rotary_interleaved` off)
+    assert ("[(KV, (q: (QG, (re: D/2 | im: D/2)) as model.layers.{l}.self_attn.q_proj.weight | "
+            "k: (re: D/2 | im: D/2) as model.layers.{l}.self_attn.k_proj.weight | "
+            "v: D as model.layers.{l}.self_attn.v_proj.weight)) over tp, H]") in text
     assert ("[(gate: F as model.layers.{l}.mlp.gate_proj.weight | up: F as model.layers.{l}.mlp.up_proj.weight) "
             "over tp, H]") in text
     errors = results[0]["errors"]

@@ -354,9 +354,10 @@ def test_save_quantizes_bf16_into_mxfp8_files(tmp_path):
 # ---- hostile inputs through load ----------------------------------------------------------------------
 
 def test_a_key_the_layout_needs_and_the_checkpoint_lacks_is_named_at_its_layout_line(tmp_path, llama):
-    _, layouts, state = llama
+    folder, layouts, state = llama
     missing = "model.layers.1.mlp.up_proj.weight"
     save_file({k: v for k, v in state.items() if k != missing}, str(tmp_path / "model.safetensors"))
+    shutil.copy(folder / "config.json", tmp_path)  # q/k rows as rotary halves, as the layout writes them
     layout = load_layout(layouts["vllm"], {})
     dst = garbage(layout, 0)
     with pytest.raises(PlanError) as info:

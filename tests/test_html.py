@@ -11,6 +11,7 @@ The browser check is tests/test_html_browser.py.
 
 from __future__ import annotations
 
+import itertools
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -100,16 +101,23 @@ def pictures(html: str, side: str) -> dict[str, dict]:
             if s["attrs"].get("class") == "tensor" and s["attrs"].get("data-side") == side}
 
 
-def logical_of(plan, op) -> str:
-    """The op's destination rectangle in the logical coordinates of the STORED tensor (a part key
-    inside a fused tensor is drawn where it lies in it), through the destination's runs."""
+def logical_of(plan, op) -> list[str]:
+    """The op's destination rectangles in the logical coordinates of the STORED tensor (a part key
+    inside a fused tensor is drawn where it lies in it), through the destination's runs: an op
+    whose slice crosses runs (rotary halves of consecutive heads, contiguous in storage) is one
+    rectangle per combination of the runs it crosses in each dim."""
     tensor = next(t for t, _ in plan.dst.key_index[op.key] if t.name == op.dst_name and t.holds(op.dst_rank))
-    out = []
+    per_dim = []
     for runs, (a, b) in zip(tensor.runs(op.dst_rank), op.dst_slice):
-        run = next(r for r in runs if isinstance(r, Run) and r.local_start <= a and b <= r.local_start + r.length)
-        lo = run.logical_start + a - run.local_start
-        out.append(f"{lo}:{lo + b - a}")
-    return ",".join(out)
+        segments = []
+        for r in runs:
+            lo, hi = max(a, r.local_start), min(b, r.local_start + r.length)
+            if isinstance(r, Run) and lo < hi:
+                start = r.logical_start + lo - r.local_start
+                segments.append(f"{start}:{start + hi - lo}")
+        assert sum(int(x.split(":")[1]) - int(x.split(":")[0]) for x in segments) == b - a, (op, runs)
+        per_dim.append(segments)
+    return [",".join(box) for box in itertools.product(*per_dim)]
 
 
 def drawn_ops(svg: dict) -> list[tuple[int, str, int]]:
@@ -133,7 +141,7 @@ def check_pictures(plan, html: str) -> int:
     for op in plan.ops:
         by_key.setdefault(op.key, []).append(op)
     for key, svg in dst.items():
-        expected = sorted((op.dst_rank, logical_of(plan, op), op.src_rank) for op in by_key[key])
+        expected = sorted((op.dst_rank, box, op.src_rank) for op in by_key[key] for box in logical_of(plan, op))
         assert sorted(drawn_ops(svg)) == expected, key
         # the source picture draws the same blocks; every sender holds its block
         src_blocks = {r["data-logical"]: r for r in src[key]["rects"] if "data-logical" in r}
@@ -199,9 +207,11 @@ def test_llama_pictures_show_parts_and_padding(llama):
     plan, html = llama
     src, dst = pictures(html, "src"), pictures(html, "dst")
     # a part key is drawn inside its stored tensor, with that tensor's parts marked: q_proj lies in
-    # the trainer's grouped linear_qkv and in the engine's qkv_proj, gate_proj in fc1 / gate_up_proj
-    for key, parts in (("model.layers.0.self_attn.q_proj.weight", {"q", "k", "v"}),
-                       ("model.layers.0.self_attn.v_proj.weight", {"q", "k", "v"}),
+    # the trainer's grouped linear_qkv and in the engine's qkv_proj, gate_proj in fc1 / gate_up_proj;
+    # q and k rows are rotary halves in both (re: D/2 | im: D/2), marked as the nested parts
+    qkv = {"q.re", "q.im", "k.re", "k.im", "v"}
+    for key, parts in (("model.layers.0.self_attn.q_proj.weight", qkv),
+                       ("model.layers.0.self_attn.v_proj.weight", qkv),
                        ("model.layers.0.mlp.gate_proj.weight", {"gate", "up"})):
         assert parts <= set(dst[key]["texts"]) and parts <= set(src[key]["texts"]), key
     # the trainer pads the vocabulary to 1024 (TP 8): 768 rows on the last TP rank's replicas

@@ -53,10 +53,24 @@ def _plan(src: str, dst: str, src_args: dict, dst_args: dict):
     return compile_plan(_path(src), _path(dst), src_args=src_args, dst_args=dst_args)
 
 
+HEAD_DIM = 8  # D of examples/small/v2/llama_hf.layout
+
+
+def _logical_row(key: str, row: int, n: int) -> int:
+    """The logical row of stored row `row` of an HF key. q_proj / k_proj rows are declared
+    `(NH, (re: D/2 | im: D/2))` (rotary halves), and LANGUAGE.md 3 hoists a concatenation
+    out of its product: logically every head's re half comes first, then every im half."""
+    if not key.endswith(("q_proj.weight", "k_proj.weight")) or "experts" in key:
+        return row
+    half = HEAD_DIM // 2
+    head, part, j = row // HEAD_DIM, row % HEAD_DIM // half, row % half
+    return part * (n // 2) + head * half + j
+
+
 def _reference_rows(key: str, shape: tuple[int, int], rows: list[int], quantized: bool) -> torch.Tensor:
-    """Rows of key `key` as the destination must hold them: the fill (values of the row-major
-    index), MXFP8-quantized by the reference in 32-blocks of each row when the source is."""
-    flat = torch.tensor([r * shape[1] + c for r in rows for c in range(shape[1])])
+    """Stored rows of key `key` as the destination must hold them: the fill (values of the
+    logical index), MXFP8-quantized by the reference in 32-blocks of each row when the source is."""
+    flat = torch.tensor([_logical_row(key, r, shape[0]) * shape[1] + c for r in rows for c in range(shape[1])])
     grid = values(key, flat).reshape(len(rows), shape[1])
     if not quantized:
         return grid

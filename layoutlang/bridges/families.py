@@ -38,6 +38,7 @@ Conventions (`CONVENTIONS`):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Mapping
@@ -398,6 +399,25 @@ def _rotary_rows(heads: str | None) -> str:
     ('(Q, (re: D/2 | im: D/2))', '(re: D/2 | im: D/2)')
     """
     return ROTARY_HALVES if heads is None else f"({heads}, {ROTARY_HALVES})"
+
+
+ROTARY_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k)_proj\.(?:weight|bias)")
+
+
+def rotary_heads(m: Model) -> dict[str, tuple[int, int]]:
+    """{"q": (Q, D), "k": (KV, D)}: the heads and head dim of the checkpoint keys that every
+    convention writes as rotary halves (`_rotary_rows`); empty for MLA (its rope rows are parts of
+    their own). What a checkpoint read from headers (layoutlang.checkpoint.describe) needs to
+    write its `q_proj` / `k_proj` rows as the conventions do: keys matching `ROTARY_KEY`.
+    >>> cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+    ...        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 500}
+    >>> rotary_heads(model_from_config(cfg))
+    {'q': (4, 16), 'k': (2, 16)}
+    """
+    a = m.attention
+    if not isinstance(a, GQA) or a.head_dim % 2:
+        return {}
+    return {"q": (a.heads, a.head_dim), "k": (a.kv_heads, a.head_dim)}
 
 
 def _consts(m: Model, *, megatron: bool = False) -> tuple[str, ...]:

@@ -24,7 +24,9 @@ same on every rank, computed from three things the trainer already holds:
 
 Keys follow the HF-name convention (LANGUAGE.md 8): the HF checkpoint name of
 each unfused, per-expert weight. Fused QKV carries part keys grouped per query
-group (`(KV, (q: QG*D as q_proj | k: D as k_proj | v: D as v_proj)) over tp`),
+group (`(KV, (q: (QG, (re: D/2 | im: D/2)) as q_proj | k: (re: D/2 | im: D/2) as k_proj | v: D as
+v_proj)) over tp`: q/k rows as each head's rotary halves, as every convention writes them;
+Meta's interleaved pairs with `rotary_interleaved`),
 fc1 carries `(gate: F as gate_proj | up: F as up_proj) over tp` (each TP rank
 holds its slice of gate, then of up), and an expert's local index restarts at
 0 on every EP rank while its key carries the global expert id
@@ -250,10 +252,17 @@ _NORM = re.compile(r"(?:(input_layernorm\.|self_attention\.linear_qkv\.layer_nor
                    r"|(pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_))(weight|bias)")
 
 
-def _layer_role(rel: str, keys: dict[str, str], gated: bool, mla: bool = False) -> Role | None:
+# One head's q/k rows (families.py `_rotary_rows`, LANGUAGE.md 3): Megatron's rotary rotates
+# halves as HF does (re rows, then im rows), or, with `rotary_interleaved`, adjacent pairs as Meta.
+ROTARY_HEAD = {False: "(re: D/2 | im: D/2)", True: "(D/2, (re: 1 | im: 1))"}
+
+
+def _layer_role(rel: str, keys: dict[str, str], gated: bool, mla: bool = False,
+                interleaved: bool = False) -> Role | None:
     """The role of `decoder.layers.N.<rel>` (experts' local index written `{e}`); None if unknown.
 
     `mla`: the layer's attention is multi-latent (`_mla_role`), not grouped-query.
+    `interleaved`: the config's `rotary_interleaved` (q/k rows in Meta's order, `ROTARY_HEAD`).
     """
     pre = "model.layers.{l}."
     m = _NORM.fullmatch(rel)
@@ -264,7 +273,8 @@ def _layer_role(rel: str, keys: dict[str, str], gated: bool, mla: bool = False) 
     m = re.fullmatch(r"self_attention\.linear_qkv\.(weight|bias)", rel)
     if m:
         w = m.group(1)
-        qkv = (f"(KV, (q: QG*D as {pre}{keys['q']}.{w} | k: D as {pre}{keys['k']}.{w} "
+        head = ROTARY_HEAD[interleaved]
+        qkv = (f"(KV, (q: (QG, {head}) as {pre}{keys['q']}.{w} | k: {head} as {pre}{keys['k']}.{w} "
                f"| v: D as {pre}{keys['v']}.{w}))")
         return Role((qkv, "H") if w == "weight" else (qkv,), None, 0)
     if rel == "self_attention.linear_proj.weight":
@@ -453,8 +463,8 @@ def _check_attributes(name: str, p, role: Role, tp: int, etp: int, ep: int) -> i
     return dim
 
 
-def _role_or_error(name: str, rel: str, keys, gated: bool, mla: bool) -> Role:
-    role = _layer_role(rel, keys, gated, mla)
+def _role_or_error(name: str, rel: str, keys, gated: bool, mla: bool, interleaved: bool = False) -> Role:
+    role = _layer_role(rel, keys, gated, mla, interleaved)
     if role is not None:
         return role
     for pattern, what, help_ in _UNSUPPORTED:
@@ -564,7 +574,8 @@ def _layer_templates(model, t: _Trainer, weights: dict, keys: dict[str, str]) ->
         for rel, held in layers[local].items():
             pname = held[0][0]
             role = _role_or_error(pname, rel, keys, bool(config.gated_linear_unit),
-                                  bool(getattr(config, "multi_latent_attention", False)))
+                                  bool(getattr(config, "multi_latent_attention", False)),
+                                  bool(getattr(config, "rotary_interleaved", False)))
             if role.expert:
                 ids = sorted(e for _, _, e in held)
                 if E % t.ep or ids != list(range(E // t.ep)):

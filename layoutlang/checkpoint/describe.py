@@ -30,6 +30,12 @@ Rules (docs/checkpoints.md has the tables):
 - a key the language cannot hold is SKIPPED, with the reason, in the text (a
   comment) and in `Checkpoint.skipped`: integer and bool tensors, F64, C64, the
   FNUZ fp8s, lone F8_E8M0 / F4 / F6 tensors, tensors with a 0 extent.
+- rotary rows: with the model's config (a `config.json` beside the files, or
+  `config=`) of a family `layoutc new` knows, `model.layers.N.self_attn.q_proj` /
+  `k_proj` weights and biases write their rows as every convention does,
+  `(heads, (re: D/2 | im: D/2))` (each head's rotate_half halves: HF's storage
+  order, named so that a Meta-order source pairs with it, LANGUAGE.md 3); without
+  a config they stay plain, and pair only with layouts that write them plain.
 - a key that is not a layout name (segments of letters, digits and `_` joined by
   dots) is renamed: every other character becomes `_` (an empty segment `_`),
   with `_2`, `_3`... against clashes; `Stored.data.key` keeps the checkpoint's.
@@ -76,6 +82,7 @@ class Stored:
     shape: tuple[int, ...]
     data: Entry
     scales: tuple[Entry, ...] = ()
+    rows: tuple[int, int] | None = None  # dim 0 is (heads, (re: half | im: half)): (heads, half)
 
     @property
     def entries(self) -> tuple[Entry, ...]:
@@ -109,6 +116,7 @@ class Checkpoint:
     # `tensors` is empty (rank r's tensors are file r's, by NAME)
     per_rank: bool = False
     args: tuple[tuple[str, int], ...] = ()
+    rotary: str | None = None  # where the rotary rows came from (a config.json), None: none written
 
     @cached_property
     def layout(self):
@@ -118,12 +126,18 @@ class Checkpoint:
             return loads(self.text, f"<checkpoint {self.path}>", dict(self.args) or None)
         from .layouts import plain_layout  # the IR `loads(self.text)` gives, without parsing
 
-        return plain_layout(self.text, f"<checkpoint {self.path}>", ("checkpoint", (("one", 1),)), self.shapes)
+        return plain_layout(self.text, f"<checkpoint {self.path}>", ("checkpoint", (("one", 1),)), self.shapes,
+                            rows=self.rows)
 
     @cached_property
     def shapes(self) -> Mapping[str, tuple[str, tuple[int, ...]]]:
         """(layout dtype, logical shape) of each tensor by NAME."""
         return {t.name: (t.dtype, t.shape) for t in self.tensors}
+
+    @cached_property
+    def rows(self) -> Mapping[str, tuple[int, int]]:
+        """(heads, half) of each tensor whose dim 0 is rotary rows, by NAME."""
+        return {t.name: t.rows for t in self.tensors if t.rows is not None}
 
     @cached_property
     def by_name(self) -> Mapping[str, Stored]:
@@ -207,7 +221,55 @@ def _pairs(entries: Mapping[str, Entry]) -> tuple[dict[str, tuple[str, tuple[int
     return paired, skipped
 
 
-def _describe(files: CheckpointFiles) -> tuple[tuple[Stored, ...], tuple[Skipped, ...]]:
+def _config(path: str, config) -> tuple[Mapping | None, str | None]:
+    """(the config dict, where it came from): `config` (a dict or a path), else `config.json`
+    beside the checkpoint's files, else (None, None). A file that is not JSON is a CheckpointError."""
+    if isinstance(config, Mapping):
+        return config, "config="
+    if config is None:
+        folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        config = os.path.join(folder, "config.json")
+        if not os.path.isfile(config):
+            return None, None
+    from .headers import CheckpointError
+
+    try:
+        with open(config, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{os.fspath(config)}: not a readable JSON config: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{os.fspath(config)}: a config is a JSON object")
+    return data, os.path.basename(os.fspath(config))
+
+
+def _rotary(config: Mapping | None, source: str | None) -> tuple[dict[str, tuple[int, int]], str | None]:
+    """{"q": (Q, D), "k": (KV, D)} from the config (families.rotary_heads), or {} with the reason
+    none is written (None when there is no config)."""
+    if config is None:
+        return {}, None
+    from ..bridges.families import ConfigError, model_from_config, rotary_heads
+
+    try:
+        heads = rotary_heads(model_from_config(config, source=source or "config"))
+    except ConfigError as e:
+        return {}, f"q/k rows plain: {e.message}"
+    return heads, (f"q/k rows as rotary halves, from {source}" if heads else "q/k rows plain: no rotary halves "
+                   f"for {config.get('model_type')}'s attention")
+
+
+def _rows(key: str, shape: tuple[int, ...], heads: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:
+    from ..bridges.families import ROTARY_KEY
+
+    m = ROTARY_KEY.fullmatch(key) if heads else None
+    if m is None or not shape:
+        return None
+    n, d = heads[m.group(1)]
+    return (n, d // 2) if shape[0] == n * d else None
+
+
+def _describe(files: CheckpointFiles, heads: Mapping[str, tuple[int, int]] | None = None
+              ) -> tuple[tuple[Stored, ...], tuple[Skipped, ...]]:
     entries = {e.key: e for e in files.entries}
     paired, skipped = _pairs(entries)
     consumed = {s.key for _, _, scales in paired.values() for s in scales}
@@ -232,7 +294,7 @@ def _describe(files: CheckpointFiles) -> tuple[tuple[Stored, ...], tuple[Skipped
             continue
         name = _spell(want, taken, entries)
         taken.add(name)
-        stored.append(Stored(name, dtype, shape, e, scales))
+        stored.append(Stored(name, dtype, shape, e, scales, _rows(key, shape, heads or {})))
     return tuple(stored), tuple(left_out)
 
 
@@ -245,7 +307,16 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def _text(files: CheckpointFiles, stored: tuple[Stored, ...], skipped: tuple[Skipped, ...]) -> str:
+def _dims(t: Stored) -> str:
+    dims = [str(d) for d in t.shape]
+    if t.rows is not None:
+        n, half = t.rows
+        dims[0] = f"({n}, (re: {half} | im: {half}))"
+    return ", ".join(dims)
+
+
+def _text(files: CheckpointFiles, stored: tuple[Stored, ...], skipped: tuple[Skipped, ...],
+          rotary: str | None = None) -> str:
     default = _default_dtype(stored)
     where = f" (index {files.index})" if files.index else ""
     lines = [f"# The checkpoint {_q(os.path.basename(os.path.abspath(files.path)))}, described from its "
@@ -254,6 +325,7 @@ def _text(files: CheckpointFiles, stored: tuple[Stored, ...], skipped: tuple[Ski
              f"{_n(len(skipped), 'key')} skipped):",
              "# one rank holds every key whole; NAME = KEY = the checkpoint's key. A `# file` line",
              "# says which file the tensors after it live in.",
+             *([f"# {rotary}"] if rotary else []),
              "layout checkpoint", "", f"mesh {MESH}"]
     if default != "bf16":
         lines.append(f"default dtype {default}")
@@ -278,12 +350,15 @@ def _text(files: CheckpointFiles, stored: tuple[Stored, ...], skipped: tuple[Ski
             if item.name not in (item.data.key, item.data.key.removesuffix("_blocks")):
                 lines.append(f"# renamed from {_q(item.data.key)} (not a layout name)")
             dtype = "" if item.dtype == default else f" {item.dtype}"
-            lines.append(f"tensor {item.name} [{', '.join(str(d) for d in item.shape)}]{dtype}")
+            lines.append(f"tensor {item.name} [{_dims(item)}]{dtype}")
     return "\n".join(lines) + "\n"
 
 
-def describe(path: str | os.PathLike) -> Checkpoint:
-    """The checkpoint at `path` (a directory of safetensors files, or one file), from its headers only."""
+def describe(path: str | os.PathLike, config=None) -> Checkpoint:
+    """The checkpoint at `path` (a directory of safetensors files, or one file), from its headers only.
+
+    `config`: the model's HF config (a dict or a config.json path); default: `config.json`
+    beside the files, if there is one. It only gives q/k rows their rotary halves."""
     files = read_checkpoint(path)
     from .ranked import is_ranked, ranked_source
 
@@ -294,14 +369,15 @@ def describe(path: str | os.PathLike) -> Checkpoint:
                 + (f", with {', '.join(f'{k}={v}' for k, v in layout.args)}" if layout.args else "") + ":\n")
         return Checkpoint(files.path, files.files, None, (), (), files.ignored, head + layout.source_text,
                           per_rank=True, args=tuple(layout.args))
-    stored, skipped = _describe(files)
+    heads, rotary = _rotary(*_config(files.path, config))
+    stored, skipped = _describe(files, heads)
     return Checkpoint(files.path, files.files, files.index, stored, skipped, files.ignored,
-                      _text(files, stored, skipped))
+                      _text(files, stored, skipped, rotary), rotary=rotary)
 
 
-def describe_layout(path: str | os.PathLike):
-    """`describe(path).layout`: the checkpoint's loaded Layout (what `compile_plan` takes as a side)."""
-    return describe(path).layout
+def describe_layout(path: str | os.PathLike, config=None):
+    """`describe(path, config).layout`: the checkpoint's loaded Layout (what `compile_plan` takes as a side)."""
+    return describe(path, config).layout
 
 
 __all__ = ["Checkpoint", "Stored", "Skipped", "describe", "describe_layout"]

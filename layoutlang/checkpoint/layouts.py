@@ -14,15 +14,16 @@ from __future__ import annotations
 from ..diagnostics import Source, Span
 from ..elaborate.sources import digest_of
 from ..ir import Axis, DimIR, Layout, Mesh, TensorIR
-from ..modes import PlainM
+from ..modes import ConcatM, PartM, PlainM, ProductM
 
 
 def plain_layout(text: str, path: str, mesh: tuple[str, tuple[tuple[str, int], ...]],
                  tensors: dict[str, tuple[str, tuple[int, ...]]], at: dict[str, int] | None = None,
-                 name: str | None = "checkpoint") -> Layout:
+                 name: str | None = "checkpoint", rows: dict[str, tuple[int, int]] | None = None) -> Layout:
     """The Layout of `text`, given its mesh (name, ((axis, size), ...)), each tensor's (dtype,
     logical shape) by NAME and, for `at AXIS=C` statements, C on the mesh's first axis by NAME.
-    `text` is what those statements print (describe.py `_text`): one `tensor NAME ...` line each."""
+    `text` is what those statements print (describe.py `_text`): one `tensor NAME ...` line each;
+    `rows`: (heads, half) of the tensors whose dim 0 is rotary rows, `(heads, (re: half | im: half))`."""
     source = Source(path, text)
     lines = text.split("\n")
     mesh_line = next(i for i, line in enumerate(lines, 1) if line.startswith("mesh "))
@@ -41,6 +42,10 @@ def plain_layout(text: str, path: str, mesh: tuple[str, tuple[tuple[str, int], .
         fixed = fixed_pool.setdefault(fixed, fixed)
         shape = tuple(shape)
         tdims = tuple(dims.setdefault(e, DimIR(PlainM(e), None, None)) for e in shape)
+        if rows and tname in rows:
+            n, half = rows[tname]
+            halves = DimIR(ProductM(n, ConcatM((PartM("re", PlainM(half)), PartM("im", PlainM(half))))), None, None)
+            tdims = (dims.setdefault(("rotary", n, half), halves), *tdims[1:])
         out.append(TensorIR(tname, tname, dtype, m, tdims, fixed, shape, shape, Span(source, i, 1, i, len(line) + 1)))
     return Layout(path, name, (m,), tuple(out), (), digest_of([source], []), (source,))
 

@@ -73,7 +73,7 @@ def reader_layout(ckpt: Checkpoint, readers: int, *, exchange: bool = False):
 
     return plain_layout(reader_text(ckpt, readers, exchange=exchange), f"<checkpoint {ckpt.path}>",
                         ("checkpoint", (("reader", readers),)), ckpt.shapes,
-                        _deal(ckpt, readers) if exchange else None)
+                        _deal(ckpt, readers) if exchange else None, rows=ckpt.rows)
 
 
 def _rank_of(rank: int | None, group, ranks: int) -> int:

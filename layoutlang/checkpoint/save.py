@@ -179,7 +179,7 @@ def file_plan(src: Layout, ckpt, path: str):
     from .layouts import plain_layout
 
     dst = plain_layout(file_layout_text(src, ckpt.text), path, ("checkpoint", (("slot", src.ranks + 1),)),
-                       ckpt.shapes, {name: src.ranks for name in ckpt.shapes})
+                       ckpt.shapes, {name: src.ranks for name in ckpt.shapes}, rows=ckpt.rows)
     return compile_plan(src, dst)
 
 
@@ -212,7 +212,8 @@ class SaveReport:
 def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = None, group=None,
          args: dict[str, int] | None = None, max_shard_size: int | str = "5GB", dtype: str | None = None,
          metadata: dict[str, str] | None = None, overwrite: bool = False, per_rank: bool = False, durable: bool = False,
-         exchange: bool | None = None, timeout: timedelta | float = timedelta(seconds=300)) -> SaveReport:
+         exchange: bool | None = None, timeout: timedelta | float = timedelta(seconds=300),
+         config=None) -> SaveReport:
     """Write every key of `layout` from each rank's `tensors` ({NAME: tensor} as a Refitter's
     sources) into an HF checkpoint at `path` (a directory), in place of nobody's gather.
 
@@ -230,7 +231,10 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     `exchange` (with a group): None, each plain key that some rank would write as many short
     runs (a column-parallel key: a run per row) is written by rows, each rank a block of them
     that the others send their pieces of (exchange.py); True, every plain key so; False, every
-    piece in place.
+    piece in place. `config`: the model's HF config (a dict or a config.json path; default: the
+    target's `config.json`, if it has one) — the files then store q/k rows as the conventions
+    describe them, rotary halves and all (describe.py); without one they are plain rows, and a
+    layout that writes the halves (every `layoutc new` convention) does not plan against them.
     """
     from ..compiler.plan import _as_layout
     from .describe import describe
@@ -276,7 +280,7 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         if per_rank:
             written = write_rank(os.path.join(partial, names[me]), src, me, tensors)
         else:
-            ckpt = describe(partial)
+            ckpt = describe(partial, config if config is not None else _target_config(target))
             plan = file_plan(src, ckpt, f"<checkpoint {target}>")
             exchanged = _exchanged(plan, ckpt, src.ranks, exchange) if group is not None else []
             written = write_pieces(plan, me, ckpt, tensors, group, skip=set(exchanged))
@@ -298,6 +302,11 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     if group is not None:
         _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
     return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written, tuple(exchanged))
+
+
+def _target_config(target: str) -> str | None:
+    path = os.path.join(target, "config.json")
+    return path if os.path.isfile(path) else None
 
 
 def _exchanged(plan, ckpt, writers: int, exchange: bool | None) -> list[str]:
