@@ -15,7 +15,10 @@ index in the key), refit with `verify` (checksums of every transfer) and
 check every destination element (padding zero, MXFP8 quantized in place).
 The bytes the workers receive plus copy locally must equal the plan's bytes.
 
-Start-up costs about 1.3 s per process, so worlds stay at 8-12 ranks.
+Start-up costs about 1.3 s per process, so worlds stay at 8-12 ranks, and the
+cases of one world size share one launch (tests/shared_launch.py: the same
+workers run each case's job in turn, exactly as a launch of it alone would; a
+case the shared launch does not reach, after another case failed, runs alone).
 """
 
 from pathlib import Path
@@ -24,7 +27,7 @@ import pytest
 
 from layoutlang.compiler import compile_plan
 from layoutlang.compiler.graph import buckets
-from layoutlang.runtime.launch import launch
+from shared_launch import SharedLaunches, selected_params
 
 SMALL = Path(__file__).parent.parent / "examples" / "small"
 
@@ -52,12 +55,32 @@ def _paths(src: str, dst: str) -> tuple[str, str]:
     return str(SMALL / f"{src}.layout"), str(SMALL / f"{dst}.layout")
 
 
-def _refit(src: str, dst: str, args: dict, nproc: int, budget: int | None = None):
+def _job(src: str, dst: str, args: dict, budget: int | None = None) -> dict:
+    src, dst = _paths(src, dst)
+    return {"src": src, "dst": dst, "args": args, "verify": True, "budget": budget}
+
+
+BUCKETS = ("llama-train-to-llama-infer-at8-budget-16k", _job("llama_train", "llama_infer", {"AT": 8}, 16 * 1024), 12)
+CASES = [(f[0], _job(*f[1:4]), f[4]) for f in FAMILIES] + [BUCKETS]
+
+
+@pytest.fixture(scope="module")
+def launches(request) -> SharedLaunches:
+    """One launch per world size for the cases this session selected."""
+    selected = selected_params(request, "test_family_refits_and_checks_every_element") | {BUCKETS[0]}
+    batches: dict[str, tuple[int, list]] = {}
+    for name, job, nproc in CASES:
+        batches.setdefault(str(nproc), (nproc, []))[1].append((name, job))
+    return SharedLaunches(batches, selected, timeout_per_case=60, alone_timeout=150)
+
+
+def _refit(launches: SharedLaunches, name: str, src: str, dst: str, args: dict, budget: int | None = None):
     plan = compile_plan(src, dst, args=args)
-    assert plan.world <= nproc
-    results = launch({"src": src, "dst": dst, "args": args, "verify": True, "budget": budget}, nproc, timeout=150)
+    results = launches.results_for(name)
+    assert plan.world <= len(results)
     for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')}"
+        assert r.ok, (f"rank {r.rank} ({launches.where[name]}): {r.error} "
+                      f"{r.result and r.result.get('check_errors')}")
     received = sum(r.result["received_bytes"] for r in results)
     local = sum(r.result["local_bytes"] for r in results)
     sent = sum(r.result["sent_bytes"] for r in results)
@@ -76,16 +99,16 @@ def _assert_disjoint(plan, results):
     assert all(r.result["sent_bytes"] == 0 for r in results if r.rank >= plan.src.ranks)
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("src,dst,args,nproc", [f[1:] for f in FAMILIES], ids=[f[0] for f in FAMILIES])
-def test_family_refits_and_checks_every_element(src, dst, args, nproc):
-    plan, results = _refit(*_paths(src, dst), args, nproc)
+@pytest.mark.timeout(600)  # the first case of a world size waits for its whole shared launch
+@pytest.mark.parametrize("name,src,dst,args", [f[:4] for f in FAMILIES], ids=[f[0] for f in FAMILIES])
+def test_family_refits_and_checks_every_element(launches, name, src, dst, args):
+    plan, results = _refit(launches, name, *_paths(src, dst), args)
     if dst == "llama_infer_tp4":  # on ranks 8-11, apart from the trainer
         _assert_disjoint(plan, results)
 
 
-@pytest.mark.timeout(200)
-def test_family_refits_non_collocated_in_several_buckets():
+@pytest.mark.timeout(600)
+def test_family_refits_non_collocated_in_several_buckets(launches):
     """The collocated Llama engine moved to ranks 8-11 (`AT=8`), staged under a 16 KiB budget.
 
     One run covers both variants: each costs a full process start-up.
@@ -93,7 +116,8 @@ def test_family_refits_non_collocated_in_several_buckets():
     src, dst = _paths("llama_train", "llama_infer")
     budget = 16 * 1024
     assert len(buckets(compile_plan(src, dst, args={"AT": 8}), budget)) > 1
-    plan, results = _refit(src, dst, {"AT": 8}, 12, budget=budget)
+    assert BUCKETS[1]["budget"] == budget
+    plan, results = _refit(launches, BUCKETS[0], src, dst, {"AT": 8}, budget=budget)
     _assert_disjoint(plan, results)
     for r in results:  # staging stays under the budget plus the largest tensor
         assert r.result["staging_peak"] <= budget + r.result["largest_tensor_bytes"]
