@@ -3,7 +3,9 @@
 Each test launches local workers (`layoutlang.runtime.launch`): every worker
 compiles the same plan, fills its source tensors from logical coordinates,
 refits, and checks every destination element (padding zero, quantized
-tensors equal to quantizing the reference, storage updated in place).
+tensors equal to quantizing the reference, storage updated in place). The
+fault-free 8-rank cases share one launch (`shared`, tests/shared_launch.py):
+the same workers run each case's job in turn, as a launch of it alone would.
 """
 
 import subprocess
@@ -17,6 +19,7 @@ from layoutlang.ir import QUANTIZED
 from layoutlang.modes import Run
 from layoutlang.compiler import compile_plan
 from layoutlang.runtime.launch import launch
+from shared_launch import SharedLaunches
 from wire_rule import op_wire, slice_elements
 
 
@@ -51,6 +54,44 @@ def pair(tmp_path):
     return str(tmp_path / "train.layout"), str(tmp_path / "infer.layout")
 
 
+IDLE_SRC = ("mesh s (dp=2, tp=2)\ntensor w [64 over tp, 32] fp8_e4m3\ntensor b [64, 64 over tp] mxfp8\n"
+            "tensor n [8] fp32")
+IDLE_DST = "mesh d (tp=2) at 5\ntensor w [64, 32 over tp]\ntensor b [64 over tp, 64] bf16\ntensor n [8] bf16"
+
+# test item -> the shared cases it reads
+SHARED_ITEMS = {
+    "test_collocated_quantized_padded_gtp_with_buckets_and_verify": ("collocated",),
+    "test_non_collocated_with_idle_ranks_and_quantized_source": ("idle",),
+    "test_strided_views_of_bigger_buffers_are_written_in_place_and_nothing_else": ("strided",),
+    "test_overlapped_buckets_are_exact_and_within_the_budget[buckets]": ("overlap-buckets",),
+    "test_overlapped_buckets_are_exact_and_within_the_budget[one-bucket]": ("overlap-one-bucket",),
+    "test_kept_staging_is_reused_exactly_and_stays_within_the_budget[sequential]": ("kept-False", "fresh-False"),
+    "test_kept_staging_is_reused_exactly_and_stays_within_the_budget[overlap]": ("kept-True", "fresh-True"),
+}
+
+
+@pytest.fixture(scope="module")
+def shared(request, tmp_path_factory) -> SharedLaunches:
+    """The fault-free 8-rank cases in one launch (those this session selected)."""
+    d = tmp_path_factory.mktemp("shared")
+    for name, text in (("train", TRAIN), ("infer", INFER), ("idle_src", IDLE_SRC), ("idle_dst", IDLE_DST)):
+        (d / f"{name}.layout").write_text(text)
+    pair = {"src": str(d / "train.layout"), "dst": str(d / "infer.layout")}
+    cases = [("collocated", {**pair, "verify": True, "budget": 1024, "steps": 3}),
+             ("idle", {"src": str(d / "idle_src.layout"), "dst": str(d / "idle_dst.layout"), "verify": True}),
+             ("strided", {**pair, "verify": True, "budget": 1024, "strided": True}),
+             ("overlap-buckets", {**pair, "budget": 1024, "steps": 3, "overlap": True}),
+             ("overlap-one-bucket", {**pair, "budget": None, "steps": 3, "overlap": True})]
+    for overlap in (False, True):
+        cases += [(f"kept-{overlap}", {**pair, "budget": 1024, "steps": 3, "overlap": overlap}),
+                  (f"fresh-{overlap}", {**pair, "budget": 1024, "steps": 3, "overlap": overlap,
+                                        "keep_staging": False})]
+    selected = {c for item in request.session.items for c in SHARED_ITEMS.get(item.name, ())}
+    shared = SharedLaunches({"8": (8, cases)}, selected, timeout_per_case=60, alone_timeout=150)
+    shared.pair = (pair["src"], pair["dst"])
+    return shared
+
+
 def _assert_all_ok(results):
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')}"
@@ -71,11 +112,11 @@ def _destination_bytes(src: str, dst: str, wire: str = "auto") -> int:
     return sum(n for _, n in rule)
 
 
-@pytest.mark.timeout(180)
-def test_collocated_quantized_padded_gtp_with_buckets_and_verify(pair):
-    src, dst = pair
+@pytest.mark.timeout(600)  # the first shared case waits for the whole shared launch
+def test_collocated_quantized_padded_gtp_with_buckets_and_verify(shared):
+    src, dst = shared.pair
     budget = 1024  # several buckets, also with the quantized wire (4096: one)
-    results = launch({"src": src, "dst": dst, "verify": True, "budget": budget, "steps": 3}, 8, timeout=150)
+    results = shared.results_for("collocated")
     _assert_all_ok(results)
     received = sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results)
     assert received == _destination_bytes(src, dst)  # every destination element arrived exactly once per step
@@ -83,15 +124,9 @@ def test_collocated_quantized_padded_gtp_with_buckets_and_verify(pair):
         assert r.result["staging_peak"] <= budget + r.result["largest_tensor_bytes"]
 
 
-@pytest.mark.timeout(180)
-def test_non_collocated_with_idle_ranks_and_quantized_source(tmp_path):
-    (tmp_path / "src.layout").write_text(
-        "mesh s (dp=2, tp=2)\ntensor w [64 over tp, 32] fp8_e4m3\ntensor b [64, 64 over tp] mxfp8\n"
-        "tensor n [8] fp32")
-    (tmp_path / "dst.layout").write_text(
-        "mesh d (tp=2) at 5\ntensor w [64, 32 over tp]\ntensor b [64 over tp, 64] bf16\ntensor n [8] bf16")
-    results = launch({"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"),
-                      "verify": True}, 8, timeout=150)  # ranks 4 and 7 hold nothing
+@pytest.mark.timeout(600)  # the first shared case waits for the whole shared launch
+def test_non_collocated_with_idle_ranks_and_quantized_source(shared):
+    results = shared.results_for("idle")  # IDLE_SRC -> IDLE_DST on 8 ranks: ranks 4 and 7 hold nothing
     _assert_all_ok(results)
     for idle in (4, 7):
         res = results[idle].result
@@ -99,14 +134,13 @@ def test_non_collocated_with_idle_ranks_and_quantized_source(tmp_path):
     assert sum(r.result["checked_tensors"] for r in results) == 6  # w, b, n on ranks 5 and 6
 
 
-@pytest.mark.timeout(180)
-def test_strided_views_of_bigger_buffers_are_written_in_place_and_nothing_else(pair):
+@pytest.mark.timeout(600)  # the first shared case waits for the whole shared launch
+def test_strided_views_of_bigger_buffers_are_written_in_place_and_nothing_else(shared):
     """Engines hand out slices of fused buffers: every tensor here is a non-contiguous view
     (every other element of a bigger buffer, quantized data and scales included); the
     elements between must keep their guard values, staging stays within budget + largest."""
-    src, dst = pair
     budget = 1024  # several buckets, also with the quantized wire (4096: one)
-    results = launch({"src": src, "dst": dst, "verify": True, "budget": budget, "strided": True}, 8, timeout=150)
+    results = shared.results_for("strided")
     _assert_all_ok(results)
     assert sum(r.result["checked_tensors"] for r in results) == 2 * 8  # emb, norm, 2 x 3 per layer on 2 ranks
     for r in results:
@@ -133,13 +167,13 @@ def test_verify_catches_corruption_on_the_wire(pair):
         assert "from rank 0" in r.result["error"]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # the first shared case waits for the whole shared launch
 @pytest.mark.parametrize("budget", [1024, None], ids=["buckets", "one-bucket"])
-def test_overlapped_buckets_are_exact_and_within_the_budget(pair, budget):
+def test_overlapped_buckets_are_exact_and_within_the_budget(shared, budget):
     """overlap=True: a bucket's land/quantize/unpack steps run while the next bucket's transfers
     fly; buckets are cut at half the budget so that two live at once stay within it."""
-    src, dst = pair
-    results = launch({"src": src, "dst": dst, "budget": budget, "steps": 3, "overlap": True}, 8, timeout=150)
+    src, dst = shared.pair
+    results = shared.results_for("overlap-buckets" if budget else "overlap-one-bucket")
     _assert_all_ok(results)
     received = sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results)
     assert received == _destination_bytes(src, dst)  # every element once per step (of 3)
@@ -148,17 +182,14 @@ def test_overlapped_buckets_are_exact_and_within_the_budget(pair, budget):
             assert r.result["staging_peak"] <= budget + r.result["largest_tensor_bytes"]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # the first shared case waits for the whole shared launch
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
-def test_kept_staging_is_reused_exactly_and_stays_within_the_budget(pair, overlap):
+def test_kept_staging_is_reused_exactly_and_stays_within_the_budget(shared, overlap):
     """On CPU the Refitter carves staging from arenas kept between steps (runtime/staging.py):
     three steps are exact, and what is kept is bounded like the staging itself; with
     keep_staging=False nothing is kept."""
-    src, dst = pair
     budget = 1024
-    kept = launch({"src": src, "dst": dst, "budget": budget, "steps": 3, "overlap": overlap}, 8, timeout=150)
-    fresh = launch({"src": src, "dst": dst, "budget": budget, "steps": 3, "overlap": overlap,
-                    "keep_staging": False}, 8, timeout=150)
+    kept, fresh = shared.results_for(f"kept-{overlap}"), shared.results_for(f"fresh-{overlap}")
     _assert_all_ok(kept)
     _assert_all_ok(fresh)
     assert any(r.result["staging_held"] > 0 for r in kept)  # this pair stages on some ranks
