@@ -27,6 +27,7 @@ import pytest
 
 from layoutlang.compiler import compile_plan
 from layoutlang.compiler.graph import buckets
+from layoutlang.runtime.launch import launch
 from shared_launch import SharedLaunches, selected_params
 
 SMALL = Path(__file__).parent.parent / "examples" / "small"
@@ -76,11 +77,21 @@ def launches(request) -> SharedLaunches:
 
 def _refit(launches: SharedLaunches, name: str, src: str, dst: str, args: dict, budget: int | None = None):
     plan = compile_plan(src, dst, args=args)
-    results = launches.results_for(name)
+    return plan, _checked(plan, launches.results_for(name), launches.where[name])
+
+
+def refit_alone(src: str, dst: str, args: dict, nproc: int):
+    """One refit in a launch of its own (other test files' pairs), checked as `_refit` checks."""
+    plan = compile_plan(src, dst, args=args)
+    results = launch({"src": src, "dst": dst, "args": args, "verify": True}, nproc, timeout=150)
+    return plan, _checked(plan, results, f"a launch of its own ({nproc} ranks)")
+
+
+def _checked(plan, results, where: str):
+    """Every rank ok, the bytes the plan says, every destination tensor of every rank checked."""
     assert plan.world <= len(results)
     for r in results:
-        assert r.ok, (f"rank {r.rank} ({launches.where[name]}): {r.error} "
-                      f"{r.result and r.result.get('check_errors')}")
+        assert r.ok, f"rank {r.rank} ({where}): {r.error} {r.result and r.result.get('check_errors')}"
     received = sum(r.result["received_bytes"] for r in results)
     local = sum(r.result["local_bytes"] for r in results)
     sent = sum(r.result["sent_bytes"] for r in results)
@@ -89,7 +100,7 @@ def _refit(launches: SharedLaunches, name: str, src: str, dst: str, args: dict, 
     for r in results:  # every destination tensor of the rank was checked
         held = sum(1 for t in plan.dst.tensors if r.rank < plan.dst.ranks and t.holds(r.rank))
         assert r.result["checked_tensors"] == held
-    return plan, results
+    return results
 
 
 def _assert_disjoint(plan, results):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from plan_simulator import RunsView, check_plan_views, check_stats, simulate
-from test_runtime_families import _refit
+from test_runtime_families import refit_alone
 
 from layoutlang import compile_plan, load
 
@@ -213,7 +213,7 @@ REFITS = [
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("src,dst,args,nproc", [r[1:] for r in REFITS], ids=[r[0] for r in REFITS])
 def test_refits_on_gloo_and_checks_every_element(src, dst, args, nproc):
-    plan, _ = _refit(_small(src), _small(dst), args, nproc)
+    plan, _ = refit_alone(_small(src), _small(dst), args, nproc)
     assert plan.world == nproc
 
 
