@@ -98,6 +98,16 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return (flat * weights).sum().reshape(1)
 
 
+def _group_rank(global_rank: int, group) -> int | None:
+    """A message's peer (a global rank, as P2POp holds it) as a rank of the plan (its group's)."""
+    if group is None:
+        return global_rank
+    try:
+        return dist.get_group_rank(group, global_rank)
+    except Exception:  # noqa: BLE001 - unknown: the error names no peer
+        return None
+
+
 def _first_line(exc: BaseException) -> str:
     """The useful part of a torch/gloo error: its first line, without source paths and advice."""
     text = str(exc).strip()
@@ -632,15 +642,24 @@ class Refitter:
         passes the process-group calls they resolved to once (`replay.resolved_posts`)."""
         if not p2p:
             return []
+        posting = None  # the message being posted one at a time when a post fails: its peer is named
         try:
             if calls is not None:
                 return [call(tensors, peer, tag) for call, tensors, peer, tag in calls]
             if self._coalesces(p2p[0].tensor.device):
                 return dist.batch_isend_irecv(p2p)
-            return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p]
+            works = []
+            for posting in p2p:
+                works.append(posting.op(posting.tensor, posting.peer, posting.group, posting.tag))
+            return works
         except Exception as exc:  # noqa: BLE001
-            raise RefitError.at(self.rank, self._step, self._phase, f"posting {len(p2p)} {what} failed: "
-                                f"{_first_line(exc)}", reusable=False) from exc
+            # a peer that died closes its connections: a post to it fails before any wait does, and
+            # the reason to report is the one a rank that failed first gave, else that peer
+            peer = None if posting is None else _group_rank(posting.peer, posting.group)
+            raise self._root_cause() or RefitError.at(
+                self.rank, self._step, self._phase, f"posting {len(p2p)} {what} failed"
+                + ("" if peer is None else f" at the one with peer rank {peer}") + f": {_first_line(exc)}",
+                peers=() if peer is None else (peer,), reusable=False) from exc
 
     def _coalesces(self, device: torch.device) -> bool:
         """Does the group's backend for `device` group point-to-point messages (NCCL does)?"""
