@@ -319,3 +319,13 @@ def test_a_save_exchanges_the_keys_whose_pieces_are_short_runs_and_splits_their_
     assert rounds(ckpt, ["wide", "narrow"], 4, 10000) == [["wide"], ["narrow"]]
     assert rounds(ckpt, ["wide", "narrow"], 4, 12288) == [["wide", "narrow"]]
     assert rounds(ckpt, ["wide", "narrow"], 4, 1) == [["wide"], ["narrow"]]
+    # the writers' layout is what its text elaborates to (built from one statement per shape)
+    from layoutlang.checkpoint.exchange import writer_layout
+
+    built = writer_layout(ckpt, ["wide", "odd", "narrow"], 4, "<writers>")
+    text = ("layout writers\nmesh checkpoint (writer=4)\ntensor wide [64 over writer ragged, 256] bf16\n"
+            "tensor odd [5 over writer ragged, 256] bf16\ntensor narrow [32 over writer ragged, 256] bf16\n")
+    parsed = loads(text, "<writers>")
+    assert built.digest == parsed.digest
+    strip = lambda ir: (ir[0], [t[:-1] for t in ir[1]])  # noqa: E731 - spans: the prototypes' lines
+    assert strip(_ir(built)) == strip(_ir(parsed))

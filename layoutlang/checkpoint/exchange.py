@@ -4,12 +4,14 @@ A column-parallel key (`[H, X over tp]`) is, in its row-major file, one short ru
 on each rank: 1-3 KiB runs, each into pages that the other ranks write too. Written in
 place (write.py), that is one system call or one write fault per row per rank, 6x the
 write floor on the issue's benchmark. Here such a key's rows are split over the writers
-instead (`[H over writer ragged, X]`, torch.chunk's rule), and a Refitter on the save's
-group moves the pieces: each writer assembles its block of rows in memory and writes it
-with one `pwrite` (a write fault per page of a shared map costs more than the links: 0.3
-GB/s against pwrite's 2). Keys go in rounds, a writer's rows of a round at most
-ROUND_BYTES, and the Refitter stages under the same budget, so no rank holds more than its
-shards and twice that.
+instead (`[H over writer ragged, X]`, torch.chunk's rule): one plan from the layout to
+the writers says who sends which piece (replicas share the sending, as in a refit), the
+pieces move over the save's group as single messages, and each writer assembles its
+block of rows of a key in memory and writes it with one `pwrite`. Keys go in rounds, a
+writer's rows of a round at most ROUND_BYTES, dealt over the files so that the writers
+write different files at once; no rank holds more than its shards and twice that (the
+receive and the rows arenas), plus the blocks it sends of one round (none when its
+source slices are contiguous rows in the checkpoint's dtype).
 
 Which keys: plain ones (a quantized key is packed by its pieces' holders, whole scale
 blocks) with some piece of more than one run shorter than RUN_BYTES, or no box at all.
@@ -18,15 +20,22 @@ The choice depends on the plan alone, so every rank makes the same one.
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+import math
+import os
+import time
+
 import torch
 
 from ..ir import QUANTIZED
 from .describe import Checkpoint
 from .files import TORCH
+from ..runtime.views import shape as view_shape
 from .write import runs
 
 RUN_BYTES = 64 * 1024        # a piece's runs shorter than this (and more than one): its key is exchanged
-ROUND_BYTES = 32 * 1024 ** 2  # what a writer assembles at once (its rows of one round's keys), and stages
+ROUND_BYTES = 32 * 1024 ** 2  # a writer's rows of one round's keys at most: what its receive arena holds
 ALIGN = 64
 
 
@@ -47,15 +56,33 @@ def short_run_keys(plan, ckpt: Checkpoint) -> list[str]:
 def writer_layout(ckpt: Checkpoint, keys: list[str], writers: int, path: str):
     """The exchanged keys as a layout of `writers` ranks: each key's rows split over them as
     torch.chunk splits (`over writer ragged`, LANGUAGE.md 8.5), so each writer's block is one
-    contiguous range of the file."""
-    from ..elaborate import loads
+    contiguous range of the file.
 
-    lines = ["layout writers", f"mesh checkpoint (writer={writers})"]
+    The layout of the text below, with one statement parsed per distinct shape and dtype (a
+    save's 30 keys have 2): every key's tensor is its shape's, renamed, and the digest is the
+    whole text's, as `loads` gives it (tests/test_checkpoint_rules.py compares the two)."""
+    import dataclasses
+
+    from ..diagnostics import Source
+    from ..elaborate import loads
+    from ..elaborate.sources import digest_of
+    from ..ir import Layout
+
+    head = ["layout writers", f"mesh checkpoint (writer={writers})"]
+    lines, kinds = [], {}
     for name in keys:
         t = ckpt.by_name[name]
-        rest = "".join(f", {d}" for d in t.shape[1:])
-        lines.append(f"tensor {name} [{t.shape[0]} over writer ragged{rest}] {t.dtype}")
-    return loads("\n".join(lines) + "\n", path)
+        dims = f"[{t.shape[0]} over writer ragged{''.join(f', {d}' for d in t.shape[1:])}] {t.dtype}"
+        lines.append(f"tensor {name} {dims}")
+        kinds.setdefault(dims, len(kinds))
+    protos = loads("\n".join(head + [f"tensor t{i} {dims}" for dims, i in kinds.items()]) + "\n", path)
+    text = "\n".join(head + lines) + "\n"
+    tensors = []
+    for name, line in zip(keys, lines):
+        proto = protos.tensors[kinds[line.split(" ", 2)[2]]]
+        tensors.append(dataclasses.replace(proto, key=name, name=name))
+    source = Source(path, text)
+    return Layout(path, protos.name, protos.meshes, tuple(tensors), (), digest_of([source], []), (source,))
 
 
 def rows_of(stored, writer: int, writers: int) -> tuple[int, int]:
@@ -83,46 +110,167 @@ def rounds(ckpt: Checkpoint, keys: list[str], writers: int, cap: int) -> list[li
     return out
 
 
+def across_files(ckpt: Checkpoint, keys: list[str]) -> list[str]:
+    """The keys dealt round-robin over their files (the first of each file, then the second...):
+    a round of consecutive keys then holds some of every file, and the writers, each starting
+    at another file, write into different files at once (a buffered write holds its file's
+    inode lock: four ranks writing one file take turns).
+
+    >>> from types import SimpleNamespace as N
+    >>> ck = N(files=(N(name="a"), N(name="b")), by_name={k: N(data=N(file=k[0])) for k in ("a1", "a2", "b1")})
+    >>> across_files(ck, ["a1", "a2", "b1"])
+    ['a1', 'b1', 'a2']
+    """
+    per_file: dict[str, list[str]] = {f.name: [] for f in ckpt.files}
+    for name in keys:
+        per_file[ckpt.by_name[name].data.file].append(name)
+    lists = [v for v in per_file.values() if v]
+    return [name for row in itertools.zip_longest(*lists) for name in row if name is not None]
+
+
 def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict, group, timeout,
-                  path: str, cap: int | None = None) -> int:
-    """Move the exchanged keys' pieces to their writers, round by round: each writer assembles
-    its rows of the round's keys in one buffer (reused: its pages fault once) and writes each
-    key's block with one `pwrite`. Returns the bytes this rank wrote."""
+                  path: str, cap: int | None = None, meanwhile=None) -> int:
+    """Move the exchanged keys' pieces to their writers, round by round: each writer receives
+    its rows' pieces into one arena, assembles its rows of each key in a second one (both
+    reused: their pages fault once) and writes them with one `pwrite` a key. One plan for
+    every round (the writers' layout of all the keys), its ops posted straight to the group:
+    a round costs its messages, not a Refitter's schedule and meetings. `meanwhile(f)` (write.py
+    `write_pieces`' step: this rank's own pieces up to the fraction f of their bytes) runs
+    while each round's messages fly. Returns the bytes this rank wrote.
+
+    The source tensors were checked by `write_pieces` (every op this rank sends, these keys'
+    too) before anything was written."""
     from ..compiler.plan import compile_plan
-    from ..runtime.refit import Refitter
-    from .write import _Pwriter
+    from ..runtime.loopback import _Rank
+    from ..runtime.refit import _as_given
+    from .write import _Writer
 
     cap = cap or ROUND_BYTES
     writers = src.ranks
-    writer = _Pwriter(ckpt)
-    block = torch.empty(0, dtype=torch.uint8)
+    plan = compile_plan(src, writer_layout(ckpt, keys, writers, path))
+    by_key: dict[str, list] = {}
+    for op in plan.ops_for_rank(me):
+        by_key.setdefault(op.dst_name, []).append(op)
+    rank = _Rank(plan, me)
+    run = _Writer(rank, [], _as_given(tensors or {}, rank.src_held), {}, torch.device("cpu"))
+    deadline = time.monotonic() + timeout.total_seconds()
+    arena = rows = torch.empty(0, dtype=torch.uint8)
+    fds: dict[str, int] = {}
     written = 0
     try:
-        for names in rounds(ckpt, keys, writers, cap):
-            plan = compile_plan(src, writer_layout(ckpt, names, writers, path))
-            mine = []
-            for name in names:
-                t = ckpt.by_name[name]
-                b, e = rows_of(t, me, writers)
+        files = {f.name: i for i, f in enumerate(ckpt.files)}
+        dealt = rounds(ckpt, across_files(ckpt, keys), writers, cap)
+        for k, names in enumerate(dealt):
+            ops = [op for name in names for op in by_key.get(name, ())]
+            need = sum(_aligned(_nbytes(op, ckpt)) for op in ops if op.dst_rank == me and op.src_rank != me)
+            if need > arena.numel():
+                arena = torch.empty(0, dtype=torch.uint8)
+                arena = torch.empty(need, dtype=torch.uint8)
+            widest = max((_row_bytes(ckpt.by_name[n], me, writers) for n in names), default=0)
+            if widest > rows.numel():
+                rows = torch.empty(0, dtype=torch.uint8)
+                rows = torch.empty(widest, dtype=torch.uint8)
+            share = None if meanwhile is None else (lambda f=(k + 1) / len(dealt): meanwhile(f))
+            pieces = _move(ops, me, ckpt, run, arena, group, deadline, timeout, share)
+            # each writer starts at its own file: writes into one file take its inode lock in turn
+            for name in sorted(names, key=lambda n: (files[ckpt.by_name[n].data.file] - me) % len(files)):
+                stored = ckpt.by_name[name]
+                b, e = rows_of(stored, me, writers)
                 if e > b:
-                    mine.append((t, b, e, (e - b) * (t.data.nbytes // t.shape[0])))
-            need = sum(-(-n // ALIGN) * ALIGN for *_, n in mine)
-            if need > block.numel():
-                block = torch.empty(0, dtype=torch.uint8)
-                block = torch.empty(need, dtype=torch.uint8)
-            bufs, at = {}, 0
-            for t, b, e, n in mine:
-                bufs[t.name] = block[at:at + n].view(TORCH[t.data.dtype]).view(e - b, *t.shape[1:])
-                at += -(-n // ALIGN) * ALIGN
-            # one step: no staging kept for a next one (keeping it faults its pages in up front)
-            Refitter(plan, group=group, timeout=timeout, budget_bytes=cap, keep_staging=False).refit(tensors, bufs)
-            for t, b, e, n in mine:
-                box = ((b, e),) + tuple((0, d) for d in t.shape[1:])
-                writer.write(t.data, box, bufs[t.name], min_bytes=0)
-                written += n
+                    fd = fds.get(stored.data.file)
+                    if fd is None:
+                        fd = fds[stored.data.file] = os.open(_path_of(ckpt, stored.data.file), os.O_WRONLY)
+                    written += _write_rows(fd, stored, b, e, pieces.get(name, []), rows)
     finally:
-        writer.close()
+        for fd in fds.values():
+            os.close(fd)
     return written
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _nbytes(op, ckpt: Checkpoint) -> int:
+    return math.prod(b - a for a, b in op.dst_slice) * TORCH[ckpt.by_name[op.dst_name].data.dtype].itemsize
+
+
+def _row_bytes(stored, writer: int, writers: int) -> int:
+    b, e = rows_of(stored, writer, writers)
+    return (e - b) * (stored.data.nbytes // max(1, stored.shape[0]))
+
+
+def _path_of(ckpt: Checkpoint, file: str) -> str:
+    return next(f.path for f in ckpt.files if f.name == file)
+
+
+def _move(ops, me: int, ckpt: Checkpoint, run, arena: torch.Tensor, group, deadline: float, timeout,
+          meanwhile=None) -> dict:
+    """One round's messages: every receive posted (into the arena), then every send; then
+    `meanwhile()` (other writing, while they fly), then all waited for under the save's one
+    deadline. Returns, per key this rank writes rows of, its pieces as (slice of the writer's
+    rows, contiguous tensor in the file's dtype)."""
+    import torch.distributed as dist
+
+    from ..runtime.errors import RefitError
+    from ..runtime.refit import _first_line
+
+    pieces: dict[str, list] = {}
+    works: list = []
+    at = 0
+    peer_of = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    for op in ops:
+        if op.dst_rank != me or op.src_rank == me:
+            continue
+        dtype = TORCH[ckpt.by_name[op.dst_name].data.dtype]
+        n = _nbytes(op, ckpt)
+        buf = arena[at:at + n].view(dtype).view([b - a for a, b in op.dst_slice])
+        at += _aligned(n)
+        pieces.setdefault(op.dst_name, []).append((op.dst_slice, buf))
+        works.append((dist.irecv(buf, peer_of(op.src_rank), group, tag=op.id), op, op.src_rank))
+    for op in ops:
+        if op.src_rank != me:
+            continue
+        dtype = TORCH[ckpt.by_name[op.dst_name].data.dtype]
+        block = run.source_view(op).reshape([b - a for a, b in op.dst_slice]).to(dtype).contiguous()
+        if op.dst_rank == me:
+            pieces.setdefault(op.dst_name, []).append((op.dst_slice, block))
+        else:
+            works.append((dist.isend(block, peer_of(op.dst_rank), group, tag=op.id), op, op.dst_rank))
+    if meanwhile is not None:
+        meanwhile()
+    for work, op, peer in works:
+        left = deadline - time.monotonic()
+        try:
+            ok = work.wait(left if left > 0.001 else 0.001)
+        except Exception as exc:  # noqa: BLE001 - every transport error becomes one message
+            raise RefitError.at(me, 0, "save", f"exchanging op {op.id} (`{op.key}`) with peer rank {peer} failed: "
+                                f"{_first_line(exc)}", peers=(peer,), reusable=False) from exc
+        if ok is False:
+            raise RefitError.at(me, 0, "save", f"peer rank {peer} did not complete op {op.id} (`{op.key}`) within "
+                                f"{timeout.total_seconds():g} s", peers=(peer,), reusable=False)
+    return pieces
+
+
+def _write_rows(fd: int, stored, begin: int, end: int, pieces: list, rows: torch.Tensor) -> int:
+    """Rows [begin, end) of a key, assembled in `rows` (bytes, reused) from pieces that tile them
+    (the plan's proof) and written with one `pwrite`: one long run per key. (Writing the pieces'
+    runs straight from the receive buffers with `pwritev`, an iovec per row per piece, measured
+    slower in back-to-back runs: 836 against 526 ms a save, benchmarks/README.md.)"""
+    from ..runtime.views import view
+
+    dtype = TORCH[stored.data.dtype]
+    shape = (end - begin, *stored.shape[1:])
+    nbytes = math.prod(shape) * dtype.itemsize
+    block = rows[:nbytes].view(dtype).view(shape)
+    for sl, buf in pieces:
+        view(block, sl).copy_(buf.reshape(view_shape(sl)))
+    mem = memoryview((ctypes.c_char * nbytes).from_address(block.data_ptr())).cast("B") if nbytes else b""
+    at = stored.data.begin + begin * (nbytes // max(1, end - begin))
+    while len(mem):
+        k = os.pwrite(fd, mem, at)
+        mem, at = mem[k:], at + k
+    return nbytes
 
 
 __all__ = ["RUN_BYTES", "ROUND_BYTES", "short_run_keys", "writer_layout", "rows_of", "rounds", "exchange_keys"]

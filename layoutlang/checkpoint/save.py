@@ -283,9 +283,12 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
             ckpt = describe(partial, config if config is not None else _target_config(target))
             plan = file_plan(src, ckpt, f"<checkpoint {target}>")
             exchanged = _exchanged(plan, ckpt, src.ranks, exchange) if group is not None else []
-            written = write_pieces(plan, me, ckpt, tensors, group, skip=set(exchanged))
-            if exchanged:
-                written += exchange_keys(src, ckpt, exchanged, me, tensors, group, wait, f"<checkpoint {target}>")
+            alongside = None
+            if exchanged:  # the exchange's messages fly while this rank writes its own pieces
+                def alongside(step):
+                    return exchange_keys(src, ckpt, exchanged, me, tensors, group, wait, f"<checkpoint {target}>",
+                                         meanwhile=step)
+            written = write_pieces(plan, me, ckpt, tensors, group, skip=set(exchanged), alongside=alongside)
         ok = True
     finally:
         failed = _barrier_ok(ok, group) if group is not None else (0 if ok else 1)

@@ -50,10 +50,16 @@ def _refused(plan, ops) -> str | None:
     return None
 
 
-def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, skip=frozenset()) -> int:
+def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, skip=frozenset(),
+                 alongside=None) -> int:
     """Write this rank's pieces (but those of the keys in `skip`: exchange.py writes them);
     returns the bytes written. Raises before writing anything when a tensor is missing or
-    misshapen, or a quantized key cannot be written piece by piece."""
+    misshapen, or a quantized key cannot be written piece by piece.
+
+    `alongside(step)`: what else this rank writes (the exchange), run once the checks passed;
+    it calls `step(f)` while its messages fly, and this rank's own pieces are written up to
+    the fraction f of their bytes then (the rest after it returns): the links and the page
+    cache work at once. It returns the bytes it wrote."""
     rank = _Rank(plan, me)
     every = plan.ops
     problem = _refused(plan, every)
@@ -63,7 +69,8 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, ski
     mine = _rotated([op for op in every if op.src_rank == me and op.dst_name not in skip], ckpt, me)
     given = _as_given(tensors or {}, rank.src_held)
     problems = []
-    for name in dict.fromkeys(op.src_name for op in mine):
+    # every tensor this rank sends from, the skipped keys' too (`alongside` sends them)
+    for name in dict.fromkeys(op.src_name for op in every if op.src_rank == me):
         t = rank.src_held[name]
         if name not in given:
             problems.append(f"source tensor `{name}` is missing")
@@ -77,13 +84,17 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, ski
     files = {e.file for op in mine for e in ckpt.by_name[op.dst_name].entries}
     m = Mapped({f.name: f.path for f in ckpt.files if f.name in files}, write=True)
     writer = _Pwriter(ckpt)
-    written = 0
-    try:
-        targets = {}
-        first = {}
-        for op in every:
-            first.setdefault(op.dst_name, op)
-        for op in mine:
+    targets: dict = {}
+    first: dict = {}
+    for op in every:
+        first.setdefault(op.dst_name, op)
+    total = sum(op.bytes for op in mine)
+    done = [0, 0]  # ops written, bytes written
+
+    def step(fraction: float) -> None:
+        """Write this rank's ops in order until `fraction` of their bytes are written."""
+        while done[0] < len(mine) and done[1] < fraction * total:
+            op = mine[done[0]]
             stored = ckpt.by_name[op.dst_name]
             target = targets.get(op.dst_name)
             if target is None:
@@ -99,11 +110,16 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, ski
                 block = run.source_view(op).reshape(view_shape(op.dst_slice))
                 if not writer.write(stored.data, op.dst_slice, block):
                     view(target, op.dst_slice).copy_(block)
-            written += op.bytes
+            done[0] += 1
+            done[1] += op.bytes
+
+    try:
+        other = alongside(step) if alongside is not None else 0
+        step(1.0)
     finally:
         m.close()  # (no msync: the pages are the page cache's; `save(durable=True)` syncs once, on rank 0)
         writer.close()
-    return written
+    return done[1] + other
 
 
 def _rotated(ops, ckpt: Checkpoint, me: int) -> list:
