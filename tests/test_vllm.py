@@ -11,17 +11,16 @@ Without .venv-vllm a test skips on a developer's machine and fails in CI (LAYOUT
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import program_runs  # noqa: E402
 PROGRAM = ROOT / "tests" / "vllm_program.py"
 PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TIMEOUT = 240
@@ -42,47 +41,10 @@ def _port() -> int:
 
 
 def run_all(*commands: list[str]) -> list[list[dict]]:
-    """Start every command at once (each its own process group, its output to a file of its
-    own: a pipe read one process after another would fill up and block vLLM's logging), wait
-    for all under one deadline, and return each one's JSON lines; any that fails or times out
-    fails the test."""
-    import tempfile
-    import time
-
-    python = _python()
+    """Every command under .venv-vllm at once, one deadline (program_runs.py); each one's JSON lines."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1")
-    logs = [tempfile.TemporaryFile("w+") for _ in commands]
-    procs = [subprocess.Popen([str(python), str(PROGRAM), *c], stdout=log, stderr=subprocess.STDOUT, text=True,
-                              env=env, cwd=ROOT, start_new_session=True) for c, log in zip(commands, logs)]
-    deadline = time.monotonic() + TIMEOUT
-    outs = []
-    try:
-        for p, c, log in zip(procs, commands, logs):
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            log.seek(0)
-            out = log.read()
-            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            if not (p.returncode == 0 and lines and lines[-1].get("ok") is True):
-                others = []
-                for q, d, other in zip(procs, commands, logs):
-                    if other is not log:
-                        other.seek(0)
-                        others.append(f"--- {' '.join(d)} (exit {q.poll()}):\n{other.read()[-3000:]}")
-                pytest.fail(f"{' '.join(c)} exited {p.returncode} (None: still running after {TIMEOUT} s):\n"
-                            f"{out[-5000:]}\n" + "\n".join(others))
-            outs.append(lines)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
-    return outs
+    return program_runs.run_all(_python(), PROGRAM, list(commands), env=env, cwd=ROOT, timeout=TIMEOUT)
 
 
 def _steps(lines: list[dict]) -> list[dict]:

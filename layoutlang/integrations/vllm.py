@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from layoutlang.bridges.families import DTYPES, render, model_from_config
 
 BACKEND = "layoutlang"
 ENGINE = ("layoutlang.integrations.vllm_engine", "LayoutlangEngine")
@@ -42,12 +41,6 @@ def engine_layout(hf_config: Mapping, *, dtype: str, tp: int, ep: int = 1, exper
     expert split over all `tp`; placed as vLLM's `expert_placement` map places them), in
     vLLM's storage of `dtype` (a torch dtype name such as "bfloat16", the model's: vLLM may
     run a float32 config in bfloat16)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"vLLM runs this model in {dtype}, which no layout dtype describes")
-    config = dict(hf_config, dtype=dtype)
-    config.pop("torch_dtype", None)
-    model = model_from_config(config, source="vLLM's model config")
-    sizes = {"TP": tp, "DP": 1}
-    if model.moe is not None:
-        sizes["EP"] = ep
-    return render(model, "vllm", sizes, expert_placement)
+    from .live import replica_text
+
+    return replica_text(hf_config, "vllm", engine="vLLM", dtype=dtype, tp=tp, ep=ep, expert_placement=expert_placement)

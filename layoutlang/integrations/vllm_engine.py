@@ -42,13 +42,13 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from layoutlang.diagnostics import UsageError
 from layoutlang.elaborate import loads
 from layoutlang.runtime import EngineJob, TrainerJob
 from layoutlang.runtime.errors import RefitError
 
 from layoutlang.bridges.families import VLLM_EXPERT_PLACEMENTS
 
+from .live import EngineRefused, dtype_name as _dtype_name, live_problems as _live_problems
 from .vllm import BACKEND, engine_layout
 
 LAYOUT_PATH = "vllm-replica.layout"   # the engine layout's name on both sides (its digest covers it)
@@ -57,10 +57,6 @@ DIRECT_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMeth
 # ... and those whose processing rewrites it in a kernel format, which the reload route feeds
 RELOAD_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"})
 DERIVED = (".W_UK_T", ".W_UV")      # MLA's absorbed matrices, recomputed from kv_b_proj
-
-
-class EngineRefused(UsageError):
-    """The live model cannot be refit as described: nothing was moved."""
 
 
 # ---- what travels through vLLM's API (data: JSON-able dataclasses) ------------------------------
@@ -213,33 +209,8 @@ def _loaded_format(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def live_problems(layout, rank: int, live: LiveModel) -> list[str]:
-    """Why the layout is not the live model on this rank (names, shapes, dtypes, strides)."""
-    problems = list(live.refused)
-    want = {t.name: t for t in layout.tensors if t.holds(rank)}
-    have = live.loaded_shapes()
-    for name in sorted(set(have) - set(want)):
-        problems.append(f"live parameter `{name}` {list(have[name][0])} is not in the layout: a refit would leave "
-                        "it stale")
-    for name, t in want.items():
-        if name not in have:
-            problems.append(f"layout tensor `{name}` is not a parameter of the live model")
-            continue
-        shape, dtype = have[name]
-        expected = tuple(t.local_shape_at(rank))
-        if tuple(shape) != expected or dtype != _DTYPE[t.dtype]:
-            problems.append(f"`{name}`: the layout says {list(expected)} {t.dtype}, vLLM holds {list(shape)} "
-                            f"{str(dtype).removeprefix('torch.')}")
-        elif name in live.direct and not live.direct[name].is_contiguous():
-            problems.append(f"`{name}`: vLLM holds it with strides {live.direct[name].stride()}, not contiguous "
-                            f"as the layout describes")
-    return problems
-
-
-_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """Why the layout is not the live model on this rank (live.py `live_problems`)."""
+    return _live_problems(layout, rank, live, "vLLM")
 
 
 def replica_layout(vllm_config, expert_placement: str = "linear") -> str:
