@@ -54,7 +54,9 @@ def worker() -> None:
         got = load(job["ckpt"], layout, tensors, group=dist.group.WORLD)
         loaded = time.perf_counter() - start
         start = time.perf_counter()
-        done = save(job["out"], layout, tensors, group=dist.group.WORLD, max_shard_size="200KB")
+        # the model's config says the q/k rows are rotary halves (as the layout writes them)
+        done = save(job["out"], layout, tensors, group=dist.group.WORLD, max_shard_size="200KB",
+                    config=os.path.join(job["ckpt"], "config.json"))
         return {"read": got.read_bytes, "written": done.written_bytes, "load_s": loaded,
                 "save_s": time.perf_counter() - start}
 
