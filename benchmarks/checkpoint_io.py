@@ -51,8 +51,10 @@ within the target, MISS when the whole interval is beyond it, inconclusive other
      `consolidate_safetensors_files_on_every_rank` (torch's own parallel consolidation, one
      output file per rank: faster than the writer's `enable_consolidation`, which consolidates on
      rank 0 alone). Between methods (untimed) the outputs are removed and `os.sync()` runs, so
-     every method starts with no dirty pages. Targets: save / floor <= 2.0x, save / DCP <= 0.25
-     (DCP >= 4x slower).
+     every method starts with no dirty pages. The save is timed twice: repeated (a trainer
+     saving every N steps: its plans kept from the earlier saves, checkpoint/layouts.py
+     `cached_plan`) and first (the kept plans dropped before it, untimed). Targets: save /
+     floor <= 2.0x (both), save / DCP <= 0.25 (DCP >= 4x slower).
   5. peak RSS per rank (`getrusage` ru_maxrss): after allocating the layoutlang shards, after
      one load, after one save (before any DCP call or floor buffer), against the shard bytes and
      the load's `budget_bytes` (64 MiB: bf16 destinations stage nothing). Mapped file pages a
@@ -450,9 +452,16 @@ def run(args, s: dict, tmp: Path, enforce: bool, start: float) -> int:
     print(rounds_text(st))
     rs = ratios(st, "layoutlang", "floor")
     vd = verdict(rs, TARGETS["save_floor"])
-    print(f"    layoutlang / write floor (pwrite, no fsync): {pooled(rs)}  target <= {TARGETS['save_floor']}x: {vd}")
+    print(f"    layoutlang / write floor (pwrite, no fsync; a repeated save, its plans kept): {pooled(rs)}  "
+          f"target <= {TARGETS['save_floor']}x: {vd}")
     if vd == "MISS":
         failed.append("save on 4 ranks: above 2.0x the per-rank write floor")
+    rs = ratios(st, "cold", "floor")
+    vd = verdict(rs, TARGETS["save_floor"])
+    print(f"    layoutlang first save (its plans made) / write floor: {pooled(rs)}  target <= "
+          f"{TARGETS['save_floor']}x: {vd}")
+    if vd == "MISS":
+        failed.append("a first save on 4 ranks: above 2.0x the per-rank write floor")
     print(f"    layoutlang / write floor with fsync (printed only): {pooled(ratios(st, 'layoutlang', 'floor_fsync'))}")
     print(f"    layoutlang / in place (save(exchange=False): column-parallel keys written a row at a time, "
           f"printed only): {pooled(ratios(st, 'layoutlang', 'in_place'))}")

@@ -6,7 +6,8 @@ In order: the fused layout loaded, `plan_load` timed (first call in the process)
 layoutlang shards allocated, one load and one save (RSS recorded after each, checked); then
 the DCP DTensors and the floor's buffer, one DCP load and one DCP save (checked), one write
 of each floor (untimed warm-ups); then the
-load rounds (layoutlang, DCP) and the save rounds (floor, floor with fsync, layoutlang, DCP),
+load rounds (layoutlang, DCP) and the save rounds (floor, floor with fsync, layoutlang repeated,
+layoutlang first save with its plans dropped, in place, DCP),
 each method between two barriers, timed on this rank; between save methods the outputs are
 removed and rank 0 runs `os.sync()`, untimed. Writes {"ok": true, ...} or the error.
 """
@@ -269,7 +270,8 @@ class Bench:
             timed(lambda: self.floor(path, m == "floor_fsync"))
             self.cleanup(path)
 
-        st: dict[str, list[float]] = {"floor": [], "floor_fsync": [], "layoutlang": [], "in_place": [], "dcp": []}
+        st: dict[str, list[float]] = {"floor": [], "floor_fsync": [], "layoutlang": [], "cold": [], "in_place": [],
+                                      "dcp": []}
         last = None
         for i in range(self.job["save_rounds"]):
             order = round_order(list(st), i, last)
@@ -279,7 +281,12 @@ class Bench:
                     if self.rank == 0:
                         path.mkdir(parents=True, exist_ok=True)
                     st[m].append(timed(lambda: self.floor(path, m == "floor_fsync")))
-                elif m == "layoutlang":
+                elif m == "layoutlang":  # a repeated save: its plans kept from the earlier ones
+                    st[m].append(timed(lambda: self.ll_save(path)))
+                elif m == "cold":  # a first save: the plans made again (the kept ones dropped, untimed)
+                    from layoutlang.checkpoint import layouts
+
+                    layouts._PLANS.clear()
                     st[m].append(timed(lambda: self.ll_save(path)))
                 elif m == "in_place":  # every piece written where it lies (no key exchanged)
                     st[m].append(timed(lambda: self.ll_save(path, exchange=False)))

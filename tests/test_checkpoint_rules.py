@@ -329,3 +329,21 @@ def test_a_save_exchanges_the_keys_whose_pieces_are_short_runs_and_splits_their_
     assert built.digest == parsed.digest
     strip = lambda ir: (ir[0], [t[:-1] for t in ir[1]])  # noqa: E731 - spans: the prototypes' lines
     assert strip(_ir(built)) == strip(_ir(parsed))
+
+
+def test_a_repeated_save_reuses_its_plan_and_writes_the_same_bytes(tmp_path):
+    """A plan is a pure function of its layouts' digests (DESIGN.md: equal digests, equal
+    layouts): a save of the same layout and files to another directory reuses the first
+    save's plan (layouts.py `cached_plan`) and writes the same files; another layout plans anew."""
+    one = loads("mesh m (one=1)\ntensor a [4, 8] fp32\ntensor b [3] fp32\n")
+    tensors = {"a": torch.arange(32, dtype=torch.float32).reshape(4, 8), "b": torch.tensor([1.0, 2.0, 3.0])}
+    first = save(tmp_path / "first", one, tensors)
+    again = save(tmp_path / "again", one, tensors)
+    assert again.plan is first.plan
+    written = [(tmp_path / d / "model.safetensors").read_bytes() for d in ("first", "again")]
+    assert written[0] == written[1]
+    other = loads("mesh m (one=1)\ntensor a [4, 8] bf16\ntensor b [3] fp32\n")
+    third = save(tmp_path / "other", other, {"a": tensors["a"].to(torch.bfloat16), "b": tensors["b"]})
+    assert third.plan is not first.plan and third.plan.digest != first.plan.digest
+    with safe_open(tmp_path / "other" / "model.safetensors", "pt") as fh:
+        assert fh.get_tensor("a").dtype == torch.bfloat16 and torch.equal(fh.get_tensor("a").float(), tensors["a"])

@@ -53,36 +53,42 @@ def short_run_keys(plan, ckpt: Checkpoint) -> list[str]:
     return [t.name for t in ckpt.tensors if t.name in out]
 
 
-def writer_layout(ckpt: Checkpoint, keys: list[str], writers: int, path: str):
-    """The exchanged keys as a layout of `writers` ranks: each key's rows split over them as
-    torch.chunk splits (`over writer ragged`, LANGUAGE.md 8.5), so each writer's block is one
-    contiguous range of the file.
+def writer_text(ckpt: Checkpoint, keys: list[str], writers: int) -> str:
+    """The text of the writers' layout: each key's rows split over `writers` ranks as
+    torch.chunk splits (`over writer ragged`, LANGUAGE.md 8.5)."""
+    lines = ["layout writers", f"mesh checkpoint (writer={writers})"]
+    for name in keys:
+        t = ckpt.by_name[name]
+        lines.append(f"tensor {name} [{t.shape[0]} over writer ragged{''.join(f', {d}' for d in t.shape[1:])}] "
+                     f"{t.dtype}")
+    return "\n".join(lines) + "\n"
 
-    The layout of the text below, with one statement parsed per distinct shape and dtype (a
+
+def writer_layout(ckpt: Checkpoint, keys: list[str], writers: int, path: str):
+    """The exchanged keys as a layout of `writers` ranks (`writer_text`), so each writer's
+    block is one contiguous range of the file.
+
+    The layout of that text, with one statement parsed per distinct shape and dtype (a
     save's 30 keys have 2): every key's tensor is its shape's, renamed, and the digest is the
     whole text's, as `loads` gives it (tests/test_checkpoint_rules.py compares the two)."""
     import dataclasses
 
     from ..diagnostics import Source
     from ..elaborate import loads
-    from ..elaborate.sources import digest_of
     from ..ir import Layout
+    from .layouts import text_digest
 
-    head = ["layout writers", f"mesh checkpoint (writer={writers})"]
-    lines, kinds = [], {}
-    for name in keys:
-        t = ckpt.by_name[name]
-        dims = f"[{t.shape[0]} over writer ragged{''.join(f', {d}' for d in t.shape[1:])}] {t.dtype}"
-        lines.append(f"tensor {name} {dims}")
-        kinds.setdefault(dims, len(kinds))
+    text = writer_text(ckpt, keys, writers)
+    head, lines = text.split("\n")[:2], text.split("\n")[2:-1]
+    kinds: dict[str, int] = {}
+    for line in lines:
+        kinds.setdefault(line.split(" ", 2)[2], len(kinds))
     protos = loads("\n".join(head + [f"tensor t{i} {dims}" for dims, i in kinds.items()]) + "\n", path)
-    text = "\n".join(head + lines) + "\n"
     tensors = []
     for name, line in zip(keys, lines):
         proto = protos.tensors[kinds[line.split(" ", 2)[2]]]
         tensors.append(dataclasses.replace(proto, key=name, name=name))
-    source = Source(path, text)
-    return Layout(path, protos.name, protos.meshes, tuple(tensors), (), digest_of([source], []), (source,))
+    return Layout(path, protos.name, protos.meshes, tuple(tensors), (), text_digest(text), (Source(path, text),))
 
 
 def rows_of(stored, writer: int, writers: int) -> tuple[int, int]:
@@ -142,12 +148,14 @@ def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict
     too) before anything was written."""
     from ..compiler.plan import compile_plan
     from ..runtime.loopback import _Rank
+    from .layouts import cached_plan, text_digest
     from ..runtime.refit import _as_given
     from .write import _Writer
 
     cap = cap or ROUND_BYTES
     writers = src.ranks
-    plan = compile_plan(src, writer_layout(ckpt, keys, writers, path))
+    plan = cached_plan("writers", src, text_digest(writer_text(ckpt, keys, writers)),
+                       lambda: compile_plan(src, writer_layout(ckpt, keys, writers, path)))
     by_key: dict[str, list] = {}
     for op in plan.ops_for_rank(me):
         by_key.setdefault(op.dst_name, []).append(op)
@@ -273,4 +281,5 @@ def _write_rows(fd: int, stored, begin: int, end: int, pieces: list, rows: torch
     return nbytes
 
 
-__all__ = ["RUN_BYTES", "ROUND_BYTES", "short_run_keys", "writer_layout", "rows_of", "rounds", "exchange_keys"]
+__all__ = ["RUN_BYTES", "ROUND_BYTES", "short_run_keys", "writer_text", "writer_layout", "rows_of", "rounds",
+           "exchange_keys"]

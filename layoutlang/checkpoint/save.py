@@ -174,13 +174,18 @@ def _index(files: tuple[FileLayout, ...]) -> bytes:
 
 def file_plan(src: Layout, ckpt, path: str):
     """The plan of a save: `src` -> the checkpoint's files (`ckpt`, described from their headers)
-    as one rank past the source's ranks."""
+    as one rank past the source's ranks (the plan of an earlier save of the same digests, if
+    one is kept: layouts.py `cached_plan`)."""
     from ..compiler.plan import compile_plan
-    from .layouts import plain_layout
+    from .layouts import cached_plan, plain_layout, text_digest
 
-    dst = plain_layout(file_layout_text(src, ckpt.text), path, ("checkpoint", (("slot", src.ranks + 1),)),
-                       ckpt.shapes, {name: src.ranks for name in ckpt.shapes}, rows=ckpt.rows)
-    return compile_plan(src, dst)
+    text = file_layout_text(src, ckpt.text)
+
+    def build():
+        return compile_plan(src, plain_layout(text, path, ("checkpoint", (("slot", src.ranks + 1),)), ckpt.shapes,
+                                              {name: src.ranks for name in ckpt.shapes}, rows=ckpt.rows))
+
+    return cached_plan("save", src, text_digest(text), build)
 
 
 def file_layout_text(layout: Layout, ckpt_text: str) -> str:
