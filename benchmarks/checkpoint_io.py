@@ -450,18 +450,14 @@ def run(args, s: dict, tmp: Path, enforce: bool, start: float) -> int:
     med = {m: statistics.median(v) for m, v in st.items()}
     print("  medians: " + ", ".join(f"{m} {1e3 * t:.0f} ms" for m, t in med.items()))
     print(rounds_text(st))
-    rs = ratios(st, "layoutlang", "floor")
-    vd = verdict(rs, TARGETS["save_floor"])
-    print(f"    layoutlang / write floor (pwrite, no fsync; a repeated save, its plans kept): {pooled(rs)}  "
-          f"target <= {TARGETS['save_floor']}x: {vd}")
-    if vd == "MISS":
-        failed.append("save on 4 ranks: above 2.0x the per-rank write floor")
-    rs = ratios(st, "cold", "floor")
-    vd = verdict(rs, TARGETS["save_floor"])
-    print(f"    layoutlang first save (its plans made) / write floor: {pooled(rs)}  target <= "
-          f"{TARGETS['save_floor']}x: {vd}")
-    if vd == "MISS":
-        failed.append("a first save on 4 ranks: above 2.0x the per-rank write floor")
+    for method, label, miss in (("layoutlang", "layoutlang / write floor (pwrite, no fsync; a repeated save, its plans kept)",
+                                 "save on 4 ranks"),
+                                ("cold", "layoutlang first save (its plans made) / write floor", "a first save on 4 ranks")):
+        rs = ratios(st, method, "floor")
+        vd = verdict(rs, TARGETS["save_floor"])
+        print(f"    {label}: {pooled(rs)}  target <= {TARGETS['save_floor']}x: {vd}")
+        if vd == "MISS":
+            failed.append(f"{miss}: above 2.0x the per-rank write floor")
     print(f"    layoutlang / write floor with fsync (printed only): {pooled(ratios(st, 'layoutlang', 'floor_fsync'))}")
     print(f"    layoutlang / in place (save(exchange=False): column-parallel keys written a row at a time, "
           f"printed only): {pooled(ratios(st, 'layoutlang', 'in_place'))}")
