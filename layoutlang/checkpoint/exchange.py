@@ -79,7 +79,8 @@ def writer_layout(ckpt: Checkpoint, keys: list[str], writers: int, path: str):
     from .layouts import text_digest
 
     text = writer_text(ckpt, keys, writers)
-    head, lines = text.split("\n")[:2], text.split("\n")[2:-1]
+    split = text.split("\n")
+    head, lines = split[:2], split[2:-1]
     kinds: dict[str, int] = {}
     for line in lines:
         kinds.setdefault(line.split(" ", 2)[2], len(kinds))
