@@ -133,6 +133,12 @@ class Geometry:
     def _local_of(self) -> dict[int, tuple[int, ...]]:
         return dict(self.dst_local)
 
+    @cached_property
+    def request_ranks(self) -> tuple[int, ...]:
+        """Each request's destination rank: what one rank's ops test (compiler/tables.py's moved
+        geometries answer it without making their requests)."""
+        return tuple(q.rank for q in self.requests)
+
     def request(self, rank: int, k: int, piece: Piece, senders: RankSet, wires: dict | None = None) -> Request:
         """The request of `rank` for piece k, with its wire format and bytes (compiler/wire.py);
         `wires` memoizes `op_wire` (a pure function of its arguments) for one compilation."""
@@ -498,11 +504,16 @@ class Plan:
             picks = picks_of[ti]
             base = offsets[i]
             waits = after_of[ti] if ti < len(after_of) else None
-            for j, req in enumerate(g.requests):
-                sender = picks[j][member]
-                if rank is None or req.rank == rank or sender == rank:
+            if rank is None:
+                for j, req in enumerate(g.requests):
                     k = waits[j][member] if waits is not None and waits[j] is not None else -1
-                    yield base + j, i, g, req, sender, (None if k < 0 else base + k)
+                    yield base + j, i, g, req, picks[j][member], (None if k < 0 else base + k)
+                continue
+            for j, dst_rank in enumerate(g.request_ranks):
+                sender = picks[j][member]
+                if dst_rank == rank or sender == rank:
+                    k = waits[j][member] if waits is not None and waits[j] is not None else -1
+                    yield base + j, i, g, g.requests[j], sender, (None if k < 0 else base + k)
 
     def _ops(self, rank: int | None) -> tuple[Op, ...]:
         matches = self.key_matches  # names, keys and regions: the same in every replica

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .plan import Box, Geometry, Plan, Template
 
 
-def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None) -> None:
+def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select=None) -> None:
     """Cut the requests that overload the busiest senders into parts along their outer dim.
 
     When usable senders outnumber the pieces, each piece goes whole to one
@@ -50,6 +50,8 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None) -> Non
     all, in any order: two or more candidate senders and at least two
     SPLIT_MIN_BYTES; `Balanced.parts` keeps every other one whole), so that the
     first round looks at those only (compiler/members.py); the plan is the same.
+    `select(plan, templates)` -> (picks, selector): a selector of the same picks as plan.py's
+    `_select` (compiler/tables.py's), used for the rounds.
     """
     if not plan.split or plan.selector_name != "balanced" or not plan.templates:
         return
@@ -72,7 +74,7 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None) -> Non
     marks: list[dict[int, int]] = [{} for _ in base]  # per template: request index -> parts
     # per template, the request of `base` each current request is (None: a part of a split one;
     # a range while the template is whole)
-    origin: list[range | tuple[int | None, ...]] = [range(len(t.geometry.requests)) for t in base]
+    origin: list[range | tuple[int | None, ...]] = [range(len(t.geometry.request_ranks)) for t in base]
     templates, picks, selector = base, plan._picks, plan._selector
     best = (max(selector.load), templates, picks, selector.load, origin)
     for _ in range(SPLIT_ROUNDS):
@@ -85,7 +87,7 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None) -> Non
             g, origin[i] = split_geometry(base[i].geometry, marks[i], quanta(i))
             rebuilt[i] = Template(g, base[i].members)
         templates = tuple(rebuilt)
-        picks, selector = _select(plan, templates)
+        picks, selector = (select or _select)(plan, templates)
         busiest = max(selector.load)
         if busiest < best[0] * SPLIT_GAIN:
             best = (busiest, templates, picks, selector.load, origin)
@@ -119,7 +121,8 @@ def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: floa
     (None: every one)."""
     over = {r for r, sent in enumerate(selector.load) if sent > line}
     fresh = []
-    for i, t in enumerate(base):
+    for i in range(len(base)) if rows is None else [i for i, r in enumerate(rows) if r]:
+        t = base[i]
         g, new = t.geometry, False
         row = picks[i]
         for j in range(len(row)) if rows is None else rows[i]:

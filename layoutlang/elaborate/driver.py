@@ -47,6 +47,9 @@ class Elaboration:
         self.header: str | None = None
         self.fixed_pool: dict[tuple, tuple] = {}  # placement coordinates, one object per value
         self.repeats: dict[int, Repeat] = {}  # statement id -> its first instance's checked shape
+        # with `scope.watch` (rekey.py): per stored tensor whose keys read the table, (its position,
+        # (per region its recipe or None, per region its stack index), its regions' spans)
+        self.recipes: list[tuple] = []
 
 
 def run_file(el: Elaboration, source: Source) -> None:
@@ -181,7 +184,7 @@ class Draft:
     `regions` and the span of the key each came from; `emit` turns it into a TensorIR."""
 
     __slots__ = ("stmt", "claims", "fixed", "built", "dtype", "name", "key", "stored_keys", "regions",
-                 "region_spans")
+                 "region_spans", "recipes")
 
     def __init__(self, stmt: ast.TensorDecl):
         self.stmt = stmt
@@ -233,6 +236,8 @@ def key_regions(el: Elaboration, d: Draft) -> None:
         d.regions = d.region_spans = None
         return
     d.regions, d.region_spans = el.keys.regions(d.stored_keys, d.stmt, d.built.dims)
+    if el.scope.watch is not None:  # rekey.py: the keys' recipes, when some read the watched table
+        d.recipes, el.keys.last = el.keys.last, None
 
 
 def emit(el: Elaboration, d: Draft) -> None:
@@ -250,6 +255,8 @@ def emit(el: Elaboration, d: Draft) -> None:
     if len(el.tensors) >= limits.MAX_TENSORS:
         raise ElaborationError(f"more than {limits.MAX_TENSORS} tensor instances", d.stmt.span)
     el.tensors.append(t)
+    if el.scope.watch is not None and d.regions is not None and getattr(d, "recipes", None) is not None:
+        el.recipes.append((len(el.tensors) - 1, d.recipes, d.region_spans))
 
 
 # ---- the order, as data ---------------------------------------------------------------------

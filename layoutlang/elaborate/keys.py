@@ -206,6 +206,9 @@ class Keys:
         self.memo: dict[int, StoredKeys | None] = {}  # statement id -> analysis: cleared with the loop
         self.ranges: dict[tuple[DimIR, tuple], tuple[tuple[int, int], ...]] = {}
         self.count = 0  # regions made so far, against limits.MAX_KEYS
+        # with `scope.watch` set (rekey.py): the last `regions` call's (per region its key recipe
+        # or None, per region its stack index), else None
+        self.last: tuple[tuple, tuple] | None = None
 
     def shape_of(self, stmt: ast.TensorDecl) -> StoredKeys | None:
         if not self.scope.loops:
@@ -250,6 +253,9 @@ class Keys:
         out: list[KeyRegion] = []
         spans: list[Span] = []
         held: dict[str, tuple[Span, tuple[int, ...]]] = {}  # key -> (template, stack index) first holding it
+        watch = scope.watch
+        recipes: list = []
+        indices: list = []
         scope.loops.extend(frames)
         try:
             for index in itertools.product(*(range(dims[i].logical) for i in stacked_idx)):
@@ -273,6 +279,38 @@ class Keys:
                     out.append(KeyRegion(key, tuple(box), stacked_idx, info.transposed,
                                          info.keyed_dim if info.parts else None))
                     spans.append(span)
+                    if watch is not None:
+                        recipes.append(key_recipe(tpl, watch, scope) if tpl is not None else None)
+                        indices.append(index)
         finally:
             del scope.loops[len(scope.loops) - len(frames):]
+        self.last = (tuple(recipes), tuple(indices)) if any(r is not None for r in recipes) else None
         return tuple(out), tuple(spans)
+
+
+NOT_REKEYABLE = ("a key that computes with the table",)  # key_recipe's verdict, compared by identity
+
+
+def key_recipe(tpl: ast.NameTemplate, table: str, scope: Scope) -> tuple | None:
+    """The key of `tpl` as it stands now, its entries of `table` left open: per piece its text, or
+    (for an interpolation that is exactly an entry, `{T[i][j]}`) the entry's indices. None when
+    no piece is such an entry. Reads of `table` made here (an index that reads it, or an
+    interpolation that computes with an entry) are left out of `scope.watch_reads`, so a key
+    that reads the table in any other form leaves the count above the recipes' entries: the
+    layout is then not re-keyable (rekey.py)."""
+    if not any(p.__class__ is not str and p.expr.__class__ is ast.Index and p.expr.name == table
+               for p in tpl.pieces):
+        return None
+    before = scope.watch_reads
+    out: list = []
+    for p in tpl.pieces:
+        if p.__class__ is str:
+            out.append(p)
+        elif p.expr.__class__ is ast.Index and p.expr.name == table:
+            out.append(tuple(scope.evaluate(i, "reject") for i in p.expr.indices))
+        else:
+            out.append(str(scope.evaluate(p.expr, "reject")))
+    if scope.watch_reads != before:  # the table read other than as a whole entry: never re-keyed
+        scope.watch_reads = before
+        return NOT_REKEYABLE
+    return tuple(out)

@@ -74,6 +74,10 @@ class Scope:
         # (template id, local mode) -> its resolved pieces (names.render), inside loops only:
         # dropped with the outermost loop, as the statements whose ids key it are
         self.renders: dict[tuple[int, str], tuple] = {}
+        # a table arg whose integer reads are counted (layoutlang/elaborate/rekey.py): a layout
+        # can be re-keyed for a new value of it only if its keys are its only readers
+        self.watch: str | None = None
+        self.watch_reads = 0
 
     # ---- definitions ------------------------------------------------------------
     def define(self, b: ast.Binding, kind: str) -> None:
@@ -127,6 +131,8 @@ class Scope:
                 value = self.lookup(n, expr.span)
                 return value if value.__class__ is int else self.integer(value, n, expr.span)
             case ast.Index():
+                if expr.name == self.watch:
+                    self.watch_reads += 1
                 return self.integer(self.entry(expr, local), expr_text(expr), expr.span)
             case ast.Local(name=n):
                 return self.local_value(n, expr.span, local)

@@ -1,0 +1,472 @@
+"""Plans of one pair for any value of a table arg of the destination: an EPLB map re-planned.
+
+vLLM's EPLB keeps `E + R` physical experts placed by a physical -> logical map
+that it rebalances every `step_interval` steps; the engine's layout reads the
+map as a table arg (docs/language.md 14.8). Every new map needs a new plan,
+and a fresh `compile_plan` costs what the first one did: each physical slot
+pairs with an arbitrary expert, so nearly every slot is its own template
+(DeepSeek-V3 into 288 slots x 58 layers: 47.5k templates of 51k instances,
+each built, proven and selected from scratch).
+
+`TablePlanner(src, dst, table).plan(value)` is exactly `compile_plan(src,
+load(dst, {table: value}))` (the same ops, ids, digest, templates, picks and
+statistics), computed from what the planner keeps between maps:
+
+- the layout is re-keyed, not elaborated (layoutlang/elaborate/rekey.py);
+- matches: per key its source instances and regions, found once; the stored
+  tensors the map does not touch keep their matches;
+- templates: the signature of `group_templates`, assembled from interned parts
+  (per destination region, per source key), so a slot costs a few lookups. A new
+  signature's geometry is the geometry of the same destination region fed by
+  another expert, its source ranks translated: experts on one mesh whose shards
+  cut alike and whose ranks differ by one offset (checked per source placement,
+  once) have equal pieces, proofs and local slices; only their holders and
+  candidate senders move. Anything else is built by `build_geometry`;
+- senders: `select_stage`'s greedy in its order, except that a request with one
+  candidate (an expert shard no replica holds: every routed expert of a trainer
+  without expert DP) only adds its load at its place in that order (Balanced.pick
+  returns it whatever the loads, as compiler/members.py's batches do);
+- split: `split_stage` with the floor and the cuttable requests computed here.
+
+A value whose lengths differ from the first one's, a key rule it breaks, or a
+layout that reads the table outside key interpolations is planned by a fresh
+load and compile_plan (its diagnostics are compile_plan's).
+
+>>> from layoutlang import loads
+>>> src = loads("mesh t (ep=2)\\nfor e in 0..2 over ep {\\n  tensor x.{e} [4]\\n}")
+>>> text = "arg M = [[0, 1]]\\nmesh v (ep=2)\\ntensor s as x.{M[0][p]} [p in 0..2 over ep, 4]"
+>>> planner = TablePlanner(src, text, "M", dst_path="v.layout")
+>>> [(op.key, op.src_rank, op.dst_rank) for op in planner.plan([[1, 0]]).ops]
+[('x.1', 1, 0), ('x.0', 0, 1)]
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+
+from layoutlang.elaborate.rekey import watch
+from layoutlang.elaborate.sources import Source, read_source
+from layoutlang.elaborate import loads
+from layoutlang.gcpause import gc_paused
+from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
+from layoutlang.modes import cached_property
+
+from .match import Match, _check_same_key, _missing, _region_sig
+from .plan import (Geometry, Plan, PlanCache, Request, Template, _as_layout, _offsets, _select, build_geometry,
+                   check_options, compile_plan)
+from .ranks import RankSet
+from .relay import relay_stage
+from .select import Balanced
+from .shards import placement_of
+from .split import split_stage
+from .wire import wire_dtype
+
+_new, _set = object.__new__, object.__setattr__
+# a planner keeps the geometries it built for this many signatures at most (then starts afresh):
+# a map pairs slots with experts anew, so old signatures come back only by chance
+KEEP_GEOMETRIES = 200_000
+
+
+class _SrcKey:
+    """What one source key gives every destination instance of it: its source instances and
+    regions (match.py), its part of the template signature (`sig`), the part without the
+    sources' placement coordinates (`cls`: instances whose `cls` are equal differ only in where
+    the sources sit) and the sources' rank offset against the first placement of their kind
+    (None: not a translation of it)."""
+
+    __slots__ = ("sources", "regions", "placements", "sig", "cls", "offset", "check")
+
+
+class TablePlanner:
+    """Plans of `src` into `dst` for any value of the table arg `table` (see the module docstring).
+
+    `dst`: a `.layout` path, or layout text with `dst_path` naming it. `compile_kwargs` as
+    compile_plan takes them (args, src_args, dst_args, ranks_per_node, selector, split, wire,
+    relay, progress); the table's first value is the layout's own or the one in `args` /
+    `dst_args`. `rekeyable` says whether new values take the fast path (`reason`: why not).
+    """
+
+    def __init__(self, src, dst, table: str, *, dst_path: str | None = None, **compile_kwargs):
+        from layoutlang.diagnostics import UsageError
+
+        args = compile_kwargs.pop("args", None) or {}
+        src_args = {**args, **(compile_kwargs.pop("src_args", None) or {})}
+        dst_args = {**args, **(compile_kwargs.pop("dst_args", None) or {})}
+        self._options = dict(ranks_per_node=None, selector="balanced", split=True, wire="auto", relay=True,
+                             progress=None)
+        unknown = set(compile_kwargs) - set(self._options)
+        if unknown:
+            raise UsageError(f"TablePlanner: unknown option(s) {', '.join(sorted(unknown))}",
+                             help=f"compile_plan's options: {', '.join(sorted(self._options))}, args, src_args, dst_args")
+        self._options.update(compile_kwargs)
+        opts = self._options
+        check_options(selector=opts["selector"], wire=opts["wire"], ranks_per_node=opts["ranks_per_node"])
+        self.src = _as_layout(src, src_args)
+        source = Source(dst_path, dst) if dst_path is not None else read_source(os.fspath(dst))
+        self._source, self._dst_args, self.table = source, dst_args, table
+        self.first, self._keys = watch(source, dst_args, table, unknown_args="ignore")
+        self.reason = self._keys.reason
+        self._cache = PlanCache()
+        self._compared: set = set()
+        self._checked: set = set()         # (dst kind, src kind) ids _check_same_key passed
+        self._src_keys: dict[str, _SrcKey] = {}
+        self._interned: dict = {}          # signature parts, one object per value
+        self._dst_parts: dict = {}         # (id of a stored tensor's dims, its fixed, region box...) -> part
+        self._geometries: dict = {}        # signature ids -> Geometry
+        self._bases: dict = {}             # class ids -> (Geometry, its sources' offset, the fields a
+        #                                    moved copy shares, its request count)
+        self._reference: dict = {}         # (id mesh, id dims) -> (the shards of the first placement seen, it)
+        self._offsets: dict = {}           # a source placement -> its rank offset (None: not a translation)
+        self._shifted: dict = {}           # (id of a RankSet, offset) -> the translated RankSet
+        self._kept: dict = {}              # id of a stored tensor -> (it, its matches, their signature parts)
+        self._parts: tuple = ((), ())      # per instance of the plan being made: its signature parts
+        self._rows_of: dict = {}           # id of a base -> its select rows (`_rows`)
+        self._prefixes: dict = {}          # (is_part, -bytes) -> one object per value
+        self._floor: tuple = (0.0, [])
+        self._shapes: tuple = ((), [])     # (the templates made last, per template its rows and offset)
+
+    @property
+    def rekeyable(self) -> bool:
+        return self.reason is None
+
+    # ---- one value -------------------------------------------------------------------------
+    def plan(self, value=None) -> Plan:
+        """The plan for `table = value` (None: the first value), compile_plan's."""
+        opts = self._options
+        with gc_paused():
+            dst = self.first if value is None else self._keys.rekey(value)
+            if dst is None:  # not re-keyable for this value: a fresh load (and its diagnostics)
+                fresh = loads(self._source.text, self._source.path, {**self._dst_args, self.table: value},
+                              unknown_args="ignore")
+                return compile_plan(self.src, fresh, **opts)
+            stages = (("match", self._match_stage), ("templates", self._template_stage),
+                      ("senders", self._select_stage), ("split", self._split_stage), ("relay", relay_stage))
+            return Plan(self.src, dst, pipeline=stages, **opts)
+
+    # ---- match --------------------------------------------------------------------------------
+    def _src_key(self, key: str, t, region) -> _SrcKey:
+        hit = self._src_keys.get(key)
+        if hit is not None:
+            return hit
+        items = self.src.key_index.get(key)
+        if items is None:
+            raise _missing(key, t, region, self.src, self.src.key_index)
+        sources, regions = zip(*items)
+        if regions[0] is None and regions.count(None) == len(regions):  # v1 sources
+            regions = ()
+        hit = _SrcKey()
+        hit.sources, hit.regions = sources, regions
+        hit.placements = tuple(placement_of(s) for s in sources)
+        boxes = tuple((r.box, r.stacked, r.transposed) if r is not None else None for r in regions)
+        intern = self._interned
+        sig = (tuple((id(s.mesh), id(s.dims), s.fixed) for s in sources), boxes)
+        cls = (tuple((id(s.mesh), id(s.dims)) for s in sources), boxes)
+        hit.sig = intern.setdefault(sig, sig)
+        hit.cls = intern.setdefault(cls, cls)
+        hit.check = id(self._intern((id(sources[0].dims), _region_sig(regions[0] if regions else None))))
+        offsets = {self._offset(placement_of(s)) for s in sources}
+        hit.offset = offsets.pop() if len(offsets) == 1 else None
+        self._src_keys[key] = hit
+        return hit
+
+    def _match_stage(self, plan: Plan) -> None:
+        """match.py's matches: per key found once; a stored tensor the value does not touch keeps
+        its matches (it is the very object of the earlier layouts). Per instance it also notes
+        the two parts of its template signature (`_parts`) for the template stage."""
+        new, setd = _new, _set
+        matches: list[Match] = []
+        dparts: list = []
+        sparts: list[_SrcKey] = []
+        used: set[str] = set()
+        kept = {}
+        for pos, t in enumerate(plan.dst.tensors):
+            hit = self._kept.get(id(t))
+            if hit is None or hit[0] is not t:
+                hit = self._matched(pos, t, used)
+            kept[id(t)] = hit
+            matches += hit[1]
+            dparts += hit[2]
+            sparts += hit[3]
+        for hit in kept.values():
+            used.update(hit[4])
+        self._kept, self._parts = kept, (dparts, sparts)
+        plan.matches = matches
+        plan.unused_keys = [k for k in self.src.key_index if k not in used]
+
+    def _matched(self, pos: int, t, used: set[str]) -> tuple:
+        """(t, its matches, per match its destination and source signature parts, its keys)."""
+        new, setd = _new, _set
+        dps = self._dst_parts.get(pos)
+        if dps is None or dps[0] is not t.dims:  # per region of the tensor at `pos`: its parts
+            regions = t.regions or (None,)
+            dps = self._dst_parts[pos] = (t.dims, [self._dst_part(t, r) for r in regions],
+                                          [id(self._intern((id(t.dims), _region_sig(r)))) for r in regions])
+        mine, sks, keys = [], [], []
+        src_keys, checked = self._src_keys, self._checked
+        for region, check in zip((None,) if t.regions is None else t.regions, dps[2]):
+            key = region.key if region is not None else t.key
+            sk = src_keys.get(key) or self._src_key(key, t, region)
+            m = new(Match)
+            setd(m, "__dict__", {"dst": t, "src": sk.sources, "region": region, "src_regions": sk.regions})
+            pair = (check, sk.check)  # what _check_same_key compares: once per pair of kinds
+            if pair not in checked:
+                _check_same_key(m, self._compared)
+                checked.add(pair)
+            mine.append(m)
+            sks.append(sk)
+            keys.append(key)
+        return t, mine, dps[1], sks, keys
+
+    def _intern(self, value):
+        return self._interned.setdefault(value, value)
+
+    # ---- templates ----------------------------------------------------------------------------
+    def _dst_part(self, t, r):
+        box = (r.box, r.stacked, r.transposed) if r is not None else None
+        wire = ELEMENT_BYTES[wire_dtype(t.dtype)]
+        part = (id(t.mesh), id(t.dims), t.fixed, box, wire, t.dtype if t.dtype in QUANTIZED else None)
+        return self._interned.setdefault(part, part)
+
+    def _template_stage(self, plan: Plan) -> None:
+        """group_templates' templates: signatures from interned parts, new geometries moved."""
+        by_sig: dict[tuple, int] = {}
+        geometries: list[Geometry] = []
+        counts: list[int] = []
+        members: list[list[int]] = []
+        instance: list[tuple[int, int]] = []
+        known, bases = self._geometries, self._bases
+        if len(known) > KEEP_GEOMETRIES:
+            known.clear()
+            self._rows_of.clear()
+        matches = plan.matches
+        new, setd, moved, rows_of = _new, _set, _Moved, self._rows
+        shapes: list[tuple] = []  # per template (its select rows, the rank offset of its sources)
+        offsets, acc = [], 0
+        for i, (dp, sk) in enumerate(zip(*self._parts)):
+            offsets.append(acc)
+            sig = (id(dp), id(sk.sig))
+            ti = by_sig.get(sig)
+            if ti is not None:
+                ms = members[ti]
+                instance.append((ti, len(ms)))
+                ms.append(i)
+                acc += counts[ti]
+                continue
+            ti = by_sig[sig] = len(geometries)
+            base = bases.get((id(dp), id(sk.cls)))
+            if base is not None and sk.offset is not None and base[1] is not None:
+                # the base's geometry, its sources `delta` ranks on (`_Moved`: made, not kept)
+                fields = base[2].copy()
+                delta = sk.offset - base[1]
+                fields["src"], fields["_base"], fields["_delta"] = sk.placements, base[0], delta
+                fields["_planner"] = self
+                g = new(moved)
+                setd(g, "__dict__", fields)
+                counts.append(base[3])
+                shapes.append((base[4], delta))
+            else:
+                g = known.get(sig)
+                if g is None:
+                    g = known[sig] = self._geometry(matches[i], dp, sk)
+                counts.append(len(g.requests))
+                shapes.append((rows_of(g), 0))
+            acc += counts[ti]
+            geometries.append(g)
+            members.append([i])
+            instance.append((ti, 0))
+        offsets.append(acc)
+        templates = []
+        for g, ms in zip(geometries, members):
+            t = new(Template)
+            setd(t, "__dict__", {"geometry": g, "members": tuple(ms)})
+            templates.append(t)
+        plan.templates = tuple(templates)
+        plan._instance = instance
+        plan._offsets = offsets
+        self._shapes = (plan.templates, shapes)
+
+    def _geometry(self, m: Match, dp, sk: _SrcKey) -> Geometry:
+        """A geometry built (build_geometry); the first of its class is the base others move."""
+        g = build_geometry(m, placement_of(m.dst), sk.placements, dp[4], self._cache, dp[3],
+                           tuple((r.box, r.stacked, r.transposed) if r is not None else None for r in m.src_regions),
+                           self._options["wire"])
+        cls = (id(dp), id(sk.cls))
+        if cls not in self._bases:
+            fields = {k: v for k, v in g.__dict__.items() if k in _MOVED_FIELDS}
+            fields["request_ranks"] = g.request_ranks  # (the destination's, which a move keeps)
+            self._bases[cls] = (g, sk.offset, fields, len(g.requests), self._rows(g))
+        return g
+
+    def _offset(self, p) -> int | None:
+        """p's shards as the first placement of its mesh and dims has them, every rank moved by one
+        offset: that offset (None when they differ otherwise)."""
+        kind = (id(p.mesh), id(p.dims))  # (the ids `_SrcKey.cls` compares: equal values may differ)
+        hit = self._offsets.get(kind + (p.fixed,), False)
+        if hit is not False:
+            return hit
+        mine = self._cache.shards(p)
+        ref = self._reference.setdefault(kind, (mine, p))[0]
+        offset = None
+        if len(ref) == len(mine) and all(a.runs == b.runs and len(a.ranks) == len(b.ranks) for a, b in zip(ref, mine)):
+            deltas = {y - x for a, b in zip(ref, mine) for x, y in zip(a.ranks, b.ranks)}
+            if len(deltas) == 1:
+                offset = deltas.pop()
+        self._offsets[kind + (p.fixed,)] = offset
+        return offset
+
+    def _shift(self, rs: RankSet, delta: int) -> RankSet:
+        key = (id(rs), delta)
+        hit = self._shifted.get(key)
+        if hit is None:
+            ranks = rs.ranks
+            if isinstance(ranks, range):
+                hit = RankSet(range(ranks.start + delta, ranks.stop + delta, ranks.step))
+            else:
+                hit = self._cache.holders(tuple(r + delta for r in ranks))
+            self._shifted[key] = hit
+        return hit
+
+    def _rows(self, g: Geometry) -> _Rows:
+        """What select needs of a geometry, whatever it is moved by (`_Rows`), kept per base."""
+        hit = self._rows_of.get(id(g))
+        if hit is None:
+            hit = self._rows_of[id(g)] = _Rows(g, self._prefixes)
+        return hit
+
+    # ---- senders and split -------------------------------------------------------------------------
+    def _select_stage(self, plan: Plan) -> None:
+        """select_stage's picks: one-candidate requests add their load at their place in its order
+        (what Balanced.pick does with them whatever the loads); the others are picked in it."""
+        if plan.selector_name != "balanced":
+            plan._picks, plan._selector = _select(plan, plan.templates)
+            plan.send_load = plan._selector.load
+            return
+        plan._picks, plan._selector, self._floor = self._pick(plan, plan.templates)
+        plan.send_load = plan._selector.load
+
+    def _pick(self, plan: Plan, templates) -> tuple:
+        """(picks, the selector, (the send floor, per template its cuttable requests)).
+
+        select_stage takes requests in (is_part, -bytes, template, request) order. A request
+        with one candidate adds its load whatever the loads are, so only where it falls among
+        the others matters: all of them are placed first (their load added at their place),
+        then the others are picked in that order, each seeing exactly the load select_stage's
+        greedy would have given it."""
+        selector = Balanced(plan.world, plan.ranks_per_node)
+        load = selector.load
+        if self._shapes[0] is templates:  # the template stage's (rows, offset) per template
+            shapes = self._shapes[1]
+        else:  # split_stage's rounds: split templates among them
+            shapes = []
+            for t in templates:
+                g = t.geometry
+                moved = g.__class__ is _Moved and "requests" not in g.__dict__
+                shapes.append((self._rows(g._base), g._delta) if moved else (self._rows(g), 0))
+        free: list[tuple] = []
+        for i, (rows, _) in enumerate(shapes):
+            if rows.free:
+                free += [(rows.prefixes[j][0], rows.prefixes[j][1], i, j) for j in rows.free]
+        free.sort()
+        adds: list[dict] = [{} for _ in range(len(free) + 1)]
+        shared = {(p, b) for p, b, _, _ in free}
+        at_prefix: dict[tuple, int] = {}
+        usable: set[int] = set()
+        picks: list[list] = []
+        total, cuttable = 0, []
+        for i, (rows, delta) in enumerate(shapes):
+            n = len(templates[i].members)
+            total += rows.bytes * n
+            cuttable.append(rows.cut)
+            row = []
+            for j, (s, rank, nbytes, prefix) in enumerate(zip(rows.senders, rows.ranks, rows.amounts, rows.prefixes)):
+                if s is None:
+                    row.append(None)
+                    continue
+                s += delta
+                row.append((s,) * n)
+                usable.add(s)
+                if s == rank:
+                    continue  # a local copy: no load
+                pos = at_prefix.get(prefix)
+                if pos is None:
+                    if prefix in shared:  # a free request of this size: the template and request order too
+                        pos = bisect.bisect_left(free, (prefix[0], prefix[1], i, j))
+                    else:
+                        pos = at_prefix[prefix] = bisect.bisect_left(free, prefix)
+                d = adds[pos]
+                d[s] = d.get(s, 0) + n * nbytes
+            picks.append(row)
+        sets = {}
+        for pos, (_, neg, i, j) in enumerate(free):
+            for s, amount in adds[pos].items():
+                load[s] += amount
+            t = templates[i]
+            q = t.geometry.requests[j]
+            sets[id(q.senders)] = q.senders
+            picks[i][j] = tuple(selector.pick(q.rank, q.senders, len(t.members), -neg, j))
+        for s, amount in adds[len(free)].items():
+            load[s] += amount
+        for rs in sets.values():
+            usable.update(rs.ranks)
+        return picks, selector, ((total / len(usable) if usable else 0.0), cuttable)
+
+    def _split_stage(self, plan: Plan) -> None:
+        """split_stage with the floor and cuttable requests the select stage counted."""
+        floor, cuttable = self._floor
+        split_stage(plan, floor=floor, cuttable=cuttable, select=lambda p, ts: self._pick(p, ts)[:2])
+
+
+class _Rows:
+    """A geometry's requests as select reads them: per request its one candidate sender (None:
+    several), receiver, bytes and (is_part, -bytes) order prefix (one object per value); the
+    requests with several candidates (`free`); the bytes of all; those split_stage could cut."""
+
+    __slots__ = ("senders", "ranks", "amounts", "prefixes", "free", "bytes", "cut", "geometry")
+
+    def __init__(self, g: Geometry, prefixes: dict):
+        senders, free, cut, pres = [], [], [], []
+        for j, q in enumerate(g.requests):
+            rs = q.senders
+            one = len(rs) == 1
+            senders.append(rs.ranks[0] if one else None)
+            if not one:
+                free.append(j)
+            prefix = (g.is_part(q), -q.bytes)
+            pres.append(prefixes.setdefault(prefix, prefix))
+            if Balanced.cuttable(rs, q.bytes):
+                cut.append(j)
+        self.senders, self.free, self.cut, self.prefixes = tuple(senders), tuple(free), tuple(cut), tuple(pres)
+        self.ranks = tuple(q.rank for q in g.requests)
+        self.amounts = tuple(q.bytes for q in g.requests)
+        self.bytes = sum(self.amounts)
+        self.geometry = g  # keeps the id that keys it alive
+
+
+class _Moved(Geometry):
+    """A base geometry with its sources' ranks moved by `_delta` (TablePlanner._geometry): the
+    same pieces, proofs and destination; `requests` and `alternatives` (holders and candidate
+    senders moved) are made when first read, so a plan whose consumers read few of its
+    templates' requests (one rank's ops, the select stage's rows) never makes the others.
+    Equal to the Geometry `build_geometry` makes for its match, field by field."""
+
+    @cached_property
+    def requests(self) -> tuple[Request, ...]:
+        shift, delta = self._planner._shift, self._delta
+        out = []
+        for q in self._base.requests:
+            d = q.__dict__.copy()
+            d["senders"] = shift(q.senders, delta)
+            r = _new(Request)
+            _set(r, "__dict__", d)
+            out.append(r)
+        return tuple(out)
+
+    @cached_property
+    def alternatives(self):
+        shift, delta = self._planner._shift, self._delta
+        return tuple(tuple((a, shift(h, delta)) for a, h in alts) for alts in self._base.alternatives)
+
+
+
+_MOVED_FIELDS = frozenset(Geometry.__dataclass_fields__) - {"src", "requests", "alternatives"}
