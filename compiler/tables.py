@@ -75,7 +75,7 @@ class _SrcKey:
     the sources sit) and the sources' rank offset against the first placement of their kind
     (None: not a translation of it)."""
 
-    __slots__ = ("sources", "regions", "placements", "sig", "cls", "offset", "check")
+    __slots__ = ("sources", "regions", "placements", "sig", "cls", "sig_n", "cls_n", "offset", "check")
 
 
 class TablePlanner:
@@ -112,6 +112,8 @@ class TablePlanner:
         self._checked: set = set()         # (dst kind, src kind) ids _check_same_key passed
         self._src_keys: dict[str, _SrcKey] = {}
         self._interned: dict = {}          # signature parts, one object per value
+        self._numbers: dict = {}           # id of an interned part -> its number (`_number`)
+        self._parts_by_number: list = []
         self._dst_parts: dict = {}         # (id of a stored tensor's dims, its fixed, region box...) -> part
         self._geometries: dict = {}        # signature ids -> Geometry
         self._bases: dict = {}             # class ids -> (Geometry, its sources' offset, the fields a
@@ -164,6 +166,7 @@ class TablePlanner:
         cls = (tuple((id(s.mesh), id(s.dims)) for s in sources), boxes)
         hit.sig = intern.setdefault(sig, sig)
         hit.cls = intern.setdefault(cls, cls)
+        hit.sig_n, hit.cls_n = self._number(hit.sig), self._number(hit.cls)
         hit.check = id(self._intern((id(sources[0].dims), _region_sig(regions[0] if regions else None))))
         offsets = {self._offset(placement_of(s)) for s in sources}
         hit.offset = offsets.pop() if len(offsets) == 1 else None
@@ -200,7 +203,8 @@ class TablePlanner:
         dps = self._dst_parts.get(pos)
         if dps is None or dps[0] is not t.dims:  # per region of the tensor at `pos`: its parts
             regions = t.regions or (None,)
-            dps = self._dst_parts[pos] = (t.dims, [self._dst_part(t, r) for r in regions],
+            parts = [self._dst_part(t, r) for r in regions]
+            dps = self._dst_parts[pos] = (t.dims, [self._number(dp) << 32 for dp in parts],
                                           [id(self._intern((id(t.dims), _region_sig(r)))) for r in regions])
         mine, sks, keys = [], [], []
         src_keys, checked = self._src_keys, self._checked
@@ -220,6 +224,15 @@ class TablePlanner:
 
     def _intern(self, value):
         return self._interned.setdefault(value, value)
+
+    def _number(self, part) -> int:
+        """A small number per interned signature part (interned parts live as long as the planner):
+        a template signature is then `dst number << 32 | src number`, an int."""
+        n = self._numbers.get(id(part))
+        if n is None:
+            n = self._numbers[id(part)] = len(self._parts_by_number)
+            self._parts_by_number.append(part)
+        return n
 
     # ---- templates ----------------------------------------------------------------------------
     def _dst_part(self, t, r):
@@ -243,9 +256,9 @@ class TablePlanner:
         new, setd, moved, rows_of = _new, _set, _Moved, self._rows
         shapes: list[tuple] = []  # per template (its select rows, the rank offset of its sources)
         offsets, acc = [], 0
-        for i, (dp, sk) in enumerate(zip(*self._parts)):
+        for i, (dn, sk) in enumerate(zip(*self._parts)):
             offsets.append(acc)
-            sig = (id(dp), id(sk.sig))
+            sig = dn | sk.sig_n
             ti = by_sig.get(sig)
             if ti is not None:
                 ms = members[ti]
@@ -254,13 +267,12 @@ class TablePlanner:
                 acc += counts[ti]
                 continue
             ti = by_sig[sig] = len(geometries)
-            base = bases.get((id(dp), id(sk.cls)))
+            base = bases.get(dn | sk.cls_n)
             if base is not None and sk.offset is not None and base[1] is not None:
                 # the base's geometry, its sources `delta` ranks on (`_Moved`: made, not kept)
                 fields = base[2].copy()
                 delta = sk.offset - base[1]
-                fields["src"], fields["_base"], fields["_delta"] = sk.placements, base[0], delta
-                fields["_planner"] = self
+                fields["src"], fields["_delta"] = sk.placements, delta
                 g = new(moved)
                 setd(g, "__dict__", fields)
                 counts.append(base[3])
@@ -268,7 +280,7 @@ class TablePlanner:
             else:
                 g = known.get(sig)
                 if g is None:
-                    g = known[sig] = self._geometry(matches[i], dp, sk)
+                    g = known[sig] = self._geometry(matches[i], dn, sk)
                 counts.append(len(g.requests))
                 shapes.append((rows_of(g), 0))
             acc += counts[ti]
@@ -286,15 +298,17 @@ class TablePlanner:
         plan._offsets = offsets
         self._shapes = (plan.templates, shapes)
 
-    def _geometry(self, m: Match, dp, sk: _SrcKey) -> Geometry:
+    def _geometry(self, m: Match, dn: int, sk: _SrcKey) -> Geometry:
         """A geometry built (build_geometry); the first of its class is the base others move."""
+        dp = self._parts_by_number[dn >> 32]
         g = build_geometry(m, placement_of(m.dst), sk.placements, dp[4], self._cache, dp[3],
                            tuple((r.box, r.stacked, r.transposed) if r is not None else None for r in m.src_regions),
                            self._options["wire"])
-        cls = (id(dp), id(sk.cls))
+        cls = dn | sk.cls_n
         if cls not in self._bases:
             fields = {k: v for k, v in g.__dict__.items() if k in _MOVED_FIELDS}
             fields["request_ranks"] = g.request_ranks  # (the destination's, which a move keeps)
+            fields["_base"], fields["_planner"] = g, self
             self._bases[cls] = (g, sk.offset, fields, len(g.requests), self._rows(g))
         return g
 
@@ -368,9 +382,13 @@ class TablePlanner:
             if rows.free:
                 free += [(rows.prefixes[j][0], rows.prefixes[j][1], i, j) for j in rows.free]
         free.sort()
-        adds: list[dict] = [{} for _ in range(len(free) + 1)]
         shared = {(p, b) for p, b, _, _ in free}
-        at_prefix: dict[tuple, int] = {}
+        # the one-candidate requests' load, per place among the free ones (a rank vector each):
+        # a size no free request has goes where its prefix sorts; a size one has, by its full key
+        world = plan.world
+        vectors: dict[int, list[int]] = {}
+        at_prefix: dict[tuple, list[int] | None] = {}
+        ready: dict[int, tuple] = {}  # id of a rows -> per forced request (sender, receiver, bytes, vector or key)
         usable: set[int] = set()
         picks: list[list] = []
         total, cuttable = 0, []
@@ -378,35 +396,50 @@ class TablePlanner:
             n = len(templates[i].members)
             total += rows.bytes * n
             cuttable.append(rows.cut)
-            row = []
-            for j, (s, rank, nbytes, prefix) in enumerate(zip(rows.senders, rows.ranks, rows.amounts, rows.prefixes)):
-                if s is None:
-                    row.append(None)
-                    continue
+            if rows.free:
+                picks.append([None if s is None else (s + delta,) * n for s in rows.senders])
+            else:
+                picks.append([(s + delta,) * n for s in rows.senders])
+            todo = ready.get(id(rows))
+            if todo is None:
+                todo = []
+                for j, (s, rank, nbytes, prefix) in enumerate(zip(rows.senders, rows.ranks, rows.amounts, rows.prefixes)):
+                    if s is None:
+                        continue
+                    if prefix in shared:
+                        todo.append((s, rank, nbytes, (prefix, j)))
+                        continue
+                    vec = at_prefix.get(prefix)
+                    if vec is None:
+                        pos = bisect.bisect_left(free, prefix)
+                        vec = at_prefix[prefix] = vectors.get(pos) or vectors.setdefault(pos, [0] * world)
+                    todo.append((s, rank, nbytes, vec))
+                todo = ready[id(rows)] = tuple(todo)
+            for s, rank, nbytes, vec in todo:
                 s += delta
-                row.append((s,) * n)
                 usable.add(s)
-                if s == rank:
-                    continue  # a local copy: no load
-                pos = at_prefix.get(prefix)
-                if pos is None:
-                    if prefix in shared:  # a free request of this size: the template and request order too
+                if s != rank:  # (a local copy adds no load)
+                    if vec.__class__ is tuple:  # a size some free request has: its place by (template, request)
+                        prefix, j = vec
                         pos = bisect.bisect_left(free, (prefix[0], prefix[1], i, j))
-                    else:
-                        pos = at_prefix[prefix] = bisect.bisect_left(free, prefix)
-                d = adds[pos]
-                d[s] = d.get(s, 0) + n * nbytes
-            picks.append(row)
+                        vec = vectors.get(pos) or vectors.setdefault(pos, [0] * world)
+                    vec[s] += n * nbytes
         sets = {}
         for pos, (_, neg, i, j) in enumerate(free):
-            for s, amount in adds[pos].items():
-                load[s] += amount
+            vec = vectors.get(pos)
+            if vec is not None:
+                for s, amount in enumerate(vec):
+                    if amount:
+                        load[s] += amount
             t = templates[i]
             q = t.geometry.requests[j]
             sets[id(q.senders)] = q.senders
             picks[i][j] = tuple(selector.pick(q.rank, q.senders, len(t.members), -neg, j))
-        for s, amount in adds[len(free)].items():
-            load[s] += amount
+        vec = vectors.get(len(free))
+        if vec is not None:
+            for s, amount in enumerate(vec):
+                if amount:
+                    load[s] += amount
         for rs in sets.values():
             usable.update(rs.ranks)
         return picks, selector, ((total / len(usable) if usable else 0.0), cuttable)

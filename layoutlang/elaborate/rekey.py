@@ -150,12 +150,14 @@ class TableKeys:
         for w in self.watched:
             for r in w.recipes:
                 if r is NOT_REKEYABLE:
-                    self.reason = f"a key computes with an entry of `{table}` (only `{{{table}[i][j]}}` is re-keyed)"
+                    self.reason = (f"a key computes with an entry of `{table}`, other than as a whole key "
+                                   f"interpolation `{{{table}[i][j]}}`: every value is elaborated in full")
                 elif r is not None:
                     entries += sum(1 for p in r if p.__class__ is tuple)
         if self.reason is None and entries != reads:
-            self.reason = (f"`{table}` is read {reads - entries} time(s) outside key interpolations "
-                           "(a shape, a bound, a const): every value is elaborated in full")
+            self.reason = (f"`{table}` is read {reads - entries} time(s) other than as a whole key interpolation "
+                           f"`{{{table}[i][j]}}` (in a shape, a bound, a const or arithmetic): every value is "
+                           "elaborated in full")
         # every key not made by a recipe, with the tensor holding it: a re-keyed key must not be one
         made = {(w.position, k) for w in self.watched for k, r in enumerate(w.recipes) if r is not None}
         self._others: dict[str, int] = {}
