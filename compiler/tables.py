@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from collections.abc import Sequence
 
 from layoutlang.elaborate.rekey import watch
 from layoutlang.elaborate.sources import Source, read_source
@@ -167,60 +168,60 @@ class TablePlanner:
         hit.sig = intern.setdefault(sig, sig)
         hit.cls = intern.setdefault(cls, cls)
         hit.sig_n, hit.cls_n = self._number(hit.sig), self._number(hit.cls)
-        hit.check = id(self._intern((id(sources[0].dims), _region_sig(regions[0] if regions else None))))
+        hit.check = self._number(self._intern((id(sources[0].dims), _region_sig(regions[0] if regions else None))))
         offsets = {self._offset(placement_of(s)) for s in sources}
         hit.offset = offsets.pop() if len(offsets) == 1 else None
         self._src_keys[key] = hit
         return hit
 
     def _match_stage(self, plan: Plan) -> None:
-        """match.py's matches: per key found once; a stored tensor the value does not touch keeps
-        its matches (it is the very object of the earlier layouts). Per instance it also notes
-        the two parts of its template signature (`_parts`) for the template stage."""
-        new, setd = _new, _set
-        matches: list[Match] = []
+        """match.py's matches, made when read (`_Matches`): per key its sources found once, per
+        instance its source key noted; a stored tensor the value does not touch keeps what it
+        had (it is the very object of the earlier layouts). Per instance it also notes the two
+        parts of its template signature (`_parts`) for the template stage."""
         dparts: list = []
         sparts: list[_SrcKey] = []
+        starts: list[int] = []
         used: set[str] = set()
         kept = {}
-        for pos, t in enumerate(plan.dst.tensors):
+        tensors = plan.dst.tensors
+        for pos, t in enumerate(tensors):
             hit = self._kept.get(id(t))
             if hit is None or hit[0] is not t:
                 hit = self._matched(pos, t, used)
             kept[id(t)] = hit
-            matches += hit[1]
-            dparts += hit[2]
-            sparts += hit[3]
+            starts.append(len(sparts))
+            dparts += hit[1]
+            sparts += hit[2]
         for hit in kept.values():
-            used.update(hit[4])
+            used.update(hit[3])
         self._kept, self._parts = kept, (dparts, sparts)
-        plan.matches = matches
+        plan.matches = _Matches(tensors, starts, sparts)
+        plan._stored = plan.matches.stored
         plan.unused_keys = [k for k in self.src.key_index if k not in used]
 
     def _matched(self, pos: int, t, used: set[str]) -> tuple:
-        """(t, its matches, per match its destination and source signature parts, its keys)."""
-        new, setd = _new, _set
+        """(t, per instance its destination and source signature parts, its keys); match.py's
+        checks of each new pair of key kinds."""
         dps = self._dst_parts.get(pos)
         if dps is None or dps[0] is not t.dims:  # per region of the tensor at `pos`: its parts
             regions = t.regions or (None,)
             parts = [self._dst_part(t, r) for r in regions]
             dps = self._dst_parts[pos] = (t.dims, [self._number(dp) << 32 for dp in parts],
-                                          [id(self._intern((id(t.dims), _region_sig(r)))) for r in regions])
-        mine, sks, keys = [], [], []
+                                          [self._number(self._intern((id(t.dims), _region_sig(r)))) << 32
+                                           for r in regions])
         src_keys, checked = self._src_keys, self._checked
-        for region, check in zip((None,) if t.regions is None else t.regions, dps[2]):
-            key = region.key if region is not None else t.key
+        regions = (None,) if t.regions is None else t.regions
+        keys = [t.key] if t.regions is None else [r.key for r in regions]
+        sks = []
+        for region, key, check in zip(regions, keys, dps[2]):
             sk = src_keys.get(key) or self._src_key(key, t, region)
-            m = new(Match)
-            setd(m, "__dict__", {"dst": t, "src": sk.sources, "region": region, "src_regions": sk.regions})
-            pair = (check, sk.check)  # what _check_same_key compares: once per pair of kinds
-            if pair not in checked:
-                _check_same_key(m, self._compared)
-                checked.add(pair)
-            mine.append(m)
             sks.append(sk)
-            keys.append(key)
-        return t, mine, dps[1], sks, keys
+            pair = check | sk.check  # what _check_same_key compares: once per pair of kinds
+            if pair not in checked:
+                _check_same_key(Match(t, sk.sources, region, sk.regions), self._compared)
+                checked.add(pair)
+        return t, dps[1], sks, keys
 
     def _intern(self, value):
         return self._interned.setdefault(value, value)
@@ -246,7 +247,7 @@ class TablePlanner:
         by_sig: dict[tuple, int] = {}
         geometries: list[Geometry] = []
         counts: list[int] = []
-        members: list[list[int]] = []
+        members: list[tuple[int, ...]] = []
         instance: list[tuple[int, int]] = []
         known, bases = self._geometries, self._bases
         if len(known) > KEEP_GEOMETRIES:
@@ -260,10 +261,10 @@ class TablePlanner:
             offsets.append(acc)
             sig = dn | sk.sig_n
             ti = by_sig.get(sig)
-            if ti is not None:
+            if ti is not None:  # (another member: rare, so a tuple grown by one)
                 ms = members[ti]
                 instance.append((ti, len(ms)))
-                ms.append(i)
+                members[ti] = ms + (i,)
                 acc += counts[ti]
                 continue
             ti = by_sig[sig] = len(geometries)
@@ -285,13 +286,13 @@ class TablePlanner:
                 shapes.append((rows_of(g), 0))
             acc += counts[ti]
             geometries.append(g)
-            members.append([i])
+            members.append((i,))
             instance.append((ti, 0))
         offsets.append(acc)
         templates = []
         for g, ms in zip(geometries, members):
             t = new(Template)
-            setd(t, "__dict__", {"geometry": g, "members": tuple(ms)})
+            setd(t, "__dict__", {"geometry": g, "members": ms})
             templates.append(t)
         plan.templates = tuple(templates)
         plan._instance = instance
@@ -383,6 +384,7 @@ class TablePlanner:
                 free += [(rows.prefixes[j][0], rows.prefixes[j][1], i, j) for j in rows.free]
         free.sort()
         shared = {(p, b) for p, b, _, _ in free}
+        new = _new
         # the one-candidate requests' load, per place among the free ones (a rank vector each):
         # a size no free request has goes where its prefix sorts; a size one has, by its full key
         world = plan.world
@@ -398,8 +400,10 @@ class TablePlanner:
             cuttable.append(rows.cut)
             if rows.free:
                 picks.append([None if s is None else (s + delta,) * n for s in rows.senders])
-            else:
-                picks.append([(s + delta,) * n for s in rows.senders])
+            else:  # every request has its one sender: the row made when read
+                row = new(_Forced)
+                row.senders, row.delta, row.n = rows.senders, delta, n
+                picks.append(row)
             todo = ready.get(id(rows))
             if todo is None:
                 todo = []
@@ -448,6 +452,78 @@ class TablePlanner:
         """split_stage with the floor and cuttable requests the select stage counted."""
         floor, cuttable = self._floor
         split_stage(plan, floor=floor, cuttable=cuttable, select=lambda p, ts: self._pick(p, ts)[:2])
+
+
+class _Matches(Sequence):
+    """A plan's matches (match.py's), each made when first read: per instance its stored tensor
+    (the one whose regions hold it, found by its first instance), its region and its source key.
+    A one-rank plan reads the few it sends or receives."""
+
+    def __init__(self, tensors, starts: list[int], sources: list):
+        self._tensors, self._starts, self._sources = tensors, starts, sources
+        self._made: dict[int, Match] = {}
+        self.stored = _Stored(self)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def where(self, i: int) -> tuple:
+        """(the stored tensor of instance i, its region or None)."""
+        k = bisect.bisect_right(self._starts, i) - 1
+        t = self._tensors[k]
+        return t, (None if t.regions is None else t.regions[i - self._starts[k]])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        m = self._made.get(i)
+        if m is None:
+            if not 0 <= i < len(self._sources):
+                raise IndexError(i)
+            t, region = self.where(i)
+            sk = self._sources[i]
+            m = self._made[i] = Match(t, sk.sources, region, sk.regions)
+        return m
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+class _Stored(Sequence):
+    """Per instance its stored tensor (Plan.stored), without making its match."""
+
+    def __init__(self, matches: _Matches):
+        self._matches = matches
+
+    def __len__(self) -> int:
+        return len(self._matches)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return self._matches.where(i if i >= 0 else i + len(self))[0]
+
+
+class _Forced(Sequence):
+    """The picks of a template whose every request has one candidate: request j's sender is its
+    base's plus the template's offset, for each of its n members (made when read)."""
+
+    __slots__ = ("senders", "delta", "n")
+
+    def __len__(self) -> int:
+        return len(self.senders)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(len(self)))]
+        return (self.senders[j] + self.delta,) * self.n
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    __hash__ = None
 
 
 class _Rows:

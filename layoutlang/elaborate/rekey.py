@@ -104,8 +104,8 @@ class _Watched:
 
     @property
     def compiled(self) -> tuple:
-        """Per re-keyed region (k, text before, entry indices, text after): a key of one entry
-        is `before + str(entry) + after`; any other recipe is (k, None, recipe, "")."""
+        """Per re-keyed region (k, text before, i, j, text after): a key of one entry `{T[i][j]}`
+        is `before + str(T[i][j]) + after`; any other recipe is (k, None, recipe, None, "")."""
         hit = self.__dict__.get("_compiled")
         if hit is None:
             out = []
@@ -113,11 +113,11 @@ class _Watched:
                 if r is None or r is NOT_REKEYABLE:
                     continue
                 at = [i for i, p in enumerate(r) if p.__class__ is tuple]
-                if len(at) == 1:
+                if len(at) == 1 and len(r[at[0]]) == 2:
                     i = at[0]
-                    out.append((k, "".join(r[:i]), r[i], "".join(r[i + 1:])))
+                    out.append((k, "".join(r[:i]), r[i][0], r[i][1], "".join(r[i + 1:])))
                 else:
-                    out.append((k, None, r, ""))
+                    out.append((k, None, r, None, ""))
             hit = tuple(out)
             object.__setattr__(self, "_compiled", hit)
         return hit
@@ -192,11 +192,11 @@ class TableKeys:
         for w in self.watched:
             t = tensors[w.position]
             regions = list(t.regions)
-            for k, pre, at, post in w.compiled:
-                if pre is None:  # several entries: the recipe in full
-                    key = "".join(p if p.__class__ is str else str(_entry(value, p)) for p in at)
-                else:
-                    e = value[at[0]][at[1]] if len(at) == 2 else _entry(value, at)
+            for k, pre, a, b, post in w.compiled:
+                if pre is None:  # another form: the recipe (in `a`) in full
+                    key = "".join(p if p.__class__ is str else str(_entry(value, p)) for p in a)
+                else:  # one entry of a two-level table, `{T[a][b]}`
+                    e = value[a][b]
                     text = strs.get(e)
                     if text is None:
                         text = strs[e] = str(e)
