@@ -9,6 +9,8 @@ member alike), and runs the selector again (compiler/select.py holds the policy:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import dataclasses
 import math
 from typing import TYPE_CHECKING
@@ -74,7 +76,7 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
     marks: list[dict[int, int]] = [{} for _ in base]  # per template: request index -> parts
     # per template, the request of `base` each current request is (None: a part of a split one;
     # a range while the template is whole)
-    origin: list[range | tuple[int | None, ...]] = [range(len(t.geometry.request_ranks)) for t in base]
+    origin: Sequence[range | tuple[int | None, ...]] = _Whole(base)
     templates, picks, selector = base, plan._picks, plan._selector
     best = (max(selector.load), templates, picks, selector.load, origin)
     for _ in range(SPLIT_ROUNDS):
@@ -99,6 +101,22 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
     plan.splits = sum(len(t.members) * (len(t.geometry.requests) - sum(k is not None for k in origin[i]))
                       for i, t in enumerate(base))
     plan._offsets = _offsets(plan._instance, plan.templates)
+
+
+class _Whole(Sequence):
+    """`origin` while every template is whole: request j is request j (made per template read;
+    a list of them is built only once a round cuts something)."""
+
+    def __init__(self, base):
+        self._base = base
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return range(len(self._base[i].geometry.request_ranks))
 
 
 def _send_floor(templates: tuple[Template, ...]) -> float:

@@ -117,8 +117,8 @@ class TablePlanner:
         self._parts_by_number: list = []
         self._dst_parts: dict = {}         # (id of a stored tensor's dims, its fixed, region box...) -> part
         self._geometries: dict = {}        # signature ids -> Geometry
-        self._bases: dict = {}             # class ids -> (Geometry, its sources' offset, the fields a
-        #                                    moved copy shares, its request count)
+        self._bases: dict = {}             # class number -> (Geometry, its sources' offset, its request
+        #                                    ranks, its request count, its select rows)
         self._reference: dict = {}         # (id mesh, id dims) -> (the shards of the first placement seen, it)
         self._offsets: dict = {}           # a source placement -> its rank offset (None: not a translation)
         self._shifted: dict = {}           # (id of a RankSet, offset) -> the translated RankSet
@@ -127,7 +127,8 @@ class TablePlanner:
         self._rows_of: dict = {}           # id of a base -> its select rows (`_rows`)
         self._prefixes: dict = {}          # (is_part, -bytes) -> one object per value
         self._floor: tuple = (0.0, [])
-        self._shapes: tuple = ((), [])     # (the templates made last, per template its rows and offset)
+        self._shapes: tuple = ((), [], [])  # (the templates made last, per template its rows and offset,
+        #                                     its members)
 
     @property
     def rekeyable(self) -> bool:
@@ -244,10 +245,11 @@ class TablePlanner:
 
     def _template_stage(self, plan: Plan) -> None:
         """group_templates' templates: signatures from interned parts, new geometries moved."""
-        by_sig: dict[tuple, int] = {}
-        geometries: list[Geometry] = []
+        by_sig: dict[int, int] = {}
         counts: list[int] = []
         members: list[tuple[int, ...]] = []
+        templates: list[Template] = []
+        grown: set[int] = set()
         instance: list[tuple[int, int]] = []
         known, bases = self._geometries, self._bases
         if len(known) > KEEP_GEOMETRIES:
@@ -265,17 +267,17 @@ class TablePlanner:
                 ms = members[ti]
                 instance.append((ti, len(ms)))
                 members[ti] = ms + (i,)
+                grown.add(ti)
                 acc += counts[ti]
                 continue
-            ti = by_sig[sig] = len(geometries)
+            ti = by_sig[sig] = len(templates)
             base = bases.get(dn | sk.cls_n)
             if base is not None and sk.offset is not None and base[1] is not None:
                 # the base's geometry, its sources `delta` ranks on (`_Moved`: made, not kept)
-                fields = base[2].copy()
                 delta = sk.offset - base[1]
-                fields["src"], fields["_delta"] = sk.placements, delta
                 g = new(moved)
-                setd(g, "__dict__", fields)
+                setd(g, "__dict__", {"src": sk.placements, "_delta": delta, "_base": base[0], "_planner": self,
+                                     "request_ranks": base[2]})
                 counts.append(base[3])
                 shapes.append((base[4], delta))
             else:
@@ -285,19 +287,18 @@ class TablePlanner:
                 counts.append(len(g.requests))
                 shapes.append((rows_of(g), 0))
             acc += counts[ti]
-            geometries.append(g)
+            t = new(Template)
+            setd(t, "__dict__", {"geometry": g, "members": (i,)})
+            templates.append(t)
             members.append((i,))
             instance.append((ti, 0))
         offsets.append(acc)
-        templates = []
-        for g, ms in zip(geometries, members):
-            t = new(Template)
-            setd(t, "__dict__", {"geometry": g, "members": ms})
-            templates.append(t)
+        for ti in grown:  # the templates with more than one member
+            templates[ti].__dict__["members"] = members[ti]
         plan.templates = tuple(templates)
         plan._instance = instance
         plan._offsets = offsets
-        self._shapes = (plan.templates, shapes)
+        self._shapes = (plan.templates, shapes, members)
 
     def _geometry(self, m: Match, dn: int, sk: _SrcKey) -> Geometry:
         """A geometry built (build_geometry); the first of its class is the base others move."""
@@ -307,10 +308,8 @@ class TablePlanner:
                            self._options["wire"])
         cls = dn | sk.cls_n
         if cls not in self._bases:
-            fields = {k: v for k, v in g.__dict__.items() if k in _MOVED_FIELDS}
-            fields["request_ranks"] = g.request_ranks  # (the destination's, which a move keeps)
-            fields["_base"], fields["_planner"] = g, self
-            self._bases[cls] = (g, sk.offset, fields, len(g.requests), self._rows(g))
+            # (its destination ranks, which a move keeps, are what every op lookup reads)
+            self._bases[cls] = (g, sk.offset, g.request_ranks, len(g.requests), self._rows(g))
         return g
 
     def _offset(self, p) -> int | None:
@@ -371,8 +370,9 @@ class TablePlanner:
         selector = Balanced(plan.world, plan.ranks_per_node)
         load = selector.load
         if self._shapes[0] is templates:  # the template stage's (rows, offset) per template
-            shapes = self._shapes[1]
+            shapes, members = self._shapes[1], self._shapes[2]
         else:  # split_stage's rounds: split templates among them
+            members = [t.members for t in templates]
             shapes = []
             for t in templates:
                 g = t.geometry
@@ -394,8 +394,8 @@ class TablePlanner:
         usable: set[int] = set()
         picks: list[list] = []
         total, cuttable = 0, []
-        for i, (rows, delta) in enumerate(shapes):
-            n = len(templates[i].members)
+        for i, ((rows, delta), ms) in enumerate(zip(shapes, members)):
+            n = len(ms)
             total += rows.bytes * n
             cuttable.append(rows.cut)
             if rows.free:
@@ -552,12 +552,29 @@ class _Rows:
         self.geometry = g  # keeps the id that keys it alive
 
 
+class _FromBase:
+    """A field of a moved geometry read from its base, unless set on it (a non-data descriptor:
+    `dataclasses.replace` of a moved geometry sets every field, which then wins)."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        return getattr(obj.__dict__["_base"], self.name)
+
+
 class _Moved(Geometry):
-    """A base geometry with its sources' ranks moved by `_delta` (TablePlanner._geometry): the
-    same pieces, proofs and destination; `requests` and `alternatives` (holders and candidate
-    senders moved) are made when first read, so a plan whose consumers read few of its
-    templates' requests (one rank's ops, the select stage's rows) never makes the others.
-    Equal to the Geometry `build_geometry` makes for its match, field by field."""
+    """A base geometry (`_base`) with its sources' ranks moved by `_delta`: the same pieces,
+    proofs and destination, read from the base (`_FromBase`); its own `src`; `requests` and
+    `alternatives` (holders and candidate senders moved) made when first read, so a plan whose
+    consumers read few of its templates' requests (one rank's ops, the select stage's rows)
+    never makes the others. Equal to the Geometry `build_geometry` makes for its match, field
+    by field (made in TablePlanner._template_stage, never by __init__)."""
+
+    dst, wire_bytes, pieces, dst_box, src_boxes = _FromBase(), _FromBase(), _FromBase(), _FromBase(), _FromBase()
+    tiling, dst_dtype, wire_mode, dst_local = _FromBase(), _FromBase(), _FromBase(), _FromBase()
 
     @cached_property
     def requests(self) -> tuple[Request, ...]:
@@ -577,5 +594,3 @@ class _Moved(Geometry):
         return tuple(tuple((a, shift(h, delta)) for a, h in alts) for alts in self._base.alternatives)
 
 
-
-_MOVED_FIELDS = frozenset(Geometry.__dataclass_fields__) - {"src", "requests", "alternatives"}
