@@ -69,13 +69,18 @@ def same_plan(p, q) -> None:
     assert p.ops == q.ops
     assert p.stats == q.stats
     assert p.unused_keys == q.unused_keys and p.splits == q.splits
-    assert list(p._instance) == list(q._instance) and list(p._offsets) == list(q._offsets)
+    instances = p.stats["tensors"]
+    assert q.stats["tensors"] == instances
+    assert [p.template_of(i) for i in range(instances)] == [q.template_of(i) for i in range(instances)]
+    assert [p.op_range(i) for i in range(instances)] == [q.op_range(i) for i in range(instances)]
     assert len(p.templates) == len(q.templates)
     for a, b in zip(p.templates, q.templates):
         assert a.members == b.members
         for f in dataclasses.fields(b.geometry):  # meshes and dims of two loads are equal, not one object
             assert repr(getattr(a.geometry, f.name)) == repr(getattr(b.geometry, f.name)), f.name
-    assert [list(r) for r in p._picks] == [list(r) for r in q._picks]
+    for t, template in enumerate(q.templates):
+        for r in range(len(template.geometry.requests)):
+            assert p.picks(t, r) == q.picks(t, r), (t, r)
     for rank in range(p.world):
         assert p.ops_for_rank(rank) == q.ops_for_rank(rank)
 

@@ -254,8 +254,18 @@ def make_vllm_config(model_dir: str | os.PathLike, **engine_args: Any) -> Any:
         enforce_eager=True,
         tensor_parallel_size=1,
     )
+    kw.update(mla_backend(json.loads((Path(model_dir) / "config.json").read_text())))
     kw.update(engine_args)
     return EngineArgs(**kw).create_engine_config()
+
+
+def mla_backend(arch_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine args that pin an MLA model (DeepSeek-V3's `kv_lora_rank`) to vLLM's reference
+    CPU MLA backend. vLLM 0.33 prefers AMX_MLA wherever the CPU has AMX tiles, and AMX_MLA's
+    `process_weights_after_loading` calls `torch.ops._C.convert_weight_packed`, a kernel of the
+    compiled `vllm._C` this CPU install lacks: without the pin the build depends on the host's
+    CPU (it failed on CI's AMX machine)."""
+    return {"attention_backend": "CPU_MLA"} if arch_config.get("kv_lora_rank") else {}
 
 
 def build(
@@ -318,6 +328,7 @@ def make_llm(arch_config: Mapping[str, Any], tmpdir: str | os.PathLike, **llm_ar
         max_num_batched_tokens=64,
         enforce_eager=True,
     )
+    kw.update(mla_backend(arch_config))
     kw.update(llm_args)
     return LLM(**kw)
 
