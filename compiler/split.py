@@ -73,7 +73,7 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
             q = known[i] = _split_quanta(plan, base[i])
         return q
 
-    marks: list[dict[int, int]] = [{} for _ in base]  # per template: request index -> parts
+    marks: list[dict[int, int]] = [{} for _ in range(len(base))]  # per template: request index -> parts
     # per template, the request of `base` each current request is (None: a part of a split one;
     # a range while the template is whole)
     origin: Sequence[range | tuple[int | None, ...]] = _Whole(base)
@@ -84,11 +84,12 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
                       cuttable if templates is base else None)
         if not fresh:
             break
-        rebuilt, origin = list(templates), list(origin)
+        # (every round cuts from `base`: the previous rounds' cuts, and the new ones)
+        cut, cut_origin = ({}, {}) if templates is base else (dict(templates.cut), dict(origin.cut))
         for i in fresh:
-            g, origin[i] = split_geometry(base[i].geometry, marks[i], quanta(i))
-            rebuilt[i] = Template(g, base[i].members)
-        templates = tuple(rebuilt)
+            g, cut_origin[i] = split_geometry(base[i].geometry, marks[i], quanta(i))
+            cut[i] = Template(g, base[i].members)
+        templates, origin = Cut(base, cut), Cut(_Whole(base), cut_origin)
         picks, selector = (select or _select)(plan, templates)
         busiest = max(selector.load)
         if busiest < best[0] * SPLIT_GAIN:
@@ -101,6 +102,28 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
     plan.splits = sum(len(t.members) * (len(t.geometry.requests) - sum(k is not None for k in origin[i]))
                       for i, t in enumerate(base))
     plan._offsets = _offsets(plan._instance, plan.templates)
+
+
+class Cut(Sequence):
+    """`base` with the entries `cut` names replaced: a round's templates (and their origins)
+    without reading, or copying, the templates it left whole (a planner's templates may be
+    made when read: compiler/tables.py)."""
+
+    __slots__ = ("base", "cut")
+
+    def __init__(self, base: Sequence, cut: dict[int, object]):
+        self.base, self.cut = base, cut
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self.base)
+        hit = self.cut.get(i)
+        return self.base[i] if hit is None else hit
 
 
 class _Whole(Sequence):

@@ -60,7 +60,7 @@ from .ranks import RankSet
 from .relay import relay_stage
 from .select import Balanced
 from .shards import placement_of
-from .split import split_stage
+from .split import Cut, split_stage
 from .wire import wire_dtype
 
 _new, _set = object.__new__, object.__setattr__
@@ -248,15 +248,14 @@ class TablePlanner:
         by_sig: dict[int, int] = {}
         counts: list[int] = []
         members: list[tuple[int, ...]] = []
-        templates: list[Template] = []
-        grown: set[int] = set()
+        specs: list = []  # per template its geometry, or (base, delta, src placements, request ranks): moved
         instance: list[tuple[int, int]] = []
         known, bases = self._geometries, self._bases
         if len(known) > KEEP_GEOMETRIES:
             known.clear()
             self._rows_of.clear()
         matches = plan.matches
-        new, setd, moved, rows_of = _new, _set, _Moved, self._rows
+        rows_of = self._rows
         shapes: list[tuple] = []  # per template (its select rows, the rank offset of its sources)
         offsets, acc = [], 0
         for i, (dn, sk) in enumerate(zip(*self._parts)):
@@ -267,35 +266,28 @@ class TablePlanner:
                 ms = members[ti]
                 instance.append((ti, len(ms)))
                 members[ti] = ms + (i,)
-                grown.add(ti)
                 acc += counts[ti]
                 continue
-            ti = by_sig[sig] = len(templates)
+            ti = by_sig[sig] = len(specs)
             base = bases.get(dn | sk.cls_n)
             if base is not None and sk.offset is not None and base[1] is not None:
-                # the base's geometry, its sources `delta` ranks on (`_Moved`: made, not kept)
+                # the base's geometry, its sources `delta` ranks on (a `_Moved`, made when read)
                 delta = sk.offset - base[1]
-                g = new(moved)
-                setd(g, "__dict__", {"src": sk.placements, "_delta": delta, "_base": base[0], "_planner": self,
-                                     "request_ranks": base[2]})
+                specs.append((base[0], delta, sk.placements, base[2]))
                 counts.append(base[3])
                 shapes.append((base[4], delta))
             else:
                 g = known.get(sig)
                 if g is None:
                     g = known[sig] = self._geometry(matches[i], dn, sk)
+                specs.append(g)
                 counts.append(len(g.requests))
                 shapes.append((rows_of(g), 0))
             acc += counts[ti]
-            t = new(Template)
-            setd(t, "__dict__", {"geometry": g, "members": (i,)})
-            templates.append(t)
             members.append((i,))
             instance.append((ti, 0))
         offsets.append(acc)
-        for ti in grown:  # the templates with more than one member
-            templates[ti].__dict__["members"] = members[ti]
-        plan.templates = tuple(templates)
+        plan.templates = _Templates(specs, members, self)
         plan._instance = instance
         plan._offsets = offsets
         self._shapes = (plan.templates, shapes, members)
@@ -341,6 +333,12 @@ class TablePlanner:
             self._shifted[key] = hit
         return hit
 
+    def _shape(self, g: Geometry) -> tuple:
+        """(select's rows, the rank offset of the sources) of a template's geometry."""
+        if g.__class__ is _Moved and "requests" not in g.__dict__:
+            return self._rows(g._base), g._delta
+        return self._rows(g), 0
+
     def _rows(self, g: Geometry) -> _Rows:
         """What select needs of a geometry, whatever it is moved by (`_Rows`), kept per base."""
         hit = self._rows_of.get(id(g))
@@ -371,13 +369,13 @@ class TablePlanner:
         load = selector.load
         if self._shapes[0] is templates:  # the template stage's (rows, offset) per template
             shapes, members = self._shapes[1], self._shapes[2]
-        else:  # split_stage's rounds: split templates among them
+        elif templates.__class__ is Cut and templates.base is self._shapes[0]:  # a split round
+            shapes, members = list(self._shapes[1]), self._shapes[2]
+            for i, t in templates.cut.items():
+                shapes[i] = self._shape(t.geometry)
+        else:
             members = [t.members for t in templates]
-            shapes = []
-            for t in templates:
-                g = t.geometry
-                moved = g.__class__ is _Moved and "requests" not in g.__dict__
-                shapes.append((self._rows(g._base), g._delta) if moved else (self._rows(g), 0))
+            shapes = [self._shape(t.geometry) for t in templates]
         free: list[tuple] = []
         for i, (rows, _) in enumerate(shapes):
             if rows.free:
@@ -550,6 +548,44 @@ class _Rows:
         self.amounts = tuple(q.bytes for q in g.requests)
         self.bytes = sum(self.amounts)
         self.geometry = g  # keeps the id that keys it alive
+
+
+class _Templates(Sequence):
+    """A plan's templates (`Plan.templates`), each made when first read: a template the
+    planner moved from a base is four fields until then, so a re-plan whose consumers read
+    few of its templates (one rank's ops; the select stage's free requests) makes few of
+    its ~47k Template and `_Moved` objects. Reads as the tuple group_templates gives."""
+
+    __slots__ = ("_specs", "_members", "_planner", "_made")
+
+    def __init__(self, specs: list, members: list[tuple[int, ...]], planner: TablePlanner):
+        self._specs, self._members, self._planner = specs, members, planner
+        self._made: list[Template | None] = [None] * len(specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[k] for k in range(*i.indices(len(self))))
+        t = self._made[i]
+        if t is None:
+            spec = self._specs[i]
+            if spec.__class__ is tuple:
+                base, delta, src, request_ranks = spec
+                g = _new(_Moved)
+                _set(g, "__dict__", {"src": src, "_delta": delta, "_base": base, "_planner": self._planner,
+                                     "request_ranks": request_ranks})
+            else:
+                g = spec
+            t = _new(Template)
+            _set(t, "__dict__", {"geometry": g, "members": self._members[i]})
+            self._made[i] = t
+        return t
+
+    def __iter__(self):
+        get = self.__getitem__
+        return (get(i) for i in range(len(self._specs)))
 
 
 class _FromBase:

@@ -97,15 +97,16 @@ class Jobs:
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert path.exists(), f"no trainer report for refit {n}: {self.logs()}"
-        time.sleep(0.01)
-        return json.loads(path.read_text())
+        return json.loads(path.read_text())  # (whole: the trainer renames it into place)
 
     def lines(self, rid: str, rank: int, count: int, within: float = 60.0) -> list[dict]:
         """The first `count` receives of a replica's rank in its latest launch (waiting for them)."""
         path = self.out / f"{rid}.{self.launches[rid]}" / f"engine-{rid}-{rank}.jsonl"
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
-            rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+            text = path.read_text() if path.exists() else ""
+            # whole lines only: the engine may be mid-way through writing the last one
+            rows = [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines()]
             if len(rows) >= count:
                 return rows
             time.sleep(0.02)

@@ -34,6 +34,14 @@ from layoutlang.runtime import RefitError, TrainerJob  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
+def write_whole(path: Path, record: dict) -> None:
+    """`record` as JSON at `path`, whole or absent to a reader polling for it: written beside
+    it, then renamed into place."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(record))
+    part.replace(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--address", required=True, help="HOST:PORT of the refit's store (rank 0 hosts it)")
@@ -69,8 +77,8 @@ def main() -> int:
             report = job.refit(tensors, version=version)
         except RefitError as exc:
             if out:
-                (out / f"trainer-{rank}-error-{n}.json").write_text(json.dumps(
-                    {"error": str(exc), "at": time.time(), "began": began}))
+                write_whole(out / f"trainer-{rank}-error-{n}.json",
+                            {"error": str(exc), "at": time.time(), "began": began})
             print(f"trainer rank {rank}: {exc}", file=sys.stderr)
             return 3
         if rank == 0:
@@ -78,7 +86,7 @@ def main() -> int:
                     "reasons": report.reasons, "seconds": report.seconds, "began": began, "at": time.time()}
             print(json.dumps(line), flush=True)
             if out:
-                (out / f"trainer-report-{n}.json").write_text(json.dumps(line))
+                write_whole(out / f"trainer-report-{n}.json", line)
         dist.all_reduce(torch.ones(1))  # the trainer's own world still works
     job.close()
     return 0  # rank 0 leaves at once: its store may go (close waited for every reader)
