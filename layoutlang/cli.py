@@ -595,20 +595,31 @@ def cmd_new(ns, out: Console, err: Console) -> int:
                          help="a checkpoint directory goes with `layoutc new checkpoint DIR`")
     sizes = _parse_sets(ns.set)
     model = model_from_config(_read_config(ns.config), source=ns.config)
-    text = render(model, ns.framework, sizes, ns.expert_placement)
+    text = render(model, ns.framework, sizes, ns.expert_placement, ns.redundant_experts)
     where = ns.output or f"<layoutc new {ns.framework}>"
     from .elaborate import loads
 
     layout = loads(text, where)  # sizes that do not divide are diagnostics in the generated text (exit 1)
     if not _write_new(ns, out, text):
         return EXIT_OK
-    args = ", ".join(f"{n}={v}" for n, v in layout.args)
+    args = ", ".join(f"{n}={_arg_summary(v)}" for n, v in layout.args)
     first = min(m.offset for m in layout.meshes)
     ranks = f"rank {first}" if layout.ranks - first == 1 else f"ranks {first}..{layout.ranks - 1}"
     out.print(f"wrote {ns.output}: {model.model_type} in the {ns.framework} convention, "
               f"{len(layout.tensors)} tensor instances on {ranks} ({args}; "
               f"change them with --set {arg_names(model, ns.framework)[0]}=...)", markup=False)
     return EXIT_OK
+
+
+def _arg_summary(value) -> str:
+    """An arg's value in one line: an integer as it is, a table by its lengths (`[2 x 6]`)."""
+    if not isinstance(value, tuple):
+        return str(value)
+    lengths = []
+    while isinstance(value, tuple):
+        lengths.append(str(len(value)))
+        value = value[0] if value else None
+    return f"[{' x '.join(lengths)} table]"
 
 
 def _write_new(ns, out: Console, text: str) -> bool:
@@ -779,6 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     new.add_argument("--expert-placement", choices=("linear", "round_robin"), default="linear",
                      help="vllm only: vLLM's --expert-placement-strategy (docs/language.md 14.8)")
+    new.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                     help="vllm only: EPLB's num_redundant_experts; the experts are then placed by the table "
+                          "arg EPLB (docs/language.md 14.8)")
     new.set_defaults(run=cmd_new)
     return parser
 

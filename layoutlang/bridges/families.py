@@ -38,6 +38,8 @@ Conventions (`CONVENTIONS`):
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -641,7 +643,8 @@ def _engine_dense(prefix: str, inter: str, key_prefix: str | None = None) -> lis
 VLLM_EXPERT_PLACEMENTS = {"linear": "balanced", "round_robin": "cyclic"}
 
 
-def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str = "linear") -> Document:
+def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str = "linear",
+                redundant: int = 0) -> Document:
     moe = m.moe
     gptoss = m.model_type == "gpt_oss"
     embed = "model.embedding.weight" if engine == "vllm" and gptoss else "model.embed_tokens.weight"
@@ -663,9 +666,12 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
             # vLLM's expert map (docs/language.md 14.8): `linear` gives the first E mod EP ranks one
             # more expert (balanced), `round_robin` deals them out (cyclic)
             placed = f" over ep {VLLM_EXPERT_PLACEMENTS[placement]}" if engine == "vllm" else " over ep"
-            layer += _stacked_hf(moe, _hf(experts), placed, " over etp",
-                                 names=("w13_weight", "w2_weight"), bias_names=biases, mesh="experts",
-                                 hf_layout=False)
+            stacked = _stacked_hf(moe, _hf(experts), placed, " over etp",
+                                  names=("w13_weight", "w2_weight"), bias_names=biases, mesh="experts",
+                                  hf_layout=False)
+            if redundant:  # EPLB: physical slots, each the logical expert the table names
+                stacked = [_physical(t, f"{{EPLB[{'l' if start == 0 else f'l - {start}'}][p]}}") for t in stacked]
+            layer += stacked
             if moe.shared:
                 layer += _engine_dense(f"mlp.{moe.shared_name}", "S")
             if moe.shared_gate:
@@ -688,8 +694,14 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
         notes += [f"replicated `{fused}` (q_a_proj rows, then kv_a_proj_with_mqa rows); q_b_proj and",
                   "kv_b_proj split by head over tp; the vocabulary padded to a multiple of 64.",
                   "The engine derives its absorbed MLA matrices from kv_b_proj after loading."]
+    consts = _consts(m)
     if moe is not None:
         args.append(("EP", sizes["EP"]))
+        if redundant:
+            moe_layers = [stop - start for start, stop, routed in m.runs if routed]
+            physical = list(vllm_initial_eplb_map(moe.experts, redundant))
+            args.append(("EPLB", [physical] * moe_layers[0]))
+            consts += ("P = len(EPLB[0])",)
         if engine == "vllm":
             meshes.append("experts (ep=EP, etp=DP*TP/EP) at AT")
             notes += ["FusedMoE stacks each layer's local experts in routed_experts.w13_weight",
@@ -701,6 +713,12 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
                       f"{VLLM_EXPERT_PLACEMENTS[placement]}`):",
                       "the first E mod EP ranks hold one more." if placement == "linear" else
                       "rank r holds experts r, r + EP, r + 2*EP, ..."]
+            if redundant:
+                notes += [f"EPLB with {redundant} redundant experts: the stacked dims hold P = E + {redundant} "
+                          "physical slots, slot p of",
+                          "MoE layer i a copy of logical expert EPLB[i][p] (vLLM's physical_to_logical_map; the",
+                          "default is vLLM's initial map, p mod E). Placed as above over the P slots. Pass the",
+                          "live map with --set EPLB=@map.json; compiler/tables.py re-plans a new one."]
         else:
             meshes.append("experts (edp=DP, ep=EP, etp=TP/EP) at AT")
             notes += ["FusedMoE stacks each layer's local experts in w13_weight [E/ep, 2I/etp, H] and",
@@ -715,8 +733,22 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
         notes.append("SGLang stores this family exactly as vLLM does (names and sharding).")
     if m.tied:
         notes.append("Tied embeddings: the engine ties lm_head to model.embed_tokens.weight (one tensor).")
-    return Document(f"{m.model_type}_{engine}", _header(m, engine, notes), tuple(args), _consts(m),
+    return Document(f"{m.model_type}_{engine}", _header(m, engine, notes), tuple(args), consts,
                     tuple(meshes), m.dtype, tuple(body))
+
+
+def vllm_initial_eplb_map(experts: int, redundant: int) -> tuple[int, ...]:
+    """vLLM's first physical -> logical map (EplbState): the E routed experts in order, then
+    redundant slot i a copy of expert i mod E. So slot p holds expert p mod E."""
+    return tuple(range(experts)) + tuple(i % experts for i in range(redundant))
+
+
+def _physical(t: Tensor, entry: str) -> Tensor:
+    """A stacked expert tensor over physical slots `p in 0..P` instead of experts `e in 0..E`,
+    its keys reading the expert of slot p from the table (`entry`, e.g. `{EPLB[l][p]}`)."""
+    dims = (t.dims[0].replace("e in 0..E", "p in 0..P", 1),) + tuple(d.replace("{e}", entry) for d in t.dims[1:])
+    assert dims[0] != t.dims[0], t.dims  # (the stacked dim is first: _stacked_hf's engine form)
+    return dataclasses.replace(t, dims=dims, key=None if t.key is None else t.key.replace("{e}", entry))
 
 
 # ---- Megatron-Core ---------------------------------------------------------------------------------
@@ -869,9 +901,21 @@ def arg_names(model: Model, convention: str) -> tuple[str, ...]:
 
 
 def document(model: Model, convention: str, sizes: Mapping[str, int] | None = None,
-             expert_placement: str = "linear") -> Document:
+             expert_placement: str = "linear", redundant_experts: int = 0) -> Document:
     """The Document of `model` in `convention`; `sizes` give the args' values (TP, PP, ...);
-    `expert_placement` is vLLM's `expert_placement_strategy` (the vllm convention only)."""
+    `expert_placement` is vLLM's `expert_placement_strategy` and `redundant_experts` its EPLB
+    `num_redundant_experts` (the vllm convention only: the experts then placed by a table,
+    docs/language.md 14.8)."""
+    if redundant_experts:
+        if isinstance(redundant_experts, bool) or not isinstance(redundant_experts, int) or redundant_experts < 0:
+            raise UsageError(f"redundant experts {redundant_experts}: expected an integer >= 0")
+        if convention != "vllm":
+            raise UsageError(f"redundant experts are vLLM's EPLB; the {convention} layout has none")
+        if model.moe is None:
+            raise UsageError(f"redundant experts: {model.model_type} has no routed experts")
+        if sum(routed for _, _, routed in model.runs) != 1:
+            raise UsageError("redundant experts: the routed layers are not one run (one EPLB table row per "
+                             "MoE layer is written for a contiguous run only)")
     if expert_placement not in VLLM_EXPERT_PLACEMENTS:
         raise UsageError(f"expert placement `{expert_placement}`: expected one of {', '.join(VLLM_EXPERT_PLACEMENTS)}")
     if expert_placement != "linear" and convention != "vllm":
@@ -898,19 +942,19 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
         return torchtitan_document(model, full)
     if convention in ("hf", "hf-memory"):
         return _hf_doc(model, full, memory=convention == "hf-memory")
-    return _engine_doc(model, full, convention, expert_placement)
+    return _engine_doc(model, full, convention, expert_placement, redundant_experts)
 
 
 def render(model: Model, convention: str, sizes: Mapping[str, int] | None = None,
-           expert_placement: str = "linear") -> str:
+           expert_placement: str = "linear", redundant_experts: int = 0) -> str:
     """The `.layout` text of `model` in `convention` (canonical: `layoutc fmt --check` passes)."""
-    return render_document(document(model, convention, sizes, expert_placement))[0]
+    return render_document(document(model, convention, sizes, expert_placement, redundant_experts))[0]
 
 
 def layout_text(config: Mapping, convention: str, sizes: Mapping[str, int] | None = None,
-                expert_placement: str = "linear") -> str:
+                expert_placement: str = "linear", redundant_experts: int = 0) -> str:
     """`render(model_from_config(config), ...)`: what `layoutc new` prints."""
-    return render(model_from_config(config), convention, sizes, expert_placement)
+    return render(model_from_config(config), convention, sizes, expert_placement, redundant_experts)
 
 
 __all__ = ["CONVENTIONS", "FAMILIES", "ConfigError", "BridgeError", "Model", "GQA", "MLA", "MoE", "Document",
