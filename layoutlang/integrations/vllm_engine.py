@@ -222,7 +222,8 @@ def replica_layout(vllm_config, expert_placement: str = "linear") -> str:
                             f"{par.data_parallel_size}: the layoutlang backend describes one TP group per replica")
     if getattr(par, "enable_eplb", False):
         raise EngineRefused("EPLB is on: a layout can say its physical -> logical map (a table, docs/language.md "
-                            "14.8), but this backend does not read vLLM's live map yet (docs/engines.md)")
+                            "14.8; `layoutc new vllm --redundant-experts R` writes it), but this backend does not "
+                            "read vLLM's live map yet (docs/engines.md)")
     hf = vllm_config.model_config.hf_config.to_dict()
     tp = par.tensor_parallel_size
     ep = tp if getattr(par, "enable_expert_parallel", False) else 1
