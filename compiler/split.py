@@ -9,10 +9,9 @@ member alike), and runs the selector again (compiler/select.py holds the policy:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from layoutlang.vocabulary import DTYPE
@@ -98,7 +97,8 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
             break
     if best[1] is base:
         return
-    _, plan.templates, plan._picks, plan.send_load, origin = best
+    _, templates, plan._picks, plan.send_load, origin = best
+    plan.templates = tuple(templates)  # (every consumer indexes them: a tuple, not a Cut over the base)
     plan.splits = sum(len(t.members) * (len(t.geometry.requests) - sum(k is not None for k in origin[i]))
                       for i, t in enumerate(base))
     plan._offsets = _offsets(plan._instance, plan.templates)
