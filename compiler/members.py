@@ -66,6 +66,12 @@ def replicate(one: Layout, copies: int, first: int) -> Layout:
     return _replicas(one, _tensor_fields(one), copies, first)
 
 
+def digest_suffix(copies: int, first: int) -> str:
+    """What `replicate` adds to a layout's digest before hashing it again (rekey.py's `placed`
+    writes the same digest for a re-keyed replica)."""
+    return f"/replicas={copies}/first={first}"
+
+
 def _replicated_mesh(m: Mesh, copies: int, first: int) -> Mesh:
     if m.axis_index(REPLICA_AXIS) is not None:
         raise ValueError(f"mesh `{m.name}` already has an axis `{REPLICA_AXIS}`: rename it in the engine's layout")
@@ -122,7 +128,7 @@ def _replicas(one: Layout, tensor_fields, copies: int, first: int) -> Layout:
         t = new(cls)
         setd(t, "__dict__", fields)
         tensors.append(t)
-    digest = hashlib.sha256(f"{one.digest}/replicas={copies}/first={first}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{one.digest}{digest_suffix(copies, first)}".encode()).hexdigest()
     return Layout(one.path, one.name, tuple(meshes.values()), tuple(tensors), one.args, digest, one.sources)
 
 

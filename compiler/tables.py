@@ -53,6 +53,7 @@ from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
 from layoutlang.modes import cached_property
 
+from .members import digest_suffix, replicate
 from .match import Match, _check_same_key, _missing, _region_sig
 from .plan import (Geometry, Plan, PlanCache, Request, Template, _as_layout, _offsets, _select, build_geometry,
                    check_options, compile_plan)
@@ -86,9 +87,13 @@ class TablePlanner:
     compile_plan takes them (args, src_args, dst_args, ranks_per_node, selector, split, wire,
     relay, progress); the table's first value is the layout's own or the one in `args` /
     `dst_args`. `rekeyable` says whether new values take the fast path (`reason`: why not).
+    `replica_at=N`: `dst` is one engine replica of a job (runtime/jobs.py) whose ranks follow
+    the trainer's N: `plan(value)` is then `MemberPlanner(src, load(dst, {table: value}),
+    first=N).plan(1)`, i.e. compile_plan into `replicate(..., 1, N)` (relay off).
     """
 
-    def __init__(self, src, dst, table: str, *, dst_path: str | None = None, **compile_kwargs):
+    def __init__(self, src, dst, table: str, *, dst_path: str | None = None, replica_at: int | None = None,
+                 **compile_kwargs):
         from layoutlang.diagnostics import UsageError
 
         args = compile_kwargs.pop("args", None) or {}
@@ -107,6 +112,13 @@ class TablePlanner:
         source = Source(dst_path, dst) if dst_path is not None else read_source(os.fspath(dst))
         self._source, self._dst_args, self.table = source, dst_args, table
         self.first, self._keys = watch(source, dst_args, table, unknown_args="ignore")
+        self.replica_at = replica_at
+        if replica_at is not None:  # one engine replica of a job, its ranks after the trainer's
+            if opts["relay"]:
+                raise UsageError("TablePlanner: replica_at with relay=True: an engine replica is a separate job, "
+                                 "its plans never relay", help="pass relay=False")
+            self.first = replicate(self.first, 1, replica_at)
+            self._keys = self._keys.placed(self.first, digest_suffix(1, replica_at))
         self.reason = self._keys.reason
         self._cache = PlanCache()
         self._compared: set = set()
@@ -143,6 +155,8 @@ class TablePlanner:
             if dst is None:  # not re-keyable for this value: a fresh load (and its diagnostics)
                 fresh = loads(self._source.text, self._source.path, {**self._dst_args, self.table: value},
                               unknown_args="ignore")
+                if self.replica_at is not None:
+                    fresh = replicate(fresh, 1, self.replica_at)
                 return compile_plan(self.src, fresh, **opts)
             stages = (("match", self._match_stage), ("templates", self._template_stage),
                       ("senders", self._select_stage), ("split", self._split_stage), ("relay", relay_stage))

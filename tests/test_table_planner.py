@@ -247,3 +247,25 @@ def test_a_rekeyed_layout_is_a_fresh_load_and_keeps_the_untouched_tensors():
     w2 = {t.name: t for t in again.tensors}["w2.1"]
     assert [r.key for r in w2.regions] == [f"l.1.e.{e}.down" for e in value[1]]
     assert keys.rekey(eplb_map(0, 12)) is layout  # the first value: the first layout
+
+
+def test_an_engine_replica_of_a_job_plans_as_the_member_planner_does():
+    """replica_at=N: the plan a trainer job makes into one EPLB replica (its ranks after the
+    trainer's, runtime/jobs.py), equal to MemberPlanner's plan(1) of a fresh load of each map."""
+    from layoutlang.compiler.members import MemberPlanner, engine_rank
+
+    src = loads(TRAINER, "trainer.layout")
+    text = engine(0)
+    tp = TablePlanner(src, text, "MAP", dst_path="engine.layout", replica_at=src.ranks, relay=False)
+    assert tp.rekeyable, tp.reason
+    for seed in (0, 5, 6):
+        value = eplb_map(seed, 12)
+        plan = tp.plan(None if seed == 0 else value)
+        member = MemberPlanner(src, loads(text, "engine.layout", {"MAP": value})).plan(1)
+        same_plan(plan, member)
+        # the receivers are the replica's ranks as the job numbers them (4, 5, 6), never a trainer rank
+        assert {op.dst_rank for op in plan.ops} == {engine_rank(src.ranks, 1, 0, t) for t in range(3)}
+    fewer = eplb_map(9, 9)  # other lengths: a fresh load, moved the same way
+    same_plan(tp.plan(fewer), MemberPlanner(src, loads(text, "engine.layout", {"MAP": fewer})).plan(1))
+    with pytest.raises(Exception, match="relay"):
+        TablePlanner(src, text, "MAP", dst_path="engine.layout", replica_at=src.ranks)

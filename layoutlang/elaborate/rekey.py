@@ -28,6 +28,7 @@ templates stay shared).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 from ..ir import KeyRegion, Layout, TensorIR
@@ -169,10 +170,22 @@ class TableKeys:
                 if (pos, k) not in made:
                     self._others.setdefault(r.key, pos)
         self._fields = {}
+        self._suffix = ""
 
     @property
     def rekeyable(self) -> bool:
         return self.reason is None
+
+    def placed(self, layout: Layout, suffix: str) -> "TableKeys":
+        """These keys over `layout`: the first layout with other meshes (its tensors in the same
+        order, the same keys), such as one engine replica of a job moved after the trainer's
+        ranks (compiler/members.py `replicate`). Its re-keyed layouts take those meshes, and
+        their digests are `sha256(digest + suffix)`, the digest that move gives the fresh load."""
+        if len(layout.tensors) != len(self.layout.tensors) or dict(layout.args) != dict(self.layout.args):
+            raise ValueError("TableKeys.placed: another layout, not this one placed elsewhere")
+        out = object.__new__(TableKeys)
+        out.__dict__.update(self.__dict__, layout=layout, _suffix=suffix)
+        return out
 
     def rekey(self, value) -> Layout | None:
         """The layout for `table = value`, or None where only a fresh load is exact."""
@@ -226,8 +239,10 @@ class TableKeys:
         if len(made) != total:
             return None  # two re-keyed tensors hold one key
         args = [(n, value if n == self.table else v) for n, v in old.args]
-        return Layout(old.path, old.name, old.meshes, tuple(tensors), tuple(args), digest_of(old.sources, args),
-                      old.sources)
+        digest = digest_of(old.sources, args)
+        if self._suffix:
+            digest = hashlib.sha256(f"{digest}{self._suffix}".encode()).hexdigest()
+        return Layout(old.path, old.name, old.meshes, tuple(tensors), tuple(args), digest, old.sources)
 
     def _retyped(self, t: TensorIR, regions: tuple[KeyRegion, ...]) -> TensorIR:
         """`t` with other regions: its fields and key-independent memos, regions replaced."""
