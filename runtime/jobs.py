@@ -36,6 +36,7 @@ store go (`close`), so the store's host may exit right after `close` returns.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from layoutlang.compiler import members
-from layoutlang.diagnostics import UsageError
+from layoutlang.diagnostics import LayoutError, UsageError
 from layoutlang.elaborate import load, loads
 from layoutlang.ir import Layout
 
@@ -61,6 +62,7 @@ NAMESPACE = "layoutlang/jobs/"
 MEET_GRACE = 0.4     # s the trainer's "end" meeting waits past the walks' deadline
 GRACE = 1.0          # s a reader waits for a verdict past its own deadline (the writer's is no later)
 GO, GO_STRIDED = "go", "go strided"   # refit/n/go: the walk may start (buckets cut as staged)
+KEPT = 8             # layouts, plans and walks kept per replica layout (EPLB rebalances every `step_interval` steps)
 POLL = 0.5           # s between looks at `trainer/closed` while an engine waits for the next refit
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -179,6 +181,21 @@ def signature(layout: Layout) -> list:
             for t in layout.tensors]
 
 
+def text_digest(layout: Layout) -> str:
+    """The digest of a layout's own text: two replicas with equal ones differ only in args."""
+    return hashlib.sha256(layout.source_text.encode("utf-8")).hexdigest()
+
+
+def published(layout: Layout) -> dict:
+    """What an engine replica says of its layout under `replica/R/layout`: the digest, the
+    shapes, and (one file) its text's digest and its args, so that a trainer holding the same
+    text can plan for this replica's args (an EPLB map) without the text travelling."""
+    record = {"digest": layout.digest, "ranks": layout.ranks, "tensors": signature(layout)}
+    if len(layout.sources) == 1:
+        record.update(text=text_digest(layout), args=args_json(layout))
+    return record
+
+
 def layout_difference(expected: Layout, theirs: dict) -> str | None:
     """Why an engine's layout (its `signature` and digest) is not the one the trainer plans for."""
     if theirs.get("digest") == expected.digest:
@@ -215,24 +232,87 @@ ENGINE_AGAIN = ("call receive again on every rank of this replica: the next refi
                 "rewrites every element")
 
 
-class _Plans:
-    """Membership plans by replica count: geometry shared, each new count costs its picks."""
+class ReplicaPlans:
+    """Membership plans by (replica layout, replica count), the same on trainer and engine ranks.
+
+    Every replica of a job runs `one`'s text; its args may differ (an EPLB engine publishes
+    the expert map it holds now: runtime/jobs.md "Replicas with their own args"). Replicas
+    with equal layouts share one K-copy plan (MemberPlanner, geometry shared across K); one
+    replica whose args differ from `one`'s in a single table arg is planned through that
+    table's TablePlanner (its ranks after the trainer's), so a new map re-plans on its fast
+    path. Both kinds equal `compile_plan(src, replicate(layout, K, N), relay=False)`, so
+    both sides reach the same digest whichever path each takes (the engine checks it)."""
 
     def __init__(self, src: Layout, one: Layout):
-        planner = getattr(members, "MemberPlanner", None)
         self.src, self.one = src, one
-        self.planner = planner(src, one) if planner is not None else None
-        self.by_count: dict[int, object] = {}
+        self._layouts: dict[str, Layout] = {}                  # args as JSON -> layout
+        self._members: dict[str, members.MemberPlanner] = {}   # layout digest -> its planner
+        self.tables: dict[str, object] = {}                    # table arg -> its TablePlanner
+        self._plans: dict[tuple[str, int], object] = {}        # (args as JSON, copies) -> plan
 
-    def plan(self, copies: int):
-        if copies not in self.by_count:
-            if self.planner is not None:
-                self.by_count[copies] = self.planner.plan(copies)
-            else:
-                from layoutlang.compiler import compile_plan
-                self.by_count[copies] = compile_plan(self.src, members.replicate(self.one, copies, self.src.ranks),
-                                                     relay=False)
-        return self.by_count[copies]
+    def layout(self, args: dict | None) -> Layout:
+        """`one`'s text with `args` over its own (a replica's published args)."""
+        if not args:
+            return self.one
+        key = json.dumps(args, sort_keys=True)
+        if key not in self._layouts:
+            if len(self.one.sources) != 1:
+                raise UsageError(f"{self.one.path} includes other files: only its own args can be planned for")
+            merged = {**dict(self.one.args), **{k: _arg_value(v) for k, v in args.items()}}
+            _keep(self._layouts, key, loads(self.one.source_text, self.one.path, merged, unknown_args="ignore"),
+                  KEPT)
+        return self._layouts[key]
+
+    def plan(self, copies: int, args: dict | None = None):
+        """The plan into `copies` replicas that hold `one`'s text with `args` (None: `one`)."""
+        key = (json.dumps(args, sort_keys=True), copies)
+        if key not in self._plans:
+            _keep(self._plans, key, self._make(copies, args), KEPT)
+        return self._plans[key]
+
+    def _make(self, copies: int, args: dict | None):
+        table = self._table_of(args) if copies == 1 else None
+        if table is not None:
+            if table not in self.tables:
+                from layoutlang.compiler.tables import TablePlanner
+                self.tables[table] = TablePlanner(self.src, self.one.source_text, table, dst_path=self.one.path,
+                                                   dst_args=dict(self.one.args), replica_at=self.src.ranks,
+                                                   relay=False)
+            return self.tables[table].plan(_arg_value(args[table]))
+        layout = self.layout(args)
+        if layout.digest not in self._members:
+            _keep(self._members, layout.digest, members.MemberPlanner(self.src, layout), 2)
+        return self._members[layout.digest].plan(copies)
+
+    def _table_of(self, args: dict | None) -> str | None:
+        """The one table arg in which `args` differ from `one`'s, if that is all they change."""
+        if not args or len(self.one.sources) != 1:
+            return None
+        mine = dict(self.one.args)
+        theirs = {name: _arg_value(v) for name, v in args.items()}
+        if not set(theirs) <= set(mine):
+            return None
+        changed = [name for name in theirs if theirs[name] != mine[name]]
+        if len(changed) == 1 and isinstance(theirs[changed[0]], tuple):
+            return changed[0]
+        return None
+
+
+def _keep(cache: dict, key, value, most: int) -> None:
+    """cache[key] = value, the oldest entries dropped past `most`."""
+    cache[key] = value
+    while len(cache) > most:
+        cache.pop(next(iter(cache)))
+
+
+def _arg_value(v):
+    """An arg as JSON carried it, as layouts hold it (tables: tuples of tuples)."""
+    return tuple(_arg_value(x) for x in v) if isinstance(v, list) else v
+
+
+def args_json(layout: Layout) -> dict:
+    """A layout's args as data (tables as lists)."""
+    return {name: value for name, value in layout.args}
 
 
 class TrainerJob:
@@ -264,8 +344,8 @@ class TrainerJob:
         self.keep_staging, self.device, self.hooks = keep_staging, device, hooks
         self.kv, self._owner = _connect(address, store, rank == 0, _as_timeout(connect_timeout or timeout))
         self._rv = Rendezvous(self.kv.store, rank, world_size, "trainer")
-        self._plans = _Plans(self.src, self.one)
-        self._walks: dict[int, JobWalk] = {}
+        self.plans = ReplicaPlans(self.src, self.one)
+        self._walks: dict[tuple, JobWalk] = {}
         self._groups: dict[str, object] = {}
         self._n = 0
         self._broken: str | None = None
@@ -274,7 +354,7 @@ class TrainerJob:
         # rank 0's view of the replicas: registration order, layouts checked, group generations
         self._known: list[str] = []
         self._seen = 0
-        self._layout_verdict: dict[str, tuple[str, str | None]] = {}
+        self._layout_verdict: dict[str, tuple[str, str | None, dict | None]] = {}  # text, why, args
         self._generation: dict[str, tuple[tuple[str, ...], int]] = {}
         self._next_generation: dict[str, int] = {}
         if rank == 0:
@@ -316,19 +396,20 @@ class TrainerJob:
         if self.rank == 0 and expect:
             self._await_replicas(expect, began + self.timeout.total_seconds())
         ann = self._announce(n, version) if self.rank == 0 else self._announcement(n, began + self.timeout.total_seconds())
-        members = ann["members"]
         problems = tensor_problems(self.src, self.rank, tensors, "source")
-        walk = self._walk(len(members)) if members else None
-        if walk is not None:
-            walk.membership = self._membership(ann, tensors)
+        walks = []  # one per layout the members hold (replicas with their own args: ReplicaPlans)
+        for entry, group in layout_groups(ann):
+            walk = self._walk(len(group), entry["args"])
+            walk.membership = self._membership(group, tensors)
             walk.connect(_device_of(tensors, self.device), began + self.timeout.total_seconds())
+            walks.append(walk)
         # from here one deadline bounds the refit: the start meeting, every walk, the end meeting
         # (its grace past it). Announcing and connecting had their own (a replica that does not
         # connect by then is dropped, and costs the others none of their time)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        strided = self._start(n, problems, ann, deadline, walk is not None and walk.strided(tensors, None))
+        strided = self._start(n, problems, ann, deadline, any(w.strided(tensors, None) for w in walks))
         dropped: dict[str, str] = {}
-        if walk is not None:
+        for walk in walks:  # one after the other, all by the one deadline
             membership = walk.membership
             try:
                 walk.walk(n, tensors, None, deadline, cut_strided=strided or members_strided(ann))
@@ -338,7 +419,7 @@ class TrainerJob:
                 self._abort(n, reason)
                 raise _error(self.who, n, walk._phase, failure_text(exc), reusable=False, help=TRAINER_BROKEN,
                              rank=self.rank) from exc
-            dropped = {membership.replicas[s]: why for s, why in walk.dropped.items()}
+            dropped.update({membership.replicas[s]: why for s, why in walk.dropped.items()})
         marked = self._end(n, dropped, deadline)
         verdict = self._verdict(n, ann, dropped, marked, deadline) if self.rank == 0 else self._read_verdict(n, deadline)
         if "abort" in verdict:
@@ -379,10 +460,22 @@ class TrainerJob:
                 generation = self._next_generation.get(rid, 0)
                 self._next_generation[rid] = generation + 1
                 known = self._generation[rid] = (nonces, generation)
-            members.append({"id": rid, "waits": waits, "group": f"{rid}.{known[1]}"})
-        plan = self._plans.plan(len(members)) if members else None
-        ann = {"refit": n, "version": version, "trainer": self.world, "members": members, "refused": refused,
-               "plan": plan.digest if plan is not None else ""}
+            members.append({"id": rid, "waits": waits, "group": f"{rid}.{known[1]}",
+                            "args": self._layout_verdict[rid][2]})
+        layouts: list[dict] = []
+        for m in members:  # the members that hold one layout form one group, in member order
+            args = m.pop("args")
+            index = next((i for i, e in enumerate(layouts) if e["args"] == args), None)
+            if index is None:
+                index = len(layouts)
+                layouts.append({"args": args, "copies": 0})
+            m["layout"] = index
+            layouts[index]["copies"] += 1
+        for entry in layouts:
+            plan = self.plans.plan(entry["copies"], entry["args"])
+            entry.update(digest=self.plans.layout(entry["args"]).digest, plan=plan.digest)
+        ann = {"refit": n, "version": version, "trainer": self.world, "members": members, "layouts": layouts,
+               "refused": refused}
         self.kv.set(f"refit/{n}", json.dumps(ann))
         self.kv.set("refit/latest", str(n))
         return ann
@@ -415,14 +508,25 @@ class TrainerJob:
             self._seen += 1
 
     def _refusal(self, rid: str) -> str | None:
+        """Why replica `rid`'s published layout cannot be planned for (None: it can, with the
+        args kept beside the verdict: None for `one` itself, else the replica's own)."""
         text = self.kv.get(f"replica/{rid}/layout")
         cached = self._layout_verdict.get(rid)
         if cached is None or cached[0] != text:
+            args = None
             try:
-                why = layout_difference(self.one, json.loads(text))
-            except (ValueError, TypeError) as exc:
+                theirs = json.loads(text)
+                expected = self.one
+                if theirs.get("digest") != self.one.digest and theirs.get("text") == text_digest(self.one) \
+                        and isinstance(theirs.get("args"), dict):
+                    args = theirs["args"]  # the same text, its own args (an EPLB map): planned for them
+                    expected = self.plans.layout(args)
+                why = layout_difference(expected, theirs)
+            except (ValueError, TypeError, AttributeError) as exc:
                 why = f"its layout description cannot be read: {exc}"
-            cached = self._layout_verdict[rid] = (text, why)
+            except LayoutError as exc:
+                why = f"its layout args do not load with {self.one.path}: {str(exc).splitlines()[0]}"
+            cached = self._layout_verdict[rid] = (text, why, args)
         return cached[1]
 
     # ---- every trainer rank -----------------------------------------------------------
@@ -435,25 +539,25 @@ class TrainerJob:
                          rank=self.rank, peers=(0,)) from None
         return json.loads(self.kv.get(f"refit/{n}"))
 
-    def _walk(self, copies: int) -> JobWalk:
-        if copies not in self._walks:
-            plan = self._plans.plan(copies)
-            self._walks[copies] = JobWalk(plan, rank=self.rank, membership=Membership(self.world, self.one.ranks,
-                                          ("",) * copies, (None,) * copies), device=self.device,
-                                          keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout,
-                                          **self.options)
-        return self._walks[copies]
+    def _walk(self, copies: int, args: dict | None) -> JobWalk:
+        key = (copies, json.dumps(args, sort_keys=True))
+        if key not in self._walks:
+            plan = self.plans.plan(copies, args)
+            _keep(self._walks, key, JobWalk(plan, rank=self.rank, membership=Membership(
+                self.world, self.one.ranks, ("",) * copies, (None,) * copies), device=self.device,
+                keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout, **self.options), KEPT)
+        return self._walks[key]
 
-    def _membership(self, ann: dict, tensors) -> Membership:
+    def _membership(self, members: list[dict], tensors) -> Membership:
         device = _device_of(tensors, self.device)
         groups = []
-        for m in ann["members"]:
+        for m in members:
             name = m["group"]
             if name not in self._groups:
                 self._groups[name] = ReplicaGroup(name, build_group(self.kv.store, name, self.rank,
                                                   self.world + self.one.ranks, device, self.timeout))
             groups.append(self._groups[name])
-        return Membership(self.world, self.one.ranks, tuple(m["id"] for m in ann["members"]), tuple(groups))
+        return Membership(self.world, self.one.ranks, tuple(m["id"] for m in members), tuple(groups))
 
     def _retire(self, rid: str, ann: dict) -> None:
         """A dropped replica's group is never used again (its pairs may be broken)."""
@@ -604,6 +708,11 @@ class TrainerJob:
         self._walks.clear()
 
 
+def layout_groups(ann: dict) -> list[tuple[dict, list[dict]]]:
+    """Refit n's members by the layout they hold: (its `layouts` entry, its members in order)."""
+    return [(entry, [m for m in ann["members"] if m["layout"] == i]) for i, entry in enumerate(ann["layouts"])]
+
+
 def members_strided(ann: dict) -> bool:
     """Some rank of a member replica said its tensors are not contiguous (its wait's `s`)."""
     return any(w.endswith("/s") for m in ann["members"] for w in m["waits"])
@@ -648,7 +757,7 @@ class EngineJob:
                  connect_timeout: timedelta | float | None = None):
         if not isinstance(replica, str) or not REPLICA_ID.fullmatch(replica):
             raise UsageError(f"replica id {replica!r}: expected letters, digits, `.`, `_` or `-` (at most 128)")
-        self.one = _as_layout(infer, args)
+        self.one = self._base = _as_layout(infer, args)
         self.replica, self.rank, self.world = replica, rank, world_size
         self.who = f"replica {replica} rank {rank}"
         if self.one.ranks != world_size:
@@ -660,16 +769,34 @@ class EngineJob:
         self.interrupted = False
         self.nonce = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
         self._calls = 0
-        self._trainer: tuple[str, Layout, _Plans, dict] | None = None  # (its digest, layout, plans, options)
-        self._walks: dict[tuple[int, int], JobWalk] = {}
+        self._trainer: tuple[str, Layout, ReplicaPlans, dict] | None = None  # (its digest, layout, plans, options)
+        self._walks: dict[tuple, JobWalk] = {}
         self._group: tuple[str, object] | None = None
         base = f"replica/{replica}"
         self.kv.set(f"{base}/wait/{rank}", "")
         if rank == 0:
-            self.kv.set(f"{base}/layout", json.dumps({"digest": self.one.digest, "ranks": self.one.ranks,
-                                                      "tensors": signature(self.one)}))
+            self.kv.set(f"{base}/layout", json.dumps(published(self.one)))
             number = self.kv.add("replicas/count", 1) - 1
             self.kv.set(f"replicas/{number}", replica)
+
+    def set_args(self, args: dict) -> None:
+        """From the next refit on, this replica holds its layout with `args` over the ones it was
+        started with: an EPLB rebalance moved its experts (a new map in the layout's table arg).
+        Every rank of the replica calls it with the same args, between two `receive`s; rank 0
+        publishes the layout again, so the trainer plans the next refit for it (one table arg
+        changed: TablePlanner's re-plan). A refit the trainer planned for the old args fails on
+        this replica without writing (the digests differ), and the next one is planned anew."""
+        if len(self._base.sources) != 1:
+            raise UsageError(f"{self._base.path} includes other files: a replica whose args change "
+                             "publishes its layout as one text, so write it without `include`")
+        merged = {**dict(self._base.args), **{k: _arg_value(v) for k, v in args.items()}}
+        layout = loads(self._base.source_text, self._base.path, merged, unknown_args="ignore")
+        if layout.ranks != self.world:
+            raise UsageError(f"{self._base.path} with those args spans {layout.ranks} ranks but replica "
+                             f"{self.replica} has {self.world}")
+        self.one = self._base if layout.digest == self._base.digest else layout
+        if self.rank == 0:
+            self.kv.set(f"replica/{self.replica}/layout", json.dumps(published(self.one)))
 
     def receive(self, tensors, *, wait: timedelta | float | None = None):
         """Block until the next refit this replica takes part in, write it into `tensors` in place,
@@ -734,12 +861,13 @@ class EngineJob:
 
     def _take_part(self, n: int, ann: dict, slot: int, tensors):
         member = ann["members"][slot]
-        copies = len(ann["members"])
+        entry, together = layout_groups(ann)[member["layout"]]  # the members planned with this one
+        copies, slot = len(together), together.index(member)
         walk, fail = None, None
         try:
-            walk = self._walk(ann, copies, slot)
+            walk = self._walk(ann, entry, copies, slot)
             group = self._group_for(member["group"], ann["trainer"], tensors)
-            walk.membership = Membership(ann["trainer"], self.one.ranks, tuple(m["id"] for m in ann["members"]),
+            walk.membership = Membership(ann["trainer"], self.one.ranks, tuple(m["id"] for m in together),
                                          tuple(group if i == slot else None for i in range(copies)))
             walk.connect(_device_of(tensors, self.device), time.monotonic() + self.timeout.total_seconds())
         except (RefitError, ReplicaLost) as exc:
@@ -788,32 +916,36 @@ class EngineJob:
                                                   f"{self.version})")
         return _error(self.who, n, phase, detail, reusable=True, help=help, replica=self.replica, rank=self.rank)
 
-    def _walk(self, ann: dict, copies: int, slot: int) -> JobWalk:
+    def _walk(self, ann: dict, entry: dict, copies: int, slot: int) -> JobWalk:
         trainer = self._trainer_layout()
         _, src, plans, options = trainer
-        key = (copies, slot)
+        if entry["digest"] != self.one.digest:
+            raise _error(self.who, ann["refit"], "setup", f"the trainer planned refit {ann['refit']} for layout "
+                         f"{entry['digest'][:12]} but this replica holds {self.one.digest[:12]} (its args changed "
+                         "since: set_args)", reusable=True, help=ENGINE_AGAIN, replica=self.replica, rank=self.rank)
+        args = None if self.one is self._base else args_json(self.one)
+        key = (copies, slot, self.one.digest)
         if key not in self._walks:
-            plan = plans.plan(copies)
-            if plan.digest != ann["plan"]:
+            plan = plans.plan(copies, args)
+            if plan.digest != entry["plan"]:
                 raise _error(self.who, ann["refit"], "setup", f"this replica's plan for {copies} replicas "
-                             f"({plan.digest[:12]}) differs from the trainer's ({ann['plan'][:12]}): different "
+                             f"({plan.digest[:12]}) differs from the trainer's ({entry['plan'][:12]}): different "
                              "layouts or layoutlang versions", reusable=True, help=ENGINE_AGAIN,
                              replica=self.replica, rank=self.rank)
             rank = ann["trainer"] + self.rank * copies + slot
-            self._walks[key] = JobWalk(plan, rank=rank, membership=Membership(ann["trainer"], self.one.ranks,
-                                       ("",) * copies, (None,) * copies), device=self.device,
-                                       keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout,
-                                       **options)
+            _keep(self._walks, key, JobWalk(plan, rank=rank, membership=Membership(
+                ann["trainer"], self.one.ranks, ("",) * copies, (None,) * copies), device=self.device,
+                keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout, **options), KEPT)
         return self._walks[key]
 
     def _trainer_layout(self):
         """The trainer's layout, as its rank 0 left it in the store (text and args: data)."""
         text = json.loads(self.kv.get("trainer/layout"))
         if self._trainer is None or self._trainer[0] != text["digest"]:
-            src = loads(text["text"], text["path"], {k: int(v) for k, v in text["args"].items()},
+            src = loads(text["text"], text["path"], {k: _arg_value(v) for k, v in text["args"].items()},
                         unknown_args="ignore")
             options = {k: text[k] for k in ("budget_bytes", "verify", "overlap")}
-            self._trainer = (text["digest"], src, _Plans(src, self.one), options)
+            self._trainer = (text["digest"], src, ReplicaPlans(src, self._base), options)
             self._walks.clear()
         return self._trainer
 

@@ -118,8 +118,34 @@ def test_refused_before_a_byte_moves():
     assert "`model.layers.1.self_attn.o_proj`: quantization method Fp8LinearMethod stores kernel-format" \
            in cases["quantized"]
     assert "live parameter `model.layers.0.mlp.extra` [3] is not in the layout" in cases["uncovered"]
-    assert "EPLB is on" in cases["eplb"]
-    assert all("nothing was moved" in m for k, m in cases.items() if k != "eplb")
+    assert all("nothing was moved" in m for m in cases.values())
+
+
+def test_eplb_replica_refits_every_physical_expert_and_follows_rebalances():
+    """EPLB (Qwen3-MoE, 4 experts + 2 redundant, EP faked at 2; vLLM refuses EPLB off CUDA, so
+    the program sets the layers' EplbState by hand, as vLLM's EplbState does): the backend
+    reads vLLM's live physical -> logical map at each update and publishes it; the trainer
+    re-plans for it. After each of three refits (the map rebalanced before the second), every
+    physical slot on each rank holds its logical expert of that step's checkpoint (the slot rule
+    written out in the program) and every other parameter equals vLLM's own load. A map that
+    is no map is refused at the next update, before anything is entered or published."""
+    port = _port()
+    trainer, *ranks = run_all(["eplb_trainer", str(port)], *(["eplb_engine", str(port), str(r)] for r in range(2)))
+    assert [x["replicas"] for x in _steps(trainer)] == [["vllm-0"]] * 3
+    for rank, lines in enumerate(ranks):
+        steps = _steps(lines)
+        assert [x["version"] for x in steps] == [1, 2, 3]
+        assert all(x["differ"] == [] and x["wrong"] == [] for x in steps), steps
+        # rank r holds physical slots 3r..3r+2 (vLLM's linear map over 6 slots): experts, by hand
+        slots = [x["slots"] for x in steps]
+        by_hand = {0: [{"0": [0, 1, 2], "1": [3, 2, 1]}, {"0": [2, 0, 3], "1": [1, 1, 0]}],
+                   1: [{"0": [3, 1, 2], "1": [0, 0, 3]}, {"0": [1, 3, 0], "1": [2, 3, 2]}]}[rank]
+        assert slots == [by_hand[0], by_hand[1], by_hand[1]], slots
+        assert steps[0]["layout"] != steps[1]["layout"] == steps[2]["layout"]  # republished once
+        bad = next(x for x in lines if x.get("case") == "bad map")
+        assert bad["message"] and "EngineRefused" in bad["message"] and "MoE layer 1" in bad["message"] \
+            and "slot 1" in bad["message"], bad
+        assert bad["entered"] is False and bad["layout"] == steps[2]["layout"], bad
 
 
 def test_vllms_uneven_and_round_robin_expert_maps_are_described():

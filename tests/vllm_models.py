@@ -269,17 +269,26 @@ def mla_backend(arch_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build(
-    arch_config: Mapping[str, Any], tmpdir: str | os.PathLike, *, direct: bool = False, **engine_args: Any
+    arch_config: Mapping[str, Any], tmpdir: str | os.PathLike, *, direct: bool = False,
+    parallel: Mapping[str, Any] | None = None, **engine_args: Any,
 ) -> tuple[Any, torch.nn.Module]:
     """(vllm_config, model) of `arch_config` on CPU at TP1 (or what `engine_args` set).
 
     `direct=False` builds through vLLM's model loader (`get_model`, load_format "dummy":
     random weights, then `process_weights_after_loading`); `direct=True` constructs the model
     class under `set_current_vllm_config` without the loader (no dummy fill, no
-    post-processing)."""
+    post-processing). `parallel`: ParallelConfig fields set after vLLM validated the config,
+    before the model is built (EPLB: vLLM refuses `enable_eplb` off CUDA, the model classes
+    read it and `eplb_config.num_redundant_experts` at construction)."""
     setup_env()
     install_cpu_op_shims()
     vllm_config = make_vllm_config(write_config(arch_config, tmpdir), **engine_args)
+    for name, value in (parallel or {}).items():
+        target = vllm_config.parallel_config
+        *path, last = name.split(".")
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, last, value)
     init_distributed(vllm_config)
     from vllm.config import set_current_vllm_config
 

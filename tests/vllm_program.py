@@ -6,6 +6,8 @@
     vllm_program.py refused              # every refused case, before a byte moves
     vllm_program.py llm PORT             # a whole vllm.LLM, driven by its own RL calls
     vllm_program.py placement            # uneven and round-robin experts refused
+    vllm_program.py eplb_engine PORT RANK  # rank RANK of an EPLB replica (EP faked at 2), maps rebalanced
+    vllm_program.py eplb_trainer PORT      # the trainer job feeding it
     vllm_program.py plugin               # vLLM's plugin loader registers the backend
 
 `engine` builds ARCH (tests/vllm_models.py: tiny Llama, Qwen3-MoE, DeepSeek-V3 with MLA)
@@ -254,10 +256,6 @@ def run_refused() -> None:
     model.get_submodule("model.layers.0.mlp").register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
     attempt("uncovered", vc, model)
     del model.get_submodule("model.layers.0.mlp").extra
-    # EPLB (its physical expert map is not described yet)
-    vc.parallel_config.enable_eplb = True
-    attempt("eplb", vc, model)
-    vc.parallel_config.enable_eplb = False
     report(cases)
 
 
@@ -311,6 +309,117 @@ def run_placement() -> None:
                         wrong.append(f"{path}.w2_weight[{j}] (expert {e})")
             say(case=name, rank=rank, placement=placement, problems=problems[:6], slots=slots, wrong=wrong[:6])
     say(ok=True)  # the test reads each case's line
+
+
+# EPLB: Qwen3-MoE (4 experts, 2 MoE layers) with 2 redundant experts, EP faked at 2: P = 6
+# physical slots, 3 per rank (vLLM's linear map: rank r holds slots 3r .. 3r + 2). Before
+# refit STEP, vLLM's map is EPLB_MAPS[STEP] (physical slot -> logical expert, per MoE layer),
+# set as EplbState sets it: views of logical_to_physical_map / logical_replica_count, written in
+# place on a rebalance. Step 2 rebalances, step 3 keeps step 2's map.
+EPLB_REDUNDANT = 2
+EPLB_MAPS = {1: [[0, 1, 2, 3, 1, 2], [3, 2, 1, 0, 0, 3]],
+             2: [[2, 0, 3, 1, 3, 0], [1, 1, 0, 2, 3, 2]],
+             3: [[2, 0, 3, 1, 3, 0], [1, 1, 0, 2, 3, 2]]}
+EPLB_PARALLEL = {"enable_eplb": True, "eplb_config.num_redundant_experts": EPLB_REDUNDANT}
+
+
+def eplb_state(rows: list[list[int]], experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's logical -> physical form of a physical -> logical map: [layers, E, R + 1] slots
+    (-1 padded) and each expert's replica count."""
+    l2p = torch.full((len(rows), experts, EPLB_REDUNDANT + 1), -1, dtype=torch.int64)
+    count = torch.zeros((len(rows), experts), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        for p, e in enumerate(row):
+            l2p[i, e, count[i, e]] = p
+            count[i, e] += 1
+    return l2p, count
+
+
+def run_eplb_engine(port: int, rank: int) -> None:
+    """One worker of an EPLB replica: the backend reads vLLM's live map at each update, the
+    trainer re-plans for it; after each refit every physical slot holds its logical expert of
+    that step's checkpoint (the slot rule written out here, not read from a layout), and every
+    other parameter equals vLLM's own load of that checkpoint."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
+
+    cfg = vm.QWEN3_MOE
+    experts, tp = cfg["num_experts"], 2
+    per_rank = (experts + EPLB_REDUNDANT) // tp
+    tmp = tempfile.mkdtemp()
+    vm.init_distributed(vm.make_vllm_config(vm.write_config(cfg, Path(tmp) / "world")))
+    with vm.fake_tp(rank, tp):
+        vc, model = vm.build(cfg, Path(tmp) / "engine", enable_expert_parallel=True, parallel=EPLB_PARALLEL)
+        _, oracle = vm.build(cfg, Path(tmp) / "oracle", enable_expert_parallel=True, parallel=EPLB_PARALLEL)
+        vc.parallel_config.tensor_parallel_size = tp
+        l2p, count = eplb_state(EPLB_MAPS[1], experts)
+        moe = get_mixture_of_experts_model(model)
+        moe.set_eplb_state(torch.zeros((len(EPLB_MAPS[1]), experts + EPLB_REDUNDANT)), l2p, count)
+        engine = make_engine(vc, model)
+        with set_current_vllm_config(vc), vm.cpu_accelerator_noops():
+            engine.init_transfer_engine(engine.parse_init_info(
+                {"address": f"127.0.0.1:{port}", "replica": REPLICA, "timeout": TIMEOUT}))
+            digests = []
+            for step in range(1, STEPS + 1):
+                new_l2p, new_count = eplb_state(EPLB_MAPS[step], experts)
+                l2p.copy_(new_l2p)  # EplbState rebalances in place: the layers hold views
+                count.copy_(new_count)
+                engine.start_weight_update()
+                engine.update_weights({"version": step})
+                engine.finish_weight_update()
+                digests.append(engine.job.one.digest)
+                weights = checkpoint(cfg, step)
+                vm.load_hf_weights(oracle, weights, vc)
+                routed = ("routed_experts.w13_weight", "routed_experts.w2_weight")
+                diff = [n for n in differences(model, oracle) if not n.endswith(routed)]
+                params, wrong, slots = dict(model.named_parameters()), [], {}
+                for i in range(cfg["num_hidden_layers"]):
+                    block = f"model.layers.{i}.mlp.experts"
+                    slots[i] = [EPLB_MAPS[step][i][rank * per_rank + j] for j in range(per_rank)]
+                    for j, e in enumerate(slots[i]):
+                        gate_up = torch.cat([weights[f"{block}.{e}.gate_proj.weight"],
+                                             weights[f"{block}.{e}.up_proj.weight"]])
+                        if not torch.equal(params[f"{block}.routed_experts.w13_weight"][j], gate_up):
+                            wrong.append(f"layer {i} w13 slot {j} (expert {e})")
+                        if not torch.equal(params[f"{block}.routed_experts.w2_weight"][j],
+                                           weights[f"{block}.{e}.down_proj.weight"]):
+                            wrong.append(f"layer {i} w2 slot {j} (expert {e})")
+                say(role="eplb", rank=rank, step=step, version=engine.version, differ=diff[:10], wrong=wrong[:10],
+                    slots=slots, layout=digests[-1][:12])
+                if diff or wrong or engine.version != step:
+                    sys.exit(1)
+            # a map that is no map (two logical experts in slot 1 of MoE layer 1): refused at the
+            # next update, before anything is entered or published
+            bad = [list(row) for row in EPLB_MAPS[STEPS]]
+            l2p[1, bad[1][2], 0] = 1
+            try:
+                engine.start_weight_update()
+                refused = None
+            except Exception as exc:  # noqa: BLE001 - reported
+                refused = f"{type(exc).__name__}: {exc}"
+            say(role="eplb", rank=rank, case="bad map", message=refused, entered=engine.live.entered,
+                layout=engine.job.one.digest[:12])
+            engine.shutdown()
+    say(ok=True, role="eplb", rank=rank, layouts=len(set(digests)))
+
+
+def run_eplb_trainer(port: int) -> None:
+    from layoutlang.elaborate import loads
+    from layoutlang.integrations.vllm import engine_layout
+    from layoutlang.runtime import TrainerJob
+
+    cfg = vm.QWEN3_MOE
+    text = engine_layout(cfg, dtype="float32", tp=2, ep=2, redundant_experts=EPLB_REDUNDANT)
+    job = TrainerJob(loads(hf_text(cfg), "hf.layout"), loads(text, "vllm-replica.layout"),
+                     address=f"127.0.0.1:{port}", rank=0, world_size=1, timeout=TIMEOUT)
+    for step in range(1, STEPS + 1):
+        report = job.refit(checkpoint(cfg, step), step, expect=(REPLICA,))
+        say(role="trainer", step=step, replicas=list(report.replicas), missed=list(report.missed),
+            reasons=report.reasons)
+        if list(report.replicas) != [REPLICA]:
+            sys.exit(1)
+    job.close()
+    say(ok=True, role="trainer")
 
 
 def run_llm(port: int) -> None:
@@ -373,4 +482,8 @@ if __name__ == "__main__":
         run_placement()
     elif role == "plugin":
         run_plugin()
+    elif role == "eplb_engine":
+        run_eplb_engine(int(sys.argv[2]), int(sys.argv[3]))
+    elif role == "eplb_trainer":
+        run_eplb_trainer(int(sys.argv[2]))
     os._exit(0)  # vLLM's atexit handlers call torch.accelerator on a machine without one

@@ -30,9 +30,10 @@ class EngineRefused(UsageError):
 
 
 def replica_text(hf_config, convention: str, *, engine: str, dtype: str, tp: int, ep: int = 1,
-                 expert_placement: str = "linear") -> str:
+                 expert_placement: str = "linear", redundant_experts: int = 0) -> str:
     """The layout text of one engine replica of TP `tp` ranks (`layoutc new CONVENTION`) from the
-    config.json the engine read, in the engine's storage dtype (a torch dtype name)."""
+    config.json the engine read, in the engine's storage dtype (a torch dtype name);
+    `redundant_experts` > 0: an EPLB engine's (its physical expert map the table arg `EPLB`)."""
     from layoutlang.bridges.families import DTYPES, model_from_config, render
 
     if dtype not in DTYPES:
@@ -43,7 +44,7 @@ def replica_text(hf_config, convention: str, *, engine: str, dtype: str, tp: int
     sizes = {"TP": tp, "DP": 1}
     if model.moe is not None:
         sizes["EP"] = ep
-    return render(model, convention, sizes, expert_placement)
+    return render(model, convention, sizes, expert_placement, redundant_experts)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

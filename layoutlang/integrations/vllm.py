@@ -36,11 +36,15 @@ def register() -> None:
             factory.register_engine(BACKEND, module, name)
 
 
-def engine_layout(hf_config: Mapping, *, dtype: str, tp: int, ep: int = 1, expert_placement: str = "linear") -> str:
+def engine_layout(hf_config: Mapping, *, dtype: str, tp: int, ep: int = 1, expert_placement: str = "linear",
+                  redundant_experts: int = 0) -> str:
     """The layout of one vLLM replica of TP `tp` ranks (experts over `ep` of them, 1: each
     expert split over all `tp`; placed as vLLM's `expert_placement` map places them), in
     vLLM's storage of `dtype` (a torch dtype name such as "bfloat16", the model's: vLLM may
-    run a float32 config in bfloat16)."""
+    run a float32 config in bfloat16). `redundant_experts`: vLLM's EPLB `num_redundant_experts`
+    (0: EPLB off); the layout then keys its P = E + R physical slots by the table arg `EPLB`,
+    whose default is vLLM's initial map (the engine publishes its live one)."""
     from .live import replica_text
 
-    return replica_text(hf_config, "vllm", engine="vLLM", dtype=dtype, tp=tp, ep=ep, expert_placement=expert_placement)
+    return replica_text(hf_config, "vllm", engine="vLLM", dtype=dtype, tp=tp, ep=ep, expert_placement=expert_placement,
+                        redundant_experts=redundant_experts)

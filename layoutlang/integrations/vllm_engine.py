@@ -220,15 +220,58 @@ def replica_layout(vllm_config, expert_placement: str = "linear") -> str:
     if par.pipeline_parallel_size > 1 or par.data_parallel_size > 1:
         raise EngineRefused(f"pipeline parallel {par.pipeline_parallel_size}, data parallel "
                             f"{par.data_parallel_size}: the layoutlang backend describes one TP group per replica")
-    if getattr(par, "enable_eplb", False):
-        raise EngineRefused("EPLB is on: a layout can say its physical -> logical map (a table, docs/language.md "
-                            "14.8; `layoutc new vllm --redundant-experts R` writes it), but this backend does not "
-                            "read vLLM's live map yet (docs/engines.md)")
     hf = vllm_config.model_config.hf_config.to_dict()
     tp = par.tensor_parallel_size
     ep = tp if getattr(par, "enable_expert_parallel", False) else 1
     return engine_layout(hf, dtype=_dtype_name(vllm_config.model_config.dtype), tp=tp, ep=ep,
-                         expert_placement=expert_placement)
+                         expert_placement=expert_placement, redundant_experts=redundant_experts(vllm_config))
+
+
+def redundant_experts(vllm_config) -> int:
+    """vLLM's EPLB `num_redundant_experts` (0 with EPLB off)."""
+    par = vllm_config.parallel_config
+    return int(par.eplb_config.num_redundant_experts) if getattr(par, "enable_eplb", False) else 0
+
+
+def live_eplb_map(model: torch.nn.Module, rows: int, experts: int, redundant: int) -> list[list[int]]:
+    """The physical -> logical expert map vLLM holds now, one row per MoE layer (the layout's
+    `EPLB` table). vLLM's EplbState gives each MoE layer views of its `logical_to_physical_map`
+    ([E, max replicas], -1 padded) and `logical_replica_count` ([E]), updated in place on
+    every rebalance (`MixtureOfExperts.set_eplb_state`); each physical slot is the copy of
+    exactly one logical expert. Before that state is set, the slots hold what vLLM loaded
+    them with: its initial map (slot p: expert p mod E). Raises EngineRefused where the state
+    is not a map of the P = E + R slots."""
+    from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
+
+    from layoutlang.bridges.families import vllm_initial_eplb_map
+
+    moe = get_mixture_of_experts_model(model)
+    layers = list(getattr(moe, "moe_layers", None) or [])
+    if len(layers) != rows:
+        raise EngineRefused(f"EPLB: the model has {len(layers)} MoE layers, the layout's EPLB table {rows} rows")
+    physical = experts + redundant
+    out = []
+    for i, layer in enumerate(layers):
+        state = getattr(layer, "eplb_state", None)
+        l2p = getattr(state, "logical_to_physical_map", None)
+        count = getattr(state, "logical_replica_count", None)
+        if l2p is None or count is None:
+            out.append(list(vllm_initial_eplb_map(experts, redundant)))
+            continue
+        l2p, count = l2p.cpu().tolist(), count.cpu().tolist()
+        row = [-1] * physical
+        for e in range(experts):
+            for p in l2p[e][:count[e]]:
+                if not 0 <= p < physical or row[p] != -1:
+                    raise EngineRefused(f"EPLB: MoE layer {i}'s map puts logical expert {e} in physical slot {p}, "
+                                        f"which is {'out of range' if not 0 <= p < physical else 'taken'} "
+                                        f"({physical} slots)")
+                row[p] = e
+        if -1 in row:
+            raise EngineRefused(f"EPLB: MoE layer {i}'s map leaves physical slot {row.index(-1)} without a "
+                                "logical expert")
+        out.append(row)
+    return out
 
 
 def _routed_maps(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -279,6 +322,7 @@ class LayoutlangEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdate
         self.job: EngineJob | None = None
         self.live: LiveModel | None = None
         self.text: str | None = None
+        self.eplb: list[list[int]] | None = None   # the expert map the job's layout holds (EPLB on)
 
     @property
     def rank(self) -> int:
@@ -290,6 +334,9 @@ class LayoutlangEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdate
         if not problems:  # (a placement the layout cannot say is the reason, not the layout's error)
             self.text = replica_layout(self.vllm_config, placement)
             layout = loads(self.text, LAYOUT_PATH)
+            self.eplb = self._live_map(layout)
+            if self.eplb is not None:  # the slots as vLLM fills them now: the job plans for this map
+                layout = loads(self.text, LAYOUT_PATH, {"EPLB": self.eplb})
             live = LiveModel.of(self.model, self.device.type == "cpu")
             problems = live_problems(layout, self.rank, live)
         if problems:
@@ -302,8 +349,23 @@ class LayoutlangEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdate
                              else timedelta(seconds=init_info.connect_timeout))
 
     def start_weight_update(self) -> None:
-        self._need_job()  # raises before anything moves
+        job = self._need_job()  # raises before anything moves
+        if self.eplb is not None:  # EPLB rebalanced since the last refit: the trainer plans the new map
+            now = self._live_map(job.one)
+            if now != self.eplb:
+                job.set_args({"EPLB": now})
+                self.eplb = now
         self.live.enter()
+
+    def _live_map(self, layout) -> list[list[int]] | None:
+        """vLLM's physical -> logical expert map now (None with EPLB off), shaped as `layout`'s table."""
+        redundant = redundant_experts(self.vllm_config)
+        if not redundant:
+            return None
+        table = dict(layout.args).get("EPLB")
+        if table is None:
+            raise EngineRefused("EPLB is on but the layout has no `EPLB` table (a model without routed experts?)")
+        return live_eplb_map(self.model, len(table), len(table[0]) - redundant, redundant)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's default synchronizes the accelerator unguarded; on CPU there is none."""
