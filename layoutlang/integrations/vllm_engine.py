@@ -25,6 +25,11 @@ so each module takes one of three routes, decided before a byte moves:
   loader (no reload metadata) where a reload is needed.
 MLA attention layers then recompute their derived matrices from the refitted `kv_b_proj`.
 
+With EPLB on, the layout's `EPLB` table is vLLM's live physical -> logical expert map
+(`live_eplb_map`, read off the layers' EPLB state): at init, and again at every
+`start_weight_update`, where a rebalanced map is published (`EngineJob.set_args`) so the
+trainer plans that refit for the slots as they are.
+
 Trainer side, `LayoutlangTrainer`: a `TrainerJob` on every trainer rank; rank 0 drives the
 engines through vLLM's client (`init_weight_transfer_engine`, then per step
 `start_weight_update`, `update_weights` concurrently with the refit, `finish_weight_update`).
