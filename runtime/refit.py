@@ -117,6 +117,9 @@ def _first_line(exc: BaseException) -> str:
     return line.split(". This is typically caused", 1)[0].rstrip(".")
 
 
+CAUSE_GRACE = 0.5  # s a rank whose transfer broke looks for the reason of a rank that failed first
+
+
 class Refitter:
     """Moves weights from the source layout's tensors into the destination's, every step.
 
@@ -656,7 +659,7 @@ class Refitter:
             # a peer that died closes its connections: a post to it fails before any wait does, and
             # the reason to report is the one a rank that failed first gave, else that peer
             peer = None if posting is None else _group_rank(posting.peer, posting.group)
-            raise self._root_cause() or RefitError.at(
+            raise self._root_cause(CAUSE_GRACE) or RefitError.at(
                 self.rank, self._step, self._phase, f"posting {len(p2p)} {what} failed"
                 + ("" if peer is None else f" at the one with peer rank {peer}") + f": {_first_line(exc)}",
                 peers=() if peer is None else (peer,), reusable=False) from exc
@@ -687,9 +690,10 @@ class Refitter:
             except Exception as exc:  # noqa: BLE001 - every transport error becomes one message
                 peer = self._other_end(op)
                 text = _first_line(exc)
-                if "timed out" in text.lower() or "timeout" in text.lower():
+                timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+                if timed_out:
                     text = f"peer rank {peer} did not complete it within {self.timeout.total_seconds():g} s"
-                raise self._root_cause() or RefitError.at(
+                raise self._root_cause(0.0 if timed_out else CAUSE_GRACE) or RefitError.at(
                     self.rank, self._step, self._phase, f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} "
                     f"failed: {text}", peers=(peer,), reusable=False) from exc
             if ok is False:
@@ -702,21 +706,28 @@ class Refitter:
         """The rank at the other end of this rank's transfer `op`."""
         return op.dst_rank if op.src_rank == self.rank else op.src_rank
 
-    def _root_cause(self) -> RefitError | None:
+    def _root_cause(self, grace: float = 0.0) -> RefitError | None:
         """The reason a rank already left at this step's fence or the previous one's, if any: a
         peer that stopped answering is usually waiting on the rank that failed first, which
-        this names (in steady steps a rank may finish a step whose failure it never saw)."""
-        for step in (self._step, self._step - 1):
-            gate = f"{self._rv.key(step, 'fence')}/gate"
-            try:
-                if not self._rv.store.check([gate]):
-                    continue
-                reason, peers = parse_gate(self._rv.store.get(gate))
-            except Exception:  # noqa: BLE001 - no store, no better reason: the caller's stands
+        this names (in steady steps a rank may finish a step whose failure it never saw).
+        `grace`: how long to look for it. A peer whose connection closed may be a survivor that
+        failed first and is leaving its reason right now (its sockets can close before that
+        reason reaches the store): the reason it leaves, not that survivor, is the cause."""
+        give_up = time.monotonic() + grace
+        while True:
+            for step in (self._step, self._step - 1):
+                gate = f"{self._rv.key(step, 'fence')}/gate"
+                try:
+                    if not self._rv.store.check([gate]):
+                        continue
+                    reason, peers = parse_gate(self._rv.store.get(gate))
+                except Exception:  # noqa: BLE001 - no store, no better reason: the caller's stands
+                    return None
+                if reason:
+                    return RefitError.at(self.rank, self._step, self._phase, reason, peers=peers, reusable=False)
+            if time.monotonic() >= give_up:
                 return None
-            if reason:
-                return RefitError.at(self.rank, self._step, self._phase, reason, peers=peers, reusable=False)
-        return None
+            time.sleep(0.02)
 
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
