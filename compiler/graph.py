@@ -57,8 +57,8 @@ def _op_staging(plan: Plan, t: Transfer, strided: bool = False) -> tuple[int, in
     if t.after:  # a relay forwards the sender's copy: its landed packed buffer, or its destination view
         if t.wire:
             return 0, t.bytes
-        send = t.bytes if recv_staged(t.piece.dst_slice, tuple(dst.local_shape_at(t.sender)), dst.dtype,
-                                      strided) else 0
+        send = t.bytes if recv_staged(t.source.src_slice, tuple(dst.local_shape_at(t.sender)), dst.dtype,
+                                      strided) else 0  # (what it reads: a copy relay's is another slot)
         return send, t.bytes if recv_staged(t.piece.dst_slice, tuple(dst.local_shape_at(t.dst_rank)),
                                             dst.dtype, strided) else 0
     src_inst = m.src[t.source.instance]

@@ -423,6 +423,8 @@ class Plan:
         self.relay = relay
         # per template: None, or per request None or per member the request it is relayed after (-1: none)
         self._after: tuple | None = None
+        # copy relays (relay.py): op id -> (the op it waits for, that op's destination slice)
+        self._copied: dict[int, tuple[int, Slice]] = {}
         self.relays = 0  # ops that are relays (`relay_stage`)
         self.splits = 0  # whole requests (instances x template requests) cut into parts by `split_stage`
         self.world = max(src.ranks, dst.ranks)
@@ -489,7 +491,9 @@ class Plan:
                 yield Transfer(op_id, i, req.rank, piece, sender, g.source_for(req.piece, sender),
                                req.bytes, req.senders, req.wire)
             else:
-                yield Transfer(op_id, i, req.rank, piece, sender, Source(RELAYED, RELAYED, piece.dst_slice),
+                copy = self._copied.get(op_id)
+                read = piece.dst_slice if copy is None else copy[1]
+                yield Transfer(op_id, i, req.rank, piece, sender, Source(RELAYED, RELAYED, read),
                                req.bytes, req.senders, req.wire, (after,))
 
     def _rows(self, rank: int | None, instance: int | None):
@@ -498,6 +502,7 @@ class Plan:
         instances = range(len(self._instance)) if instance is None else (instance,)
         offsets, templates, picks_of, where = self._offsets, self.templates, self._picks, self._instance
         after_of = self._after or ()
+        copied = self._copied
         for i in instances:
             ti, member = where[i]
             g = templates[ti].geometry
@@ -507,13 +512,19 @@ class Plan:
             if rank is None:
                 for j, req in enumerate(g.requests):
                     k = waits[j][member] if waits is not None and waits[j] is not None else -1
-                    yield base + j, i, g, req, picks[j][member], (None if k < 0 else base + k)
+                    after = None if k < 0 else base + k
+                    if copied and base + j in copied:
+                        after = copied[base + j][0]
+                    yield base + j, i, g, req, picks[j][member], after
                 continue
             for j, dst_rank in enumerate(g.request_ranks):
                 sender = picks[j][member]
                 if dst_rank == rank or sender == rank:
                     k = waits[j][member] if waits is not None and waits[j] is not None else -1
-                    yield base + j, i, g, g.requests[j], sender, (None if k < 0 else base + k)
+                    after = None if k < 0 else base + k
+                    if copied and base + j in copied:
+                        after = copied[base + j][0]
+                    yield base + j, i, g, g.requests[j], sender, after
 
     def _ops(self, rank: int | None) -> tuple[Op, ...]:
         matches = self.key_matches  # names, keys and regions: the same in every replica
@@ -522,7 +533,9 @@ class Plan:
             m = matches[i]
             dst_slice = g.pieces[req.piece].dst_slice
             if after is not None:  # the sender forwards its own copy: same tensor, same local slice
-                out.append(Op(op_id, m.key, sender, req.rank, m.dst.name, m.dst.name, dst_slice, dst_slice,
+                copy = self._copied.get(op_id)  # (a copy relay: another slot of that tensor)
+                read = dst_slice if copy is None else copy[1]
+                out.append(Op(op_id, m.key, sender, req.rank, m.dst.name, m.dst.name, read, dst_slice,
                               req.bytes, None, req.wire, (after,)))
                 continue
             src = g.source_for(req.piece, sender)
@@ -535,7 +548,7 @@ class Plan:
         """The op a transfer becomes (named by the layouts' tensors)."""
         m = self.key_matches[t.instance]
         if t.after:
-            return Op(t.op_id, m.key, t.sender, t.dst_rank, m.dst.name, m.dst.name, t.piece.dst_slice,
+            return Op(t.op_id, m.key, t.sender, t.dst_rank, m.dst.name, m.dst.name, t.source.src_slice,
                       t.piece.dst_slice, t.bytes, None, t.wire, t.after)
         return Op(t.op_id, m.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
                   t.source.src_slice, t.piece.dst_slice, t.bytes, _transpose(m, t.source), t.wire)
@@ -545,6 +558,10 @@ class Plan:
         """Op id -> relay depth, for relays only (an op not listed has depth 0): 1 + the depth of
         the op it waits for. Every rank computes the same depths, so the runtime's rounds pair up."""
         out: dict[int, int] = {}
+        if self._copied:  # a copy relay: 1 + the depth of the op it waits for (chains end at a source)
+            def depth(op: int) -> int:
+                return 0 if op not in self._copied else 1 + depth(self._copied[op][0])
+            out.update({op: depth(op) for op in self._copied})
         if not self._after:
             return out
         for i, (ti, member) in enumerate(self._instance):

@@ -20,6 +20,20 @@ Groups go largest bytes first and members in order, loads accumulating, so the
 forwarding spreads over the replicas (greedy, like the selector). The source
 ranks then feed the roots through the selector, seeded with the relay sends.
 
+Copies: the same elements of one key in two slots of one stored destination
+tensor on different ranks (EPLB's redundant experts: two physical slots of one
+logical expert) are two instances, two templates, at different local slices,
+so the trees above never see them together. A copy relay delivers one such
+request from a rank that received the other (`Plan._copied`: op id -> the op it
+waits for and that op's destination slice, which the forwarder reads): per
+group, the least-loaded receiver is fed by the source ranks, and every holder
+forwards to one that waits per round (a forwarder is never the receiver). Only
+plain bf16-path requests into unquantized tensors are copied (a quantized wire's
+blocks and scales belong to their own slice), never in a template that the
+trees relay, and one stored tensor's instances share a bucket (graph.py), so a
+copy's source has landed by the round it is sent in. Each fan-out is tried with
+and without copy relays, under the same rule below.
+
 Cost model: the busiest link, per rank the larger of network bytes sent and
 received. Relays add sends and never remove a receive, so when the busiest
 receiver is within RELAY_GAIN of the busiest link already the plan is left
@@ -33,6 +47,10 @@ the plan is kept.
 """
 
 from __future__ import annotations
+
+import bisect
+
+from layoutlang.ir import QUANTIZED
 
 from .select import SELECTORS
 from .wire import tensor_scaled
@@ -64,24 +82,38 @@ def relay_stage(plan) -> None:
     if max(recv) >= direct * RELAY_GAIN:
         return  # relays never lower a receive: they cannot gain enough (a receiver is busiest already)
     groups = _groups(plan.templates)
-    if not groups:
+    copies = _copy_candidates(plan)
+    if not groups and not copies:
         return
-    widest = max(len(js) for _, _, js in groups)
+    widest = max((len(js) for _, _, js in groups), default=0)
     tried = []
+    fanouts = []
     fanout = 1
     while fanout < widest:
-        after, fwd = _trees(plan, groups, fanout)
-        picks, load = _select_roots(plan, after, fwd)
-        tried.append((max(max(load), max(recv)), fanout, after, picks, load))
+        fanouts.append(fanout)
         fanout *= 2
+    for fanout in fanouts or [None]:
+        after, fwd = _trees(plan, groups, fanout) if fanout is not None else ((None,) * len(plan.templates),
+                                                                              [0] * plan.world)
+        for copying in ((False, True) if copies else (False,)):
+            if fanout is None and not copying:
+                continue  # nothing relayed: the direct plan
+            copied, load = _copy_trees(plan, copies, after, list(fwd)) if copying else ({}, list(fwd))
+            picks, load = _select_roots(plan, after, load, copied)
+            # ties: the widest fan-out, then without copy relays (fewer hops)
+            tried.append((max(max(load), max(recv)), fanout or 0, not copying, after, copied, picks, load))
     if not tried:
         return
     best = min(link for link, *_ in tried)
-    link, _, after, picks, load = max((x for x in tried if x[0] <= best * RELAY_SLACK), key=lambda x: x[1])
+    link, _, _, after, copied, picks, load = max((x for x in tried if x[0] <= best * RELAY_SLACK),
+                                                 key=lambda x: (x[1], x[2]))
     if link >= direct * RELAY_GAIN:
         return
-    plan.relays = _prove(plan.templates, after, picks)
-    plan._after, plan._picks, plan.send_load = after, picks, load
+    relays = _prove(plan.templates, after, picks) + _prove_copies(plan, after, copied, picks)
+    plan.relays = relays
+    plan._after = after if any(w is not None for w in after) else None
+    plan._copied = {op: (src_op, slice_) for op, (src_op, slice_, *_) in copied.items()}
+    plan._picks, plan.send_load = picks, load
 
 
 def _received(plan) -> list[int]:
@@ -153,12 +185,16 @@ def _trees(plan, groups, fanout: int):
     return frozen, load
 
 
-def _select_roots(plan, after, fwd: list[int]):
+def _select_roots(plan, after, fwd: list[int], copied: dict | None = None):
     """Senders for every request that is not a relay (the selector's order and rule, its load
-    seeded with the relay sends); a relay's sender is the rank of the request it waits for."""
+    seeded with the relay sends); a relay's sender is the rank of the request it waits for (a
+    copy relay's: the receiver of the op it waits for)."""
     selector = SELECTORS[plan.selector_name](plan.world, plan.ranks_per_node)
     selector.load[:] = fwd
     templates = plan.templates
+    by_request: dict[tuple[int, int], dict[int, int]] = {}  # (template, request) -> member -> forwarder
+    for _, _, forwarder, ti, j, member in (copied or {}).values():
+        by_request.setdefault((ti, j), {})[member] = forwarder
     order = sorted((t.geometry.is_part(req), -req.bytes, i, j) for i, t in enumerate(templates)
                    for j, req in enumerate(t.geometry.requests))
     picks: list[list] = [[None] * len(t.geometry.requests) for t in templates]
@@ -167,6 +203,13 @@ def _select_roots(plan, after, fwd: list[int]):
         reqs = t.geometry.requests
         req = reqs[j]
         waits = after[i][j] if after[i] is not None else None
+        forwarded = by_request.get((i, j))
+        if forwarded is not None:
+            n = len(t.members)
+            fed = iter(selector.pick(req.rank, req.senders, n - len(forwarded), -neg_bytes, j)
+                       if n > len(forwarded) else ())
+            picks[i][j] = tuple(forwarded[m] if m in forwarded else next(fed) for m in range(n))
+            continue
         if waits is None:
             picks[i][j] = tuple(selector.pick(req.rank, req.senders, len(t.members), -neg_bytes, j))
             continue
@@ -211,3 +254,110 @@ def _prove(templates, after, picks) -> int:
                 if fault:
                     raise AssertionError(f"relay of template {ti} request {j} member {m} {fault}")
     return count
+
+
+def _copy_candidates(plan) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """(bytes, [(instance, request, receiver)]) per group of network requests that carry the same
+    elements of one key into blocks of one shape in one stored tensor, on two ranks or more;
+    largest first. Only instances whose (stored tensor, key) occurs more than once are read."""
+    matches = plan.key_matches
+    seen: dict[tuple[int, str], int] = {}
+    dup: set[tuple[int, str]] = set()
+    for i, m in enumerate(matches):
+        k = (id(plan.stored(i)), m.key)
+        if seen.setdefault(k, i) != i:
+            dup.add(k)
+    if not dup:
+        return []
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    for i, m in enumerate(matches):
+        stored = plan.stored(i)
+        if (id(stored), m.key) not in dup or stored.dtype in QUANTIZED:
+            continue
+        ti, _ = plan.template_of(i)
+        g = plan.templates[ti].geometry
+        for j, req in enumerate(g.requests):
+            if req.wire is not None or req.rank in req.senders.members:
+                continue
+            piece = g.pieces[req.piece]
+            if any(len(d) != 2 for d in piece.dst_slice):
+                continue  # a strided slice: its element order is its own
+            shape = tuple(b - a for a, b in piece.dst_slice)
+            groups.setdefault((id(stored), m.key, piece.logical, shape, req.bytes), []).append((i, j, req.rank))
+    out = [(key[-1], nodes) for key, nodes in groups.items() if len({r for *_, r in nodes}) > 1]
+    out.sort(key=lambda x: (-x[0], x[1][0]))
+    return out
+
+
+def _copy_trees(plan, copies, after, load: list[int]):
+    """(copied, load): per copy relay's op id (the op it waits for, that op's destination slice,
+    the forwarding rank, its template, request and member), the forwarding load added. Groups
+    in a template the trees relay are left to them."""
+    offsets = plan._offsets
+    copied: dict[int, tuple] = {}
+    for nbytes, nodes in copies:
+        nodes = [x for x in nodes if after[plan.template_of(x[0])[0]] is None]
+        if len({r for *_, r in nodes}) < 2:
+            continue
+        least = lambda x: (load[x[2]], x[2], x[0])  # noqa: E731
+        order = sorted(nodes, key=least)
+        holders, waiting = order[:1], order[1:]
+        while waiting:
+            fed_now, still = [], []
+            busy: set[int] = set()
+            for w in waiting:
+                free = [h for h in holders if h[2] != w[2] and id(h) not in busy]
+                if not free:
+                    still.append(w)
+                    continue
+                h = min(free, key=least)
+                busy.add(id(h))
+                ti, g = _geometry(plan, h[0])
+                slice_ = g.pieces[g.requests[h[1]].piece].dst_slice
+                wti, member = plan.template_of(w[0])
+                copied[offsets[w[0]] + w[1]] = (offsets[h[0]] + h[1], slice_, h[2], wti, w[1], member)
+                load[h[2]] += nbytes
+                fed_now.append(w)
+            if not fed_now:
+                break  # the rest sit on the holders' own ranks: fed directly
+            holders = holders + fed_now
+            waiting = still
+    return copied, load
+
+
+def _geometry(plan, instance: int):
+    ti, _ = plan.template_of(instance)
+    return ti, plan.templates[ti].geometry
+
+
+def _prove_copies(plan, after, copied: dict, picks) -> int:
+    """Every copy relay forwards what the op it waits for delivered: into the same stored tensor,
+    the same key's same logical elements into a block of the same shape, received by the
+    forwarding rank (not the relay's receiver), outside any template the trees relay, and the
+    chain of waits ends at an op fed by a source rank. Returns the copy relay count."""
+    offsets = plan._offsets
+    for op, (src_op, slice_, forwarder, ti, j, member) in copied.items():
+        i, k = bisect.bisect_right(offsets, op) - 1, bisect.bisect_right(offsets, src_op) - 1
+        g, h = _geometry(plan, i)[1], _geometry(plan, k)[1]
+        req, held = g.requests[j], h.requests[src_op - plan._offsets[k]]
+        mine, theirs = g.pieces[req.piece], h.pieces[held.piece]
+        fault = None
+        if plan.stored(i) is not plan.stored(k) or plan.key_matches[i].key != plan.key_matches[k].key:
+            fault = "waits for an op into another tensor or key"
+        elif mine.logical != theirs.logical or slice_ != theirs.dst_slice or \
+                [b - a for a, b in mine.dst_slice] != [b - a for a, b in theirs.dst_slice]:
+            fault = "waits for an op of other elements"
+        elif held.rank != forwarder or forwarder == req.rank or picks[ti][j][member] != forwarder:
+            fault = f"is sent by rank {picks[ti][j][member]}, not by the receiver of op {src_op}"
+        elif after[ti] is not None or after[_geometry(plan, k)[0]] is not None:
+            fault = "is in a template the trees relay"
+        else:
+            steps, x = 0, src_op
+            while x in copied:
+                x, steps = copied[x][0], steps + 1
+                if steps > len(copied):
+                    fault = "waits in a cycle"
+                    break
+        if fault:
+            raise AssertionError(f"copy relay op {op} {fault}")
+    return len(copied)
