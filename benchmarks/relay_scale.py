@@ -10,6 +10,13 @@ and of the relay plan, its floor (the most bytes one rank must receive), the
 relay ops and the deepest relay chain. Target (exit 1 with a MISSED line):
 relay / direct <= 0.35 in both cases.
 
+EPLB copies (plan only): DeepSeek-V3 (examples/deepseek_v3_moe.layout at TP=DP=EP=ETP=1:
+8 pipeline ranks) -> replan_eplb.py's EPLB engine (TP8 x DP4, EP32 over 256 + 32 physical
+experts per MoE layer, a random map), disjoint: the trainer's 8 links carry everything, and
+each redundant expert would leave them twice. Printed: direct and relay busiest link, the
+relays that forward another slot's copy (copy relays: their `after` op writes another
+instance), the tree relays. Target: relay / direct <= 0.9 (the relay stage's own bar).
+
 Gloo (smaller model, same shape): examples/small/llama_train.layout TP=4 ->
 examples/small/llama_infer.layout TP=1, DP=16, collocated (16 local processes;
 `--gloo-disjoint`: AT=4, 20 processes), refit with and without relays in the same
@@ -59,6 +66,35 @@ def plan_case(name: str, at: int) -> bool:
     return True
 
 
+def eplb_case() -> bool:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from replan_eplb import DENSE, SRC, eplb_engine_text, eplb_map
+
+    from layoutlang import load, loads
+    from layoutlang.compiler import compile_plan
+
+    sizes = {"L": 61, "E": 256}
+    src = load(SRC, {**sizes, "TP": 1, "DP": 1, "EP": 1, "ETP": 1})
+    dst = loads(eplb_engine_text(), "eplb.layout", {**sizes, "ENGINE_TP": 8, "ENGINE_DP": 4, "ENGINE_EP": 32,
+                                                    "ENGINE_ETP": 1, "AT": src.ranks,
+                                                    "EPLB": eplb_map(0, 61 - DENSE, 256, 32)})
+    was = compile_plan(src, dst, relay=False).stats["busiest_link_bytes"]
+    start = time.perf_counter()
+    plan = compile_plan(src, dst)
+    seconds = time.perf_counter() - start
+    instance = {t.op_id: t.instance for t in plan.transfers()}
+    copies = sum(1 for t in plan.transfers() if t.after and instance[t.after[0]] != t.instance)
+    link = plan.stats["busiest_link_bytes"]
+    ratio = link / was
+    print(f"plan eplb       direct {was / GiB:6.2f} GiB  relay {link / GiB:6.2f} GiB  relay/direct {ratio:.3f}  "
+          f"copy relays {copies}, tree relays {plan.stats['relays'] - copies} of {plan.stats['ops']} ops, "
+          f"compile {seconds:.2f} s")
+    if ratio > 0.9:
+        print(f"MISSED: plan eplb: busiest link {ratio:.3f}x the direct plan > 0.9")
+        return False
+    return True
+
+
 def gloo_case(at: int, steps: int) -> bool:
     from layoutlang.compiler import compile_plan
     from layoutlang.runtime.launch import launch
@@ -95,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gloo-disjoint", action="store_true", help="gloo on 20 processes (engine on ranks 4-19)")
     ap.add_argument("--steps", type=int, default=3, help="refit steps per gloo run")
     args = ap.parse_args(argv)
-    ok = plan_case("disjoint", 4) & plan_case("collocated", 0)
+    ok = plan_case("disjoint", 4) & plan_case("collocated", 0) & eplb_case()
     if not args.no_gloo:
         ok &= gloo_case(4 if args.gloo_disjoint else 0, args.steps)
     return 0 if ok else 1

@@ -27,10 +27,11 @@ so the trees above never see them together. A copy relay delivers one such
 request from a rank that received the other (`Plan._copied`: op id -> the op it
 waits for and that op's destination slice, which the forwarder reads): per
 group, the least-loaded receiver is fed by the source ranks, and every holder
-forwards to one that waits per round (a forwarder is never the receiver). Only
-plain bf16-path requests into unquantized tensors are copied (a quantized wire's
-blocks and scales belong to their own slice), never in a template that the
-trees relay, and one stored tensor's instances share a bucket (graph.py), so a
+forwards to one that waits per round (a forwarder is never the receiver). The
+two blocks sit alike but for their slot (the extent-1 stacked dims), so a
+quantized wire's blocks and scales fall alike and the forwarder's packed bytes
+are the copy's (per-tensor-scaled formats excepted, as above); never in a
+template that the trees relay, and one stored tensor's instances share a bucket (graph.py), so a
 copy's source has landed by the round it is sent in. Each fan-out is tried with
 and without copy relays, under the same rule below.
 
@@ -49,8 +50,6 @@ the plan is kept.
 from __future__ import annotations
 
 import bisect
-
-from layoutlang.ir import QUANTIZED
 
 from .select import SELECTORS
 from .wire import tensor_scaled
@@ -272,18 +271,22 @@ def _copy_candidates(plan) -> list[tuple[int, list[tuple[int, int, int]]]]:
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, m in enumerate(matches):
         stored = plan.stored(i)
-        if (id(stored), m.key) not in dup or stored.dtype in QUANTIZED:
+        if (id(stored), m.key) not in dup:
             continue
         ti, _ = plan.template_of(i)
         g = plan.templates[ti].geometry
         for j, req in enumerate(g.requests):
-            if req.wire is not None or req.rank in req.senders.members:
-                continue
+            if req.rank in req.senders.members or (req.wire and tensor_scaled(req.wire)):
+                continue  # a local copy; blocks quantized with the receiver's agreed amax
             piece = g.pieces[req.piece]
             if any(len(d) != 2 for d in piece.dst_slice):
                 continue  # a strided slice: its element order is its own
+            # the block's place but for its slot (extent-1 stacked dims): a quantized wire's
+            # blocks and scales then fall alike, so the forwarder's packed bytes are the copy's
+            place = tuple(d if d[1] - d[0] != 1 else None for d in piece.dst_slice)
             shape = tuple(b - a for a, b in piece.dst_slice)
-            groups.setdefault((id(stored), m.key, piece.logical, shape, req.bytes), []).append((i, j, req.rank))
+            key = (id(stored), m.key, piece.logical, shape, place, req.wire, req.bytes)
+            groups.setdefault(key, []).append((i, j, req.rank))
     out = [(key[-1], nodes) for key, nodes in groups.items() if len({r for *_, r in nodes}) > 1]
     out.sort(key=lambda x: (-x[0], x[1][0]))
     return out
@@ -344,9 +347,9 @@ def _prove_copies(plan, after, copied: dict, picks) -> int:
         fault = None
         if plan.stored(i) is not plan.stored(k) or plan.key_matches[i].key != plan.key_matches[k].key:
             fault = "waits for an op into another tensor or key"
-        elif mine.logical != theirs.logical or slice_ != theirs.dst_slice or \
-                [b - a for a, b in mine.dst_slice] != [b - a for a, b in theirs.dst_slice]:
-            fault = "waits for an op of other elements"
+        elif mine.logical != theirs.logical or slice_ != theirs.dst_slice or req.wire != held.wire or \
+                [d for d in mine.dst_slice if d[1] - d[0] != 1] != [d for d in theirs.dst_slice if d[1] - d[0] != 1]:
+            fault = "waits for an op of other elements (or another block place or wire)"
         elif held.rank != forwarder or forwarder == req.rank or picks[ti][j][member] != forwarder:
             fault = f"is sent by rank {picks[ti][j][member]}, not by the receiver of op {src_op}"
         elif after[ti] is not None or after[_geometry(plan, k)[0]] is not None:

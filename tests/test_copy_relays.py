@@ -89,9 +89,12 @@ def test_each_expert_leaves_the_trainer_once_by_hand():
     assert strip(plan.ops) == strip(direct.ops)
 
 
-@pytest.mark.parametrize("budget", [None, 4096])
-def test_copy_relays_deliver_every_element_once(budget):
-    plan = _plan()
+@pytest.mark.parametrize("dtype, budget", [("", None), ("", 4096), (" mxfp8", None), (" fp8_b128", 4096)])
+def test_copy_relays_deliver_every_element_once(dtype, budget):
+    """bf16 slots, and block-quantized ones (the forwarder's packed blocks and scales are the
+    copy's: the two slots' blocks fall alike), in one bucket or cut in several."""
+    plan = _plan(engine(dtype))
+    assert sum(1 for op in plan.ops if op.after and op.key != "emb") == 8
     src, dst = plan.src, plan.dst
     report = simulate(RunsView(src), RunsView(dst), plan)
     assert report.dst_data_elements == report.elements
@@ -121,9 +124,10 @@ def test_the_simulator_rejects_a_copy_relay_that_reads_another_slot():
         simulate(RunsView(plan.src), RunsView(plan.dst), fake)
 
 
-def test_no_copy_relay_into_a_quantized_tensor_or_with_relays_off():
-    """mxfp8 slots (their blocks and scales are their own) and relay=False: every copy direct."""
-    assert not any(op.after for op in _plan(engine(" mxfp8")).ops if op.key != "emb")  # (emb: a tree)
+def test_no_copy_relay_of_a_per_tensor_scale_or_with_relays_off():
+    """fp8_e4m3 slots (a per-tensor scale: each receiver's blocks quantized with its own agreed
+    amax) and relay=False: every copy leaves the trainer."""
+    assert not any(op.after for op in _plan(engine(" fp8_e4m3")).ops if op.key != "emb")  # (emb: a tree)
     assert not any(op.after for op in _plan(relay=False).ops)
 
 
@@ -139,16 +143,20 @@ def test_table_planner_replans_copy_relays_as_compile_plan_does():
 
 
 @pytest.mark.timeout(240)
-def test_gloo_refit_with_copy_relays_is_exact(tmp_path):
-    """5 gloo ranks, two steps, buckets of 4 KiB: every destination element checked (verify)."""
+@pytest.mark.parametrize("dtype", ["", " mxfp8"], ids=["bf16", "mxfp8"])
+def test_gloo_refit_with_copy_relays_is_exact(tmp_path, dtype):
+    """5 gloo ranks, two steps, buckets of 4 KiB: every destination element checked (verify);
+    mxfp8 slots: the forwarders send the packed blocks and scales they received."""
     (tmp_path / "train.layout").write_text(TRAINER)
-    (tmp_path / "infer.layout").write_text(engine())
+    (tmp_path / "infer.layout").write_text(engine(dtype))
     src, dst = str(tmp_path / "train.layout"), str(tmp_path / "infer.layout")
     plan = compile_plan(src, dst)
     assert plan.stats["relays"] == 11
     results = launch({"src": src, "dst": dst, "verify": True, "budget": 4096, "steps": 2}, plan.world, timeout=200)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')} {r.stderr[-600:]}"
-    assert sum(r.result["sent_bytes"] for r in results if r.rank >= 1) == 8 * EXPERT + 3 * EMB  # forwarded
+    forwarded = sum(op.bytes for op in plan.ops if op.after)
+    assert dtype or forwarded == 8 * EXPERT + 3 * EMB  # bf16: 8 expert copies and 3 embedding relays
+    assert sum(r.result["sent_bytes"] for r in results if r.rank >= 1) == forwarded
     assert max(max(r.result["sent_bytes"], r.result["received_bytes"]) for r in results) == \
         plan.stats["busiest_link_bytes"]
