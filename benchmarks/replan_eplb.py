@@ -21,6 +21,9 @@ Both plans are checked: every physical slot's keys name the expert its map entry
 moves every slot's bytes once, and the two plans are the same (ops, statistics, digest).
 Also printed, not judged: the planner's first plan (made and planned for map A) against one cold
 plan, and one rank's ops (`ops_for_rank`) taken from each plan.
+`--job`: the same between separately launched jobs (runtime/jobs.py: the engine one replica of
+a TrainerJob, its ranks after the trainer's, relays off): the re-plan is the TrainerJob's,
+`TablePlanner(..., replica_at=N)`, the cold plan `compile_plan(src, replicate(engine, 1, N))`.
 Issue 27's target: a new map re-plans in <= 10 % of the cold plan. Printed: per round the two
 times and their ratio, the median ratio with a distribution-free 95 % interval (refit_gloo.py's
 `_median_interval`), PASS when the whole interval is at most the target, MISSED otherwise
@@ -40,6 +43,7 @@ from refit_gloo import _median_interval  # noqa: E402
 
 from layoutlang import load, loads  # noqa: E402
 from layoutlang.compiler import Plan  # noqa: E402
+from layoutlang.compiler.members import replicate  # noqa: E402
 from layoutlang.compiler.tables import TablePlanner  # noqa: E402
 from layoutlang.gcpause import gc_paused  # noqa: E402
 
@@ -101,7 +105,12 @@ def check(plan: Plan, emap: list[list[int]], size: dict) -> None:
     assert {k: v for k, v in by_key.items() if k.endswith("down_proj.weight")} == expected
 
 
-def first_plan(size: dict, text: str) -> tuple[TablePlanner, float, float]:
+def _cold(src, dst, job: bool) -> Plan:
+    """compile_plan's plan of the pair (`job`: the engine one replica after the trainer's ranks)."""
+    return Plan(src, replicate(dst, 1, src.ranks) if job else dst, relay=False)
+
+
+def first_plan(size: dict, text: str, job: bool = False) -> tuple[TablePlanner, float, float]:
     """(the planner for map A, its first plan's time, one cold plan's time for map A)."""
     args = {"L": size["L"], "E": size["E"]}
     a = eplb_map(10_000, size["L"] - DENSE, size["E"], size["R"])
@@ -109,18 +118,20 @@ def first_plan(size: dict, text: str) -> tuple[TablePlanner, float, float]:
         t0 = time.perf_counter()
         src = load(SRC, {**args, **size["src"]})
         planner = TablePlanner(src, text, "EPLB", dst_path="eplb.layout", args=args,
-                               dst_args={**size["dst"], "EPLB": a}, relay=False)
+                               dst_args={**size["dst"], "EPLB": a}, relay=False,
+                               replica_at=src.ranks if job else None)
         first = planner.plan()
         t1 = time.perf_counter()
-        cold = Plan(load(SRC, {**args, **size["src"]}), loads(text, "eplb.layout", {**args, **size["dst"], "EPLB": a}),
-                    relay=False)
+        cold = _cold(load(SRC, {**args, **size["src"]}),
+                     loads(text, "eplb.layout", {**args, **size["dst"], "EPLB": a}), job)
         t2 = time.perf_counter()
     check(first, a, size)
     assert first.ops == cold.ops
     return planner, t1 - t0, t2 - t1
 
 
-def one_round(size: dict, text: str, planner: TablePlanner, seed: int) -> tuple[float, float, float, float]:
+def one_round(size: dict, text: str, planner: TablePlanner, seed: int,
+              job: bool = False) -> tuple[float, float, float, float]:
     """(cold, re-plan, one rank's ops from the cold plan, from the re-plan), seconds."""
     args = {"L": size["L"], "E": size["E"]}
     b = eplb_map(seed, size["L"] - DENSE, size["E"], size["R"])
@@ -128,7 +139,7 @@ def one_round(size: dict, text: str, planner: TablePlanner, seed: int) -> tuple[
         t0 = time.perf_counter()
         src = load(SRC, {**args, **size["src"]})
         dst = loads(text, "eplb.layout", {**args, **size["dst"], "EPLB": b})
-        cold = Plan(src, dst, relay=False)
+        cold = _cold(src, dst, job)
         t1 = time.perf_counter()
         again = planner.plan(b)
         t2 = time.perf_counter()
@@ -146,16 +157,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--job", action="store_true", help="the engine one replica of a TrainerJob (runtime/jobs.py)")
     ns = ap.parse_args(argv)
     size = QUICK if ns.quick else FULL
     rounds = ns.rounds or (3 if ns.quick else 7)
     text = eplb_engine_text()
-    planner, first, cold_a = first_plan(size, text)
+    planner, first, cold_a = first_plan(size, text, ns.job)
     print(f"the planner's first plan (map A) {first:.2f} s, a cold plan of map A {cold_a:.2f} s "
           f"({first / cold_a:.2f}x; not judged)", flush=True)
     ratios = []
     for i in range(rounds):
-        cold, replan, ops_cold, ops_again = one_round(size, text, planner, i)
+        cold, replan, ops_cold, ops_again = one_round(size, text, planner, i, ns.job)
         ratios.append(replan / cold)
         print(f"round {i}: cold {cold:.2f} s  re-plan {replan:.3f} s  re-plan / cold {replan / cold:.3f}  "
               f"(rank 0's ops: {ops_cold * 1e3:.0f} ms from the cold plan, {ops_again * 1e3:.0f} ms from the re-plan)",
