@@ -45,18 +45,33 @@ from .errors import RefitError
 from .refit import Refitter, StagingMeter, _as_given, _first_line, _strided
 
 
+_LAZY = threading.Lock()
+_lazy_users = [0, None]  # groups being built now in this process, the value before the first
+
+
 @contextmanager
 def _lazy_gloo():
-    """Gloo reads TORCH_GLOO_LAZY_INIT when a group is built; set it for ours alone."""
-    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    """Gloo reads TORCH_GLOO_LAZY_INIT when a group is built; set it for ours alone.
+
+    Threads of one process may build groups at once (in-process jobs): the first sets the
+    variable and the last puts back what was there, so it never outlives the builds (a
+    leaked `1` makes every later gloo group of the process, and of the processes it starts,
+    connect on first use: a peer that holds its first message back then stalls the rest)."""
+    with _LAZY:
+        if _lazy_users[0] == 0:
+            _lazy_users[1] = os.environ.get("TORCH_GLOO_LAZY_INIT")
+            os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        _lazy_users[0] += 1
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = before
+        with _LAZY:
+            _lazy_users[0] -= 1
+            if _lazy_users[0] == 0:
+                if _lazy_users[1] is None:
+                    os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+                else:
+                    os.environ["TORCH_GLOO_LAZY_INIT"] = _lazy_users[1]
 
 
 def build_group(store, name: str, rank: int, size: int, device: torch.device, timeout: timedelta):

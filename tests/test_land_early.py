@@ -126,7 +126,6 @@ def _run(tmp_path, grouped: bool):
     job = {"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "steps": STEPS,
            "port": free_port(), "grouped": grouped}
     results = launch(job, 3, timeout=100, program=str(tmp_path / "prog.py"))
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error} {r.stderr[-800:]}"
+    assert all(r.ok for r in results), "\n".join(f"rank {r.rank}: {r.error} {r.stderr[-800:]}" for r in results)
     return results
 
