@@ -146,6 +146,16 @@ def test_eplb_replica_refits_every_physical_expert_and_follows_rebalances():
         assert bad["message"] and "EngineRefused" in bad["message"] and "MoE layer 1" in bad["message"] \
             and "slot 1" in bad["message"], bad
         assert bad["entered"] is False and bad["layout"] == steps[2]["layout"], bad
+        # live states that are no map of the table: 2 MoE layers, P = 4 + 2 slots (the program's model)
+        refusals = next(x for x in lines if x.get("case") == "refusals")["messages"]
+        assert refusals == {
+            "layers": "EngineRefused: error: EPLB: the model has 2 MoE layers, the layout's EPLB table 3 rows",
+            "out of range": "EngineRefused: error: EPLB: MoE layer 0's map puts logical expert 0 in physical slot 6, "
+                            "which is out of range (6 slots)",
+            "empty slot": "EngineRefused: error: EPLB: MoE layer 0's map leaves physical slot 5 without a logical expert",
+            "no table": "EngineRefused: error: EPLB is on but the layout has no `EPLB` table (a model without routed "
+                        "experts?)",
+            "good": None}, refusals
 
 
 def test_vllms_uneven_and_round_robin_expert_maps_are_described():

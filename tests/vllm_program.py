@@ -399,8 +399,40 @@ def run_eplb_engine(port: int, rank: int) -> None:
                 refused = f"{type(exc).__name__}: {exc}"
             say(role="eplb", rank=rank, case="bad map", message=refused, entered=engine.live.entered,
                 layout=engine.job.one.digest[:12])
+            say(role="eplb", rank=rank, case="refusals", messages=eplb_refusals(engine, model, l2p, count, experts))
             engine.shutdown()
     say(ok=True, role="eplb", rank=rank, layouts=len(set(digests)))
+
+
+def eplb_refusals(engine, model, l2p, count, experts: int) -> dict:
+    """What the backend says of live EPLB states that are no map of the layout's table, each
+    set in place on step 3's map (tests/test_vllm.py holds the expected messages)."""
+    from types import SimpleNamespace
+
+    from layoutlang.integrations.vllm_engine import live_eplb_map
+
+    def said(fn) -> str | None:
+        good_l2p, good_count = eplb_state(EPLB_MAPS[STEPS], experts)
+        l2p.copy_(good_l2p)
+        count.copy_(good_count)
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def out_of_range():
+        l2p[0, 0, 0] = experts + EPLB_REDUNDANT  # expert 0's first copy in slot 6 of 6
+        live_eplb_map(model, 2, experts, EPLB_REDUNDANT)
+
+    def slot_left_empty():
+        count[0, 0] = 1  # expert 0 of layer 0 had slots 1 and 5: slot 5 now holds nothing
+        live_eplb_map(model, 2, experts, EPLB_REDUNDANT)
+
+    return {"layers": said(lambda: live_eplb_map(model, 3, experts, EPLB_REDUNDANT)),
+            "out of range": said(out_of_range), "empty slot": said(slot_left_empty),
+            "no table": said(lambda: engine._live_map(SimpleNamespace(args=(("N", 4),)))),
+            "good": said(lambda: live_eplb_map(model, 2, experts, EPLB_REDUNDANT))}
 
 
 def run_eplb_trainer(port: int) -> None:
