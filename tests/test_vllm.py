@@ -155,7 +155,7 @@ def test_eplb_replica_refits_every_physical_expert_and_follows_rebalances():
             "empty slot": "EngineRefused: error: EPLB: MoE layer 0's map leaves physical slot 5 without a logical expert",
             "no table": "EngineRefused: error: EPLB is on but the layout has no `EPLB` table (a model without routed "
                         "experts?)",
-            "good": None}, refusals
+            "good": [[2, 0, 3, 1, 3, 0], [1, 1, 0, 2, 3, 2]]}, refusals  # step 3's map, read back
 
 
 def test_vllms_uneven_and_round_robin_expert_maps_are_described():

@@ -411,15 +411,14 @@ def eplb_refusals(engine, model, l2p, count, experts: int) -> dict:
 
     from layoutlang.integrations.vllm_engine import live_eplb_map
 
-    def said(fn) -> str | None:
+    def said(fn):
         good_l2p, good_count = eplb_state(EPLB_MAPS[STEPS], experts)
         l2p.copy_(good_l2p)
         count.copy_(good_count)
         try:
-            fn()
+            return fn()
         except Exception as exc:  # noqa: BLE001 - reported
             return f"{type(exc).__name__}: {exc}"
-        return None
 
     def out_of_range():
         l2p[0, 0, 0] = experts + EPLB_REDUNDANT  # expert 0's first copy in slot 6 of 6
