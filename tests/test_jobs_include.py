@@ -1,10 +1,11 @@
 """Layouts that `include` other files are refused where a job must send its layout as one text.
 
-A trainer job publishes its layout to the engine jobs as text; an engine replica whose args
-change publishes its layout again; the trainer re-reads a replica's layout with that replica's
-args. Each of these needs the layout's whole text in one file, so a layout that includes
-another is refused with a message saying which file and why (runtime/jobs.py), before anything
-is published. The expected messages are written out here from that rule.
+A trainer job publishes its layout to the engine jobs as text, and an engine replica whose
+args change publishes its layout again: both need the layout's whole text in one file, so a
+layout that includes another is refused with a message saying which file and why
+(runtime/jobs.py), before anything is published. The expected messages are written out here
+from that rule. (The third such refusal, `EngineJob.layout` planning for other args, is not
+covered here.)
 """
 
 from datetime import timedelta
