@@ -94,6 +94,7 @@ WORLD = 4
 FILES = 4
 BUDGET = 64 * MIB
 H, F, Q, KV, D = 2048, 5632, 16, 4, 128
+TRANSPORTS = {"memory": "out of the peers' memory (checkpoint/attach.py)", "links": "over gloo"}
 TARGETS = {"load_fused": 3.0, "load_rows": 2.2, "plan_s": 0.03, "load4_dcp": 1.0, "save_floor": 2.0,
            "save_dcp": 0.25}
 
@@ -467,7 +468,8 @@ def run(args, s: dict, tmp: Path, enforce: bool, start: float) -> int:
 
     print(f"\n4. save on 4 ranks, fused layout -> {r0['saved_files']} files "
           f"(max_shard_size {r0['max_shard_size']}), {total / MIB:.0f} MiB, {total / WORLD / MIB:.0f} MiB per rank's share; "
-          f"{r0['exchanged']} column-parallel keys written whole by one rank each (checkpoint/exchange.py)")
+          f"{r0['exchanged']} column-parallel keys' rows split over the writers (checkpoint/exchange.py), their "
+          f"pieces moved {TRANSPORTS.get(r0.get('transport'), r0.get('transport'))}")
     med = {m: statistics.median(v) for m, v in st.items()}
     print("  medians: " + ", ".join(f"{m} {1e3 * t:.0f} ms" for m, t in med.items()))
     print(rounds_text(st))

@@ -226,6 +226,7 @@ class Bench:
         self.check_saved(path, "layoutlang save")
         self.cleanup(path)
         report["exchanged"] = len(rep.exchanged)
+        report["transport"] = rep.transport
         path = self.fresh("in_place")
         self.ll_save(path, exchange=False)
         self.check_saved(path, "layoutlang save, in place")

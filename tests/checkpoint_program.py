@@ -316,7 +316,8 @@ def case_megatron_save(job: dict, rank: int, report: dict) -> None:
         save_file({"tokens": tokens, "logits": full_logits.contiguous()}, out["logits"])
     dist.barrier()
     r = save(out["dir"], layout, bridge.tensors(model), group=dist.group.WORLD, max_shard_size="16KB")
-    report["megatron"] = {"files": list(r.files), "written": r.written_bytes, "exchanged": list(r.exchanged)}
+    report["megatron"] = {"files": list(r.files), "written": r.written_bytes, "exchanged": list(r.exchanged),
+                          "transport": r.transport}
     if rank == 0:
         os.makedirs(out["in_place"], exist_ok=True)
         hf.config.save_pretrained(out["in_place"])
@@ -330,11 +331,13 @@ def case_megatron_save(job: dict, rank: int, report: dict) -> None:
         os.makedirs(out["rounds"], exist_ok=True)
         hf.config.save_pretrained(out["rounds"])
     dist.barrier()
-    default, exchange.ROUND_BYTES = exchange.ROUND_BYTES, 1  # every exchanged key in a round of its own
+    # over the links (not out of the peers' memory), every exchanged key in a round of its own
+    default, exchange.ROUND_BYTES, exchange.MEMORY = exchange.ROUND_BYTES, 1, False
     try:
-        save(out["rounds"], layout, bridge.tensors(model), group=dist.group.WORLD, max_shard_size="16KB")
+        r = save(out["rounds"], layout, bridge.tensors(model), group=dist.group.WORLD, max_shard_size="16KB")
+        report["megatron_rounds"] = {"transport": r.transport}
     finally:
-        exchange.ROUND_BYTES = default
+        exchange.ROUND_BYTES, exchange.MEMORY = default, True
 
 
 MXFP8_SAVE = """

@@ -214,7 +214,9 @@ def test_a_megatron_tp2_trainer_saves_what_save_pretrained_writes(launched):
     assert [sorted(_report(results, r)["megatron"]["exchanged"]) for r in range(2)] == [column, column]
     assert _report(results, 0)["megatron_in_place"]["exchanged"] == []
     _check_same_checkpoint(out["in_place"], out["ref"], 16000, same_files=False)
-    _check_same_checkpoint(out["rounds"], out["ref"], 16000, same_files=False)  # one key per round
+    _check_same_checkpoint(out["rounds"], out["ref"], 16000, same_files=False)  # one key per round, links
+    assert _report(results, 0)["megatron_rounds"]["transport"] == "links"
+    assert _report(results, 0)["megatron"]["transport"] in ("memory", "links")  # which: test_checkpoint_rules
     tokens, trainer = _trainer_logits(out["logits"])
     got = _logits(out["dir"], tokens)
     assert torch.equal(got, _logits(out["ref"], tokens))

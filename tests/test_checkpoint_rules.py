@@ -173,14 +173,47 @@ def test_the_read_once_load_and_a_save_on_two_processes(tmp_path):
     # column-parallel keys (a short run per row): exchanged, rows split over the 2 writers as
     # torch.chunk cuts them (wide 32 + 32, odd 3 + 2); every element where the full tensor has it
     assert [sorted(r.result["cp_exchanged"]) for r in results] == [["odd", "wide"]] * 2
-    with safe_open(tmp_path / "cp" / "model.safetensors", "pt") as fh:
-        for name, (shape, dtype) in CP_KEYS.items():
-            assert torch.equal(fh.get_tensor(name), torch.arange(math.prod(shape)).reshape(shape).to(dtype)), name
+    for out in ("cp", "cp_links", "cp_strided", "cp_refused"):
+        with safe_open(tmp_path / out / "model.safetensors", "pt") as fh:
+            for name, (shape, dtype) in CP_KEYS.items():
+                assert torch.equal(fh.get_tensor(name), torch.arange(math.prod(shape)).reshape(shape).to(dtype)), \
+                    (out, name)
+    # the pieces moved out of the peers' memory where this machine lets a process read its
+    # siblings' (checked here without the project), else over the links; forced, strided
+    # sources and one rank that cannot read: the links on every rank
+    memory = "memory" if _sibling_memory_readable() else "links"
+    assert [r.result["cp_transport"] for r in results] == [memory] * 2
+    for what in ("cp_links_transport", "cp_strided_transport", "cp_refused_transport"):
+        assert [r.result[what] for r in results] == ["links"] * 2, what
     # rank 1 stalled 4 s before its save: rank 0 gave up after its 1 s timeout, not the group's 120 s
     stall = results[0].result
     assert "did not meet within 1 s" in stall["stall"] and stall["stall_s"] < 4.0, stall
     assert not [n for n in os.listdir(tmp_path / "stall") if n.endswith(".safetensors")]
     _check_per_rank_files(tmp_path / "ranked", ref)
+
+
+def _sibling_memory_readable() -> bool:
+    """Whether process_vm_readv(2) reads a forked child's memory here (ptrace policy, seccomp)."""
+    import ctypes
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    secret = ctypes.create_string_buffer(b"a sibling's bytes", 17)
+    got = ctypes.create_string_buffer(17)
+    go, done = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.read(go, 1)
+        os._exit(0)
+    try:
+        local, remote = Iovec(ctypes.addressof(got), 17), Iovec(ctypes.addressof(secret), 17)
+        n = libc.process_vm_readv(child, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        return n == 17 and got.raw == b"a sibling's bytes"
+    finally:
+        os.write(done, b"x")
+        os.waitpid(child, 0)
 
 
 def _check_per_rank_files(ranked, ref):

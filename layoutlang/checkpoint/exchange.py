@@ -13,6 +13,12 @@ write different files at once; no rank holds more than its shards and twice that
 receive and the rows arenas), plus the blocks it sends of one round (none when its
 source slices are contiguous rows in the checkpoint's dtype).
 
+On one host, with every rank able to read the others' memory (attach.py), no message
+moves: each writer reads its peers' pieces straight out of their tensors into its rows
+(one kernel copy a byte, where the links cost a send, a receive and an assembly copy),
+when every source block is its caller's own memory as the file stores it; otherwise, or
+across hosts, the links as above.
+
 Which keys: plain ones (a quantized key is packed by its pieces' holders, whole scale
 blocks) with some piece of more than one run shorter than RUN_BYTES, or no box at all.
 The choice depends on the plan alone, so every rank makes the same one.
@@ -35,6 +41,7 @@ from ..runtime.views import shape as view_shape
 from .write import runs
 
 RUN_BYTES = 64 * 1024        # a piece's runs shorter than this (and more than one): its key is exchanged
+MEMORY = True                # read peers' pieces out of their memory when every rank can (attach.py)
 ROUND_BYTES = 32 * 1024 ** 2  # a writer's rows of one round's keys at most: what its receive arena holds
 ALIGN = 64
 
@@ -136,14 +143,18 @@ def across_files(ckpt: Checkpoint, keys: list[str]) -> list[str]:
 
 
 def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict, group, timeout,
-                  path: str, cap: int | None = None, meanwhile=None) -> int:
-    """Move the exchanged keys' pieces to their writers, round by round: each writer receives
+                  path: str, cap: int | None = None, meanwhile=None) -> tuple[int, str]:
+    """Move the exchanged keys' pieces to their writers and write them; returns the bytes this
+    rank wrote and the transport: "memory" when every rank can read its peers' pieces out of
+    their memory (`_pull_rows`, attach.py; off with MEMORY = False), else "links".
+
+    Over the links, round by round: each writer receives
     its rows' pieces into one arena, assembles its rows of each key in a second one (both
     reused: their pages fault once) and writes them with one `pwrite` a key. One plan for
     every round (the writers' layout of all the keys), its ops posted straight to the group:
     a round costs its messages, not a Refitter's schedule and meetings. `meanwhile(f)` (write.py
     `write_pieces`' step: this rank's own pieces up to the fraction f of their bytes) runs
-    while each round's messages fly. Returns the bytes this rank wrote.
+    while each round's messages fly.
 
     The source tensors were checked by `write_pieces` (every op this rank sends, these keys'
     too) before anything was written."""
@@ -157,18 +168,21 @@ def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict
     writers = src.ranks
     plan = cached_plan("writers", src, text_digest(writer_text(ckpt, keys, writers)),
                        lambda: compile_plan(src, writer_layout(ckpt, keys, writers, path)))
+    rank = _Rank(plan, me)
+    run = _Writer(rank, [], _as_given(tensors or {}, rank.src_held), {}, torch.device("cpu"))
+    files = {f.name: i for i, f in enumerate(ckpt.files)}
+    dealt = rounds(ckpt, across_files(ckpt, keys), writers, cap)
+    attached = _attached(plan, me, ckpt, run, group, timeout) if MEMORY and group is not None else None
+    if attached is not None:
+        return _pull_rows(plan, me, ckpt, run, dealt, files, attached, timeout, meanwhile), "memory"
     by_key: dict[str, list] = {}
     for op in plan.ops_for_rank(me):
         by_key.setdefault(op.dst_name, []).append(op)
-    rank = _Rank(plan, me)
-    run = _Writer(rank, [], _as_given(tensors or {}, rank.src_held), {}, torch.device("cpu"))
     deadline = time.monotonic() + timeout.total_seconds()
     arena = rows = torch.empty(0, dtype=torch.uint8)
     fds: dict[str, int] = {}
     written = 0
     try:
-        files = {f.name: i for i, f in enumerate(ckpt.files)}
-        dealt = rounds(ckpt, across_files(ckpt, keys), writers, cap)
         for k, names in enumerate(dealt):
             ops = [op for name in names for op in by_key.get(name, ())]
             need = sum(_aligned(_nbytes(op, ckpt)) for op in ops if op.dst_rank == me and op.src_rank != me)
@@ -181,15 +195,103 @@ def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict
                 rows = torch.empty(widest, dtype=torch.uint8)
             share = None if meanwhile is None else (lambda f=(k + 1) / len(dealt): meanwhile(f))
             pieces = _move(ops, me, ckpt, run, arena, group, deadline, timeout, share)
-            # each writer starts at its own file: writes into one file take its inode lock in turn
-            for name in sorted(names, key=lambda n: (files[ckpt.by_name[n].data.file] - me) % len(files)):
+            for name in _from_own_file(names, ckpt, files, me):
                 stored = ckpt.by_name[name]
                 b, e = rows_of(stored, me, writers)
                 if e > b:
-                    fd = fds.get(stored.data.file)
-                    if fd is None:
-                        fd = fds[stored.data.file] = os.open(_path_of(ckpt, stored.data.file), os.O_WRONLY)
-                    written += _write_rows(fd, stored, b, e, pieces.get(name, []), rows)
+                    written += _write_rows(_fd(fds, ckpt, stored), stored, b, e, pieces.get(name, []), rows)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return written, "links"
+
+
+def _from_own_file(names: list[str], ckpt: Checkpoint, files: dict[str, int], me: int) -> list[str]:
+    """A round's keys, starting at this writer's own file: writes into one file take its
+    inode lock in turn."""
+    return sorted(names, key=lambda n: (files[ckpt.by_name[n].data.file] - me) % len(files))
+
+
+def _fd(fds: dict[str, int], ckpt: Checkpoint, stored) -> int:
+    fd = fds.get(stored.data.file)
+    if fd is None:
+        fd = fds[stored.data.file] = os.open(_path_of(ckpt, stored.data.file), os.O_WRONLY)
+    return fd
+
+
+def _attached(plan, me: int, ckpt: Checkpoint, run, group, timeout) -> tuple[list[int], list[int]] | None:
+    """(every rank's pid, the address of every op's source block) when every rank of the
+    group can read its pieces out of its peers' memory (attach.py `agree`); None: the links.
+    A rank takes part when each block it sends is its caller's own memory as the file stores
+    it (a view of the given tensor, contiguous, on the CPU, in the file's dtype: nothing is
+    staged, so no rank holds more than its shards) and each piece it writes is a plain box."""
+    from . import attach
+
+    published: dict[int, int] = {}
+    able, pulls_from = True, set()
+    for i, op in enumerate(plan.ops):
+        if op.src_rank == me and op.dst_rank != me:
+            given = run.src.get(op.src_name)
+            if not isinstance(given, torch.Tensor):  # a quantized source: dequantized blocks are staged
+                able = False
+                continue
+            block = run.source_view(op)
+            able = able and block.device.type == "cpu" and block.is_contiguous() \
+                and block.dtype == TORCH[ckpt.by_name[op.dst_name].data.dtype] \
+                and block.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+            published[i] = block.data_ptr()
+        elif op.dst_rank == me and op.src_rank != me:
+            able = able and all(len(e) == 2 for e in op.dst_slice)
+            pulls_from.add(op.src_rank)
+    return attach.agree(me, plan.dst.ranks, len(plan.ops), published, able, pulls_from, group, "save", timeout)
+
+
+def _pull_rows(plan, me: int, ckpt: Checkpoint, run, dealt: list[list[str]], files: dict[str, int],
+               attached: tuple[list[int], list[int]], timeout, meanwhile=None) -> int:
+    """The memory transport: each of this writer's blocks of rows assembled in one reused
+    buffer, its own pieces copied in, every peer's read straight into their places
+    (attach.pull: the kernel scatters each row), then written with one `pwrite`; this rank's
+    in-place pieces written after each round (`meanwhile`). No meeting: the peers' blocks
+    are their callers' tensors, alive until the save's meeting after the writes."""
+    from ..runtime.errors import RefitError
+    from ..runtime.views import view
+    from .attach import AttachError, pull, runs_of_box
+
+    pids, addresses = attached
+    writers = plan.dst.ranks
+    mine: dict[str, list] = {}
+    for i, op in enumerate(plan.ops):
+        if op.dst_rank == me:
+            mine.setdefault(op.dst_name, []).append((i, op))
+    widest = max((_row_bytes(ckpt.by_name[n], me, writers) for names in dealt for n in names), default=0)
+    rows = torch.empty(widest, dtype=torch.uint8)
+    fds: dict[str, int] = {}
+    written = 0
+    try:
+        for k, names in enumerate(dealt):
+            for name in _from_own_file(names, ckpt, files, me):
+                stored = ckpt.by_name[name]
+                b, e = rows_of(stored, me, writers)
+                if e <= b:
+                    continue
+                dtype = TORCH[stored.data.dtype]
+                shape = (e - b, *stored.shape[1:])
+                nbytes = math.prod(shape) * dtype.itemsize
+                block = rows[:nbytes].view(dtype).view(shape)
+                for i, op in mine.get(name, ()):
+                    if op.src_rank == me:
+                        view(block, op.dst_slice).copy_(run.source_view(op).reshape(view_shape(op.dst_slice)))
+                        continue
+                    places = runs_of_box(op.dst_slice, shape, dtype.itemsize, block.data_ptr())
+                    try:
+                        pull(pids[op.src_rank], places, addresses[i], _nbytes(op, ckpt))
+                    except AttachError as exc:
+                        raise RefitError.at(me, 0, "save", f"reading op {op.id} (`{op.key}`) out of rank "
+                                            f"{op.src_rank}'s memory failed: {exc.strerror}",
+                                            peers=(op.src_rank,), reusable=False) from exc
+                written += _pwrite_all(_fd(fds, ckpt, stored), block, stored.data.begin + b * (nbytes // (e - b)))
+            if meanwhile is not None:
+                meanwhile((k + 1) / len(dealt))
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -274,13 +376,18 @@ def _write_rows(fd: int, stored, begin: int, end: int, pieces: list, rows: torch
     block = rows[:nbytes].view(dtype).view(shape)
     for sl, buf in pieces:
         view(block, sl).copy_(buf.reshape(view_shape(sl)))
+    return _pwrite_all(fd, block, stored.data.begin + begin * (nbytes // max(1, end - begin)))
+
+
+def _pwrite_all(fd: int, block: torch.Tensor, at: int) -> int:
+    """A contiguous tensor's bytes written at `at` (pwrite may write less than asked)."""
+    nbytes = block.numel() * block.element_size()
     mem = memoryview((ctypes.c_char * nbytes).from_address(block.data_ptr())).cast("B") if nbytes else b""
-    at = stored.data.begin + begin * (nbytes // max(1, end - begin))
     while len(mem):
         k = os.pwrite(fd, mem, at)
         mem, at = mem[k:], at + k
     return nbytes
 
 
-__all__ = ["RUN_BYTES", "ROUND_BYTES", "short_run_keys", "writer_text", "writer_layout", "rows_of", "rounds",
+__all__ = ["MEMORY", "RUN_BYTES", "ROUND_BYTES", "short_run_keys", "writer_text", "writer_layout", "rows_of", "rounds",
            "exchange_keys"]

@@ -27,9 +27,15 @@ def _device(group) -> torch.device:
 def failures(ok: bool, group, rank: int, phase: str, timeout: timedelta) -> int:
     """How many ranks of `group` did not succeed (0: all did); raises `RefitError` when the
     others do not arrive within `timeout`."""
+    return int(summed(torch.tensor([0 if ok else 1], dtype=torch.int32), group, rank, phase, timeout)[0])
+
+
+def summed(values: torch.Tensor, group, rank: int, phase: str, timeout: timedelta) -> torch.Tensor:
+    """The sum of every rank's `values` (a CPU tensor, the same shape on every rank), as a
+    new CPU tensor; raises `RefitError` when the others do not arrive within `timeout`."""
     import torch.distributed as dist
 
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=_device(group))
+    flag = values.to(_device(group), copy=True)
     work = dist.all_reduce(flag, group=group, async_op=True)
     try:
         work.wait(timeout)
@@ -37,11 +43,11 @@ def failures(ok: bool, group, rank: int, phase: str, timeout: timedelta) -> int:
         raise RefitError.at(rank, 0, phase, f"the other ranks did not meet within {timeout.total_seconds():g} s "
                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
                             reusable=False) from None
-    return int(flag.cpu())
+    return flag.cpu()
 
 
 def as_timedelta(timeout: timedelta | float) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
 
-__all__ = ["failures", "as_timedelta"]
+__all__ = ["failures", "summed", "as_timedelta"]

@@ -204,14 +204,17 @@ def file_layout_text(layout: Layout, ckpt_text: str) -> str:
 
 @dataclass(frozen=True)
 class SaveReport:
-    """What one rank's save did: the files, the plan, the bytes this rank wrote, the keys written
-    whole by one rank each (`exchange`)."""
+    """What one rank's save did: the files, the plan, the bytes this rank wrote, the keys whose
+    rows were split over the writers (`exchange`), and how their pieces moved (`transport`:
+    "memory", read out of the peers' memory on one host; "links", over the group; "" when
+    none was exchanged)."""
 
     files: tuple[str, ...]
     plan: object
     rank: int
     written_bytes: int
     exchanged: tuple[str, ...] = ()
+    transport: str = ""
 
 
 def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = None, group=None,
@@ -280,7 +283,7 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     finally:
         if group is not None and _barrier_ok(ok, group):
             raise UsageError(f"{target}: the save could not start (rank 0 could not create its files)")
-    ok, written, plan, exchanged = False, 0, None, []
+    ok, written, plan, exchanged, transport = False, 0, None, [], []
     try:
         if per_rank:
             written = write_rank(os.path.join(partial, names[me]), src, me, tensors)
@@ -291,8 +294,10 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
             alongside = None
             if exchanged:  # the exchange's messages fly while this rank writes its own pieces
                 def alongside(step):
-                    return exchange_keys(src, ckpt, exchanged, me, tensors, group, wait, f"<checkpoint {target}>",
-                                         meanwhile=step)
+                    bytes_, how = exchange_keys(src, ckpt, exchanged, me, tensors, group, wait,
+                                                f"<checkpoint {target}>", meanwhile=step)
+                    transport.append(how)
+                    return bytes_
             written = write_pieces(plan, me, ckpt, tensors, group, skip=set(exchanged), alongside=alongside)
         ok = True
     finally:
@@ -309,7 +314,8 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         _publish(target, partial, names, _index(files) if len(files) > 1 else None, durable)
     if group is not None:
         _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
-    return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written, tuple(exchanged))
+    return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written, tuple(exchanged),
+                      transport[0] if transport else "")
 
 
 def _target_config(target: str) -> str | None:
