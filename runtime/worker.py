@@ -8,7 +8,7 @@ bigger buffer whose other elements are guards that must stay untouched),
 `groups` (lists of global ranks: each rank refits in the sub-group that holds it, the
 plan's ranks being that group's ranks; ranks in none only create the groups; every rank meets the others once more before it exits, so that rank 0's store outlives every group), `retry` (after a failed refit, call refit once more and report what it said),
 `linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
-2 s after a failure by default), `alternate` (plain tensors only: the sources hold their
+2 s after a failure by default), `store_linger` (seconds rank 0 lingers beyond that), `alternate` (plain tensors only: the sources hold their
 fill in odd steps and zeros in even ones, written in place, and every step's destination is
 checked: a step that moved nothing, or stale bytes, fails), `release` (steps before which
 the rank calls `Refitter.release_staging()`),
@@ -78,7 +78,9 @@ def main(job_path: str, out_path: str) -> int:
             pass
     # rank 0 hosts the store: a failed rank 0 that left at once would turn its peers' reasons
     # into "store unreachable" (docs/runtime.md); so a failed worker lingers a little
-    time.sleep(job.get("linger", 0 if result["ok"] else 2))
+    # (`store_linger`: rank 0 stays that much longer than the others, so that a survivor freed
+    # only by another survivor's exit still finds that one's reason in the store)
+    time.sleep(job.get("linger", 0 if result["ok"] else 2) + (job.get("store_linger", 0) if rank == 0 else 0))
     if not result["ok"]:
         sys.stderr.flush()
         os._exit(1)  # transfers may be in flight: do not wait on the process group at exit

@@ -204,9 +204,12 @@ def test_killed_peer_fails_every_survivor_naming_it(pair):
     src, dst = pair
     # linger: rank 0 hosts the store; had it exited at once, a slower survivor would meet a dead
     # store (a RefitError too, tested in test_runtime_faults.py) instead of the reason
-    # the bf16 wire at 4096 B: buckets in which every survivor meets rank 1 by bucket 1
+    # the bf16 wire at 4096 B: buckets in which every survivor meets rank 1 by bucket 1.
+    # store_linger: a survivor whose transfer was with another survivor is freed only when that
+    # one exits (after its linger); rank 0 staying longer, its store still holds that one's reason
+    # (with every rank lingering alike, rank 0's store could leave with it: "peer rank 9")
     results = launch({"src": src, "dst": dst, "budget": 4096, "timeout": 10, "die": {"rank": 1, "bucket": 1},
-                      "dst_args": {"AT": 8}, "linger": 3, "wire": "bf16"}, 10, timeout=150)
+                      "dst_args": {"AT": 8}, "linger": 3, "store_linger": 3, "wire": "bf16"}, 10, timeout=150)
     assert results[1].returncode == 3
     for r in results:
         if r.rank == 1:

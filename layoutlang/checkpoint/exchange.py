@@ -174,7 +174,7 @@ def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict
     dealt = rounds(ckpt, across_files(ckpt, keys), writers, cap)
     attached = _attached(plan, me, ckpt, run, group, timeout) if MEMORY and group is not None else None
     if attached is not None:
-        return _pull_rows(plan, me, ckpt, run, dealt, files, attached, timeout, meanwhile), "memory"
+        return _pull_rows(plan, me, ckpt, run, dealt, files, attached, meanwhile), "memory"
     by_key: dict[str, list] = {}
     for op in plan.ops_for_rank(me):
         by_key.setdefault(op.dst_name, []).append(op)
@@ -247,7 +247,7 @@ def _attached(plan, me: int, ckpt: Checkpoint, run, group, timeout) -> tuple[lis
 
 
 def _pull_rows(plan, me: int, ckpt: Checkpoint, run, dealt: list[list[str]], files: dict[str, int],
-               attached: tuple[list[int], list[int]], timeout, meanwhile=None) -> int:
+               attached: tuple[list[int], list[int]], meanwhile=None) -> int:
     """The memory transport: each of this writer's blocks of rows assembled in one reused
     buffer, its own pieces copied in, every peer's read straight into their places
     (attach.pull: the kernel scatters each row), then written with one `pwrite`; this rank's
