@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=float, default=1.5, help="checkpoint size, GiB (default 1.5)")
     ap.add_argument("--small", action="store_true", help="vocabulary 8192, 2 layers (~0.25 GiB): a quick run")
     ap.add_argument("--rounds", type=int, default=15, help="paired rounds of each load figure (default 15)")
-    ap.add_argument("--save-rounds", type=int, default=9, help="paired rounds of the save figures (default 9)")
+    ap.add_argument("--save-rounds", type=int, default=15, help="paired rounds of the save figures (default 15)")
     ap.add_argument("--dir", type=Path, default=None, help="where the temporary files go (default: /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the workers' files")
     ap.add_argument("--profile", action="store_true", help="rank 0 profiles one load and one save (cProfile)")
