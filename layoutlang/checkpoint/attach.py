@@ -128,7 +128,7 @@ def agree(me: int, world: int, count: int, published: dict[int, int], able: bool
     places plain boxes), and `pulls_from` the ranks it reads. Two meetings (`meet.summed`), under `timeout`."""
     from .meet import summed
 
-    n = count
+    n = count  # the table: every op's address, then per rank its pid, mark, mark's address, opt-out
     table = torch.zeros(n + 4 * world, dtype=torch.int64)
     for i, address in published.items():
         table[i] = address

@@ -274,22 +274,19 @@ def _pull_rows(plan, me: int, ckpt: Checkpoint, run, dealt: list[list[str]], fil
                 b, e = rows_of(stored, me, writers)
                 if e <= b:
                     continue
-                dtype = TORCH[stored.data.dtype]
-                shape = (e - b, *stored.shape[1:])
-                nbytes = math.prod(shape) * dtype.itemsize
-                block = rows[:nbytes].view(dtype).view(shape)
+                block, at = _rows_view(stored, b, e, rows)
                 for i, op in mine.get(name, ()):
                     if op.src_rank == me:
                         view(block, op.dst_slice).copy_(run.source_view(op).reshape(view_shape(op.dst_slice)))
                         continue
-                    places = runs_of_box(op.dst_slice, shape, dtype.itemsize, block.data_ptr())
+                    places = runs_of_box(op.dst_slice, tuple(block.shape), block.element_size(), block.data_ptr())
                     try:
                         pull(pids[op.src_rank], places, addresses[i], _nbytes(op, ckpt))
                     except AttachError as exc:
                         raise RefitError.at(me, 0, "save", f"reading op {op.id} (`{op.key}`) out of rank "
                                             f"{op.src_rank}'s memory failed: {exc.strerror}",
                                             peers=(op.src_rank,), reusable=False) from exc
-                written += _pwrite_all(_fd(fds, ckpt, stored), block, stored.data.begin + b * (nbytes // (e - b)))
+                written += _pwrite_all(_fd(fds, ckpt, stored), block, at)
             if meanwhile is not None:
                 meanwhile((k + 1) / len(dealt))
     finally:
@@ -370,13 +367,19 @@ def _write_rows(fd: int, stored, begin: int, end: int, pieces: list, rows: torch
     slower in back-to-back runs: 836 against 526 ms a save, benchmarks/README.md.)"""
     from ..runtime.views import view
 
+    block, at = _rows_view(stored, begin, end, rows)
+    for sl, buf in pieces:
+        view(block, sl).copy_(buf.reshape(view_shape(sl)))
+    return _pwrite_all(fd, block, at)
+
+
+def _rows_view(stored, begin: int, end: int, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Rows [begin, end) of a key as a tensor at the start of `rows` (bytes, reused), and
+    their offset in the key's file."""
     dtype = TORCH[stored.data.dtype]
     shape = (end - begin, *stored.shape[1:])
     nbytes = math.prod(shape) * dtype.itemsize
-    block = rows[:nbytes].view(dtype).view(shape)
-    for sl, buf in pieces:
-        view(block, sl).copy_(buf.reshape(view_shape(sl)))
-    return _pwrite_all(fd, block, stored.data.begin + begin * (nbytes // max(1, end - begin)))
+    return rows[:nbytes].view(dtype).view(shape), stored.data.begin + begin * (nbytes // max(1, end - begin))
 
 
 def _pwrite_all(fd: int, block: torch.Tensor, at: int) -> int:
