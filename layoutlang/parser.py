@@ -23,7 +23,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.lexer import PatternStr
 
 from . import ast
-from .diagnostics import Note, ParseError, Source, Span
+from .diagnostics import Note, ParseError, Source, Span, did_you_mean
 from .vocabulary import KEYWORDS
 
 MAX_NESTING = 64
@@ -147,6 +147,36 @@ def _expected(names) -> str:
     if len(words) > 8:
         words = words[:8] + ["..."]
     return "one of " + ", ".join(words)
+
+
+def _keyword(terminal: str) -> str | None:
+    """The keyword a terminal stands for (`tensor`), None for punctuation and word classes."""
+    for term in _lark().terminals:
+        if term.name == terminal and isinstance(term.pattern, PatternStr):
+            return term.pattern.value if term.pattern.value.isidentifier() else None
+    return None
+
+
+def _typo_hint(token: Token, accepts: set[str]) -> str | None:
+    """`did you mean `tensor`?` when an unexpected word is close to a keyword that can come here.
+
+    Chosen from every keyword the parser accepts at this point, not from the expected
+    list as printed (that one is cut at eight entries). Only for a word that is not a
+    keyword itself: a keyword in the wrong place is not a misspelling."""
+    if token.type not in ("NAME", "TNAME"):
+        return None
+    return did_you_mean(str(token), sorted(filter(None, (_keyword(t) for t in accepts))))
+
+
+def _swallowed_hint(line_text: str, col: int, accepts: set[str]) -> str | None:
+    """A misspelt keyword that begins a line can be read as the end of the statement above (a
+    tensor's dtype: `tensro v [4]` after `tensor w [4]`); the parser then stops at the word after
+    it. When that word begins its line and is close to a keyword that may come there, say so."""
+    m = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s+", line_text[:col - 1])
+    if m is None or m.group(1) in _RESERVED:
+        return None
+    hint = did_you_mean(m.group(1), sorted(filter(None, (_keyword(t) for t in accepts))))
+    return hint and hint[:-1] + f" instead of `{m.group(1)}`?"
 
 
 def _found(token: Token) -> str:
@@ -582,7 +612,9 @@ def _convert_error(err: Exception, pos: _Positions) -> ParseError:
         line = tok.line if tok.line is not None else err.line
         col = tok.column if tok.column is not None else err.column
         return ParseError(f"unexpected {_found(tok)}; expected {_expected(accepts)}",
-                          pos.span(line, col, line, col + max(1, len(str(tok)))), help=_hint(accepts))
+                          pos.span(line, col, line, col + max(1, len(str(tok)))),
+                          help=_typo_hint(tok, accepts) or _swallowed_hint(lines[line - 1], col, accepts)
+                          or _hint(accepts))
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
         ch = err.char
         if ch == '"' and not pos.line:

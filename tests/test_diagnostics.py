@@ -206,3 +206,58 @@ def test_keywords_are_not_names_anywhere():
             layoutlang.loads(f"mesh m (tp=2)\nconst {word} = 4\n")
         assert info.value.line == 2 and info.value.col == 7, word
         assert "reserved" in info.value.message
+
+
+# ---- a misspelt keyword names the keyword (issue 49) -----------------------------------------------
+
+@pytest.mark.parametrize("text,line,col,found,keyword", [
+    ("tensr w [4]\n", 1, 1, "tensr", "tensor"),
+    ("mesh m (tp=2)\ntensr w [4 over tp]\n", 2, 1, "tensr", "tensor"),  # `tensor` is past the 8 listed
+    ("msh m (tp=2)\n", 1, 1, "msh", "mesh"),
+    ("mesh m (tp=2)\nconts H = 4\n", 2, 1, "conts", "const"),
+    ("defualt dtype bf16\n", 1, 1, "defualt", "default"),
+    ('incldue "a.layout"\n', 1, 1, "incldue", "include"),
+    ("mesh m (tp=2)\nfro l in 0..4 {\n}\n", 2, 1, "fro", "for"),
+    ("mesh m (tp=2)\ntensor w [8 ovr tp]\n", 2, 13, "ovr", "over"),
+    ("mesh m (tp=2)\ntensor w [8 pda 2]\n", 2, 13, "pda", "pad"),
+    ("mesh m (tp=2)\ntensor w [8 over tp chnk tp]\n", 2, 21, "chnk", "chunk"),
+    ("mesh m (tp=2)\ntensor w [9 over tp ragd]\n", 2, 21, "ragd", "ragged"),
+    ("mesh m (tp=2)\nfor l in 0..4 ovr tp {\n}\n", 2, 15, "ovr", "over"),
+])
+def test_a_misspelt_keyword_gets_did_you_mean(text, line, col, found, keyword):
+    with pytest.raises(layoutlang.ParseError) as info:
+        layoutlang.loads(text, "t.layout")
+    err = info.value
+    assert err.message.startswith(f"unexpected `{found}`; expected ")
+    assert (err.file, err.line, err.col) == ("t.layout", line, col)
+    assert err.help == f"did you mean `{keyword}`?"
+    rendered = err.render().splitlines()
+    assert rendered[0] == f"t.layout:{line}:{col}: error: {err.message}"
+    assert rendered[2] == " " * (len(str(line)) + 4) + " | " + " " * (col - 1) + "^" * len(found)
+    assert rendered[-1] == f"help: did you mean `{keyword}`?"
+
+
+def test_a_misspelt_keyword_read_as_the_dtype_above_is_named():
+    """`tensro` after a tensor without a dtype is read as that tensor's dtype: the parser stops at
+    the next word, and the help names the misspelt keyword that begins the line."""
+    text = "mesh m (tp=2)\ntensor w [4 over tp]\ntensro v [4]\n"
+    with pytest.raises(layoutlang.ParseError) as info:
+        layoutlang.loads(text, "t.layout")
+    err = info.value
+    assert (err.line, err.col) == (3, 8)
+    assert err.message.startswith("unexpected `v`; expected ")
+    assert err.help == "did you mean `tensor` instead of `tensro`?"
+
+
+@pytest.mark.parametrize("text,help_", [
+    ("mesh m (tp=2)\nx [4]\n", None),                                  # a word close to no keyword
+    ("mesh m (tp=2)\nlayer w [4]\n", None),
+    ("mesh m (tp=2)\ntensor c [8, 4] on m transposed\n", None),        # a keyword in the wrong place
+    ("mesh m (tp=2)\ntensor w [8 over tp, 16] bf16 )\n", None),        # not a word
+    ("mesh m (tp=2)\ntensor w [8 over tp, 16\ntensor v [16]\n",        # the help it had
+     "separate dimensions with `,` and close the list with `]`"),
+])
+def test_no_keyword_is_suggested_where_none_is_close(text, help_):
+    with pytest.raises(layoutlang.ParseError) as info:
+        layoutlang.loads(text, "t.layout")
+    assert info.value.help == help_
