@@ -593,13 +593,17 @@ def cmd_new(ns, out: Console, err: Console) -> int:
         raise UsageError(f"layoutc new {ns.framework} takes --config CONFIG_JSON" +
                          (f", not a directory ({ns.directory})" if ns.directory is not None else ""),
                          help="a checkpoint directory goes with `layoutc new checkpoint DIR`")
-    sizes = _parse_sets(ns.set)
+    split_sets, other_sets = _split_sets(ns.set)
+    sizes = {**_parse_sets(other_sets), **split_sets}
     model = model_from_config(_read_config(ns.config), source=ns.config)
     text = render(model, ns.framework, sizes, ns.expert_placement, ns.redundant_experts)
     where = ns.output or f"<layoutc new {ns.framework}>"
     from .elaborate import loads
 
     layout = loads(text, where)  # sizes that do not divide are diagnostics in the generated text (exit 1)
+    stages = _stages_line(model, ns.framework, sizes)
+    if stages and stages[1]:   # layoutc picked Megatron's split: say so, wherever the text goes
+        err.print(f"note: {stages[0]}", markup=False)
     if not _write_new(ns, out, text):
         return EXIT_OK
     args = ", ".join(f"{n}={_arg_summary(v)}" for n, v in layout.args)
@@ -607,8 +611,45 @@ def cmd_new(ns, out: Console, err: Console) -> int:
     ranks = f"rank {first}" if layout.ranks - first == 1 else f"ranks {first}..{layout.ranks - 1}"
     out.print(f"wrote {ns.output}: {model.model_type} in the {ns.framework} convention, "
               f"{len(layout.tensors)} tensor instances on {ranks} ({args}; "
-              f"change them with --set {arg_names(model, ns.framework)[0]}=...)", markup=False)
+              f"change them with --set {arg_names(model, ns.framework)[0]}=...)"
+              + (f"; {stages[0]}" if stages and not stages[1] else ""), markup=False)
     return EXIT_OK
+
+
+def _split_sets(items: list[str] | None) -> tuple[dict, list[str]]:
+    """`layoutc new megatron`'s Megatron pipeline split args (bridges/megatron_split.py) out of --set:
+    the layout a string as Megatron takes it (or a JSON list of lists), the accounting flags 1/0 or
+    true/false, the stage sizes integers; and the other --set items."""
+    from .bridges.megatron_split import FLAGS, LAYOUT, SPLIT_ARGS
+
+    split, rest = {}, []
+    for item in items or []:
+        name, eq, value = (x.strip() for x in item.partition("="))
+        if name not in SPLIT_ARGS or not eq:
+            rest.append(item)
+        elif name == LAYOUT:
+            split[name] = _set_value(item, value, "--set") if value.startswith(("[", "@")) else value
+        elif name in FLAGS and value.lower() in ("true", "false"):
+            split[name] = value.lower() == "true"
+        else:
+            split[name] = _set_value(item, value, "--set")
+    return split, rest
+
+
+def _stages_line(model, framework: str, sizes: dict) -> tuple[str, bool] | None:
+    """Megatron's uneven pipeline stages in words, and whether layoutc chose them; None if even."""
+    from .bridges.megatron_split import SPLIT_ARGS, pipeline_split
+
+    if framework != "megatron":
+        return None
+    split = pipeline_split(model.layers, sizes.get("PP", 1), {k: v for k, v in sizes.items() if k in SPLIT_ARGS})
+    if split.even:
+        return None
+    said = f"pipeline stages of {'/'.join(map(str, split.stages))} layers (Megatron-LM: {' '.join(split.flags)})"
+    if split.chosen:
+        said = (f"PP={sizes['PP']} does not divide the {model.layers} layers: {said}; run the trainer with "
+                "these flags or choose the split with --set decoder_first_pipeline_num_layers=N ...")
+    return said, split.chosen
 
 
 def _arg_summary(value) -> str:
@@ -786,7 +827,10 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--config", metavar="CONFIG_JSON", help="the model's config.json (every FRAMEWORK but "
                                                              "checkpoint)")
     new.add_argument("--set", action="append", metavar="NAME=VALUE",
-                     help="an arg's value in the output, e.g. --set TP=4 (repeatable)")
+                     help="an arg's value in the output, e.g. --set TP=4 (repeatable); megatron also takes "
+                          "Megatron-LM's pipeline split: decoder_first_pipeline_num_layers=N, "
+                          "decoder_last_pipeline_num_layers=N, account_for_embedding_in_pipeline_split=1, "
+                          "account_for_loss_in_pipeline_split=1 or pipeline_model_parallel_layout=LAYOUT")
     new.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     new.add_argument("--expert-placement", choices=("linear", "round_robin"), default="linear",
                      help="vllm only: vLLM's --expert-placement-strategy (docs/language.md 14.8)")

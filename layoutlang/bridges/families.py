@@ -21,7 +21,8 @@ Conventions (`CONVENTIONS`):
   (`get_gpt_layer_local_spec`: separate `input_layernorm` / `pre_mlp_layernorm`,
   SequentialMLP experts `mlp.experts.local_experts.{i}`), stage-local layer
   numbers under PP, local expert numbers under EP, grouped QKV and gate|up fc1
-  with part keys, the vocabulary padded to a multiple of 128*TP.
+  with part keys, the vocabulary padded to a multiple of 128*TP; its pipeline stages as
+  Megatron splits them (even, or uneven from its split args: megatron_layout.py).
 - `hf`: the HF checkpoint, every weight whole on one rank (replicated over DP),
   experts one tensor each (gpt-oss: stacked, as its checkpoint stores them).
 - `hf-memory`: a transformers 5 model in memory: the checkpoint's tensors, except
@@ -46,6 +47,7 @@ from functools import partial
 from typing import Mapping
 
 from ..diagnostics import LayoutError, UsageError
+from .megatron_split import SPLIT_ARGS
 
 CONVENTIONS = ("megatron", "hf", "hf-memory", "vllm", "sglang")
 # Trainers whose convention lives in a module of its own (torchtitan_layout.py), for some families
@@ -280,7 +282,7 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Loop:
-    """`for VAR in START..STOP [over AXIS] { body }`; `comment` goes on the line before it."""
+    """`for VAR in START..STOP [over AXIS [sizes [...]]] { body }`; `comment` goes on the line before it."""
 
     var: str
     start: str
@@ -288,6 +290,7 @@ class Loop:
     body: tuple[Stmt, ...]
     over: str | None = None
     comment: str | None = None
+    sizes: tuple[str, ...] | None = None   # with `over`: one block per coordinate (uneven pipeline stages)
 
 
 Stmt = Tensor | Loop
@@ -341,6 +344,8 @@ def render_document(doc: Document) -> tuple[str, dict[int, tuple[int, ...]]]:
             if stmt.comment:
                 lines.append(f"{pad}# {stmt.comment}")
             over = f" over {stmt.over}" if stmt.over else ""
+            if stmt.sizes is not None:
+                over += f" sizes [{', '.join(stmt.sizes)}]"
             lines.append(f"{pad}for {stmt.var} in {stmt.start}..{stmt.stop}{over} {{")
             block(stmt.body, depth + 1, (*path, i))
             lines.append(pad + "}")
@@ -751,140 +756,6 @@ def _physical(t: Tensor, entry: str) -> Tensor:
     return dataclasses.replace(t, dims=dims, key=None if t.key is None else t.key.replace("{e}", entry))
 
 
-# ---- Megatron-Core ---------------------------------------------------------------------------------
-
-def _megatron_attention(m: Model, n: str) -> list[Tensor]:
-    """Attention of layer `n` (its stage-local number as written in a NAME)."""
-    a = m.attention
-    p = f"decoder.layers.{{{n}}}.self_attention"
-    out = [Tensor(f"decoder.layers.{{{n}}}.input_layernorm.weight", ("H",), key=_hf("input_layernorm.weight"))]
-    if isinstance(a, GQA):
-        qkv = lambda s: ("(KV, " + _parts(("q", _rotary_rows("QG"), _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
-                                          ("k", _rotary_rows(None), _hf(f"self_attn.k_proj.{s}")),
-                                          ("v", "D", _hf(f"self_attn.v_proj.{s}"))) + ") over tp")
-        out.append(Tensor(f"{p}.linear_qkv.weight", (qkv("weight"), "H")))
-        if a.qkv_bias:
-            out.append(Tensor(f"{p}.linear_qkv.bias", (qkv("bias"),)))
-        out.append(Tensor(f"{p}.linear_proj.weight", ("H", "Q*D over tp"), key=_hf("self_attn.o_proj.weight")))
-        if a.o_bias:
-            out.append(Tensor(f"{p}.linear_proj.bias", ("H",), key=_hf("self_attn.o_proj.bias")))
-        if a.qk_norm:
-            out += [Tensor(f"{p}.q_layernorm.weight", ("D",), key=_hf("self_attn.q_norm.weight")),
-                    Tensor(f"{p}.k_layernorm.weight", ("D",), key=_hf("self_attn.k_norm.weight"))]
-        if a.sinks:
-            out.append(Tensor(f"{p}.core_attention.softmax_offset", ("Q over tp",), key=_hf("self_attn.sinks")))
-    else:
-        if a.q_lora:
-            out += [Tensor(f"{p}.linear_q_down_proj.weight", ("Q_LORA over tp", "H"),
-                           key=_hf("self_attn.q_a_proj.weight")),
-                    Tensor(f"{p}.q_layernorm.weight", ("Q_LORA",), key=_hf("self_attn.q_a_layernorm.weight")),
-                    Tensor(f"{p}.linear_q_up_proj.weight", ("(NH, QK_NOPE + QK_ROPE) over tp", "Q_LORA"),
-                           key=_hf("self_attn.q_b_proj.weight"))]
-        else:
-            out.append(Tensor(f"{p}.linear_q_proj.weight", ("(NH, QK_NOPE + QK_ROPE) over tp", "H"),
-                              key=_hf("self_attn.q_proj.weight")))
-        out += [Tensor(f"{p}.linear_kv_down_proj.weight", ("KV_LORA + QK_ROPE over tp", "H"),
-                       key=_hf("self_attn.kv_a_proj_with_mqa.weight")),
-                Tensor(f"{p}.kv_layernorm.weight", ("KV_LORA",), key=_hf("self_attn.kv_a_layernorm.weight")),
-                Tensor(f"{p}.linear_kv_up_proj.weight", ("(NH, QK_NOPE + V_HEAD) over tp", "KV_LORA"),
-                       key=_hf("self_attn.kv_b_proj.weight")),
-                Tensor(f"{p}.linear_proj.weight", ("H", "NH*V_HEAD over tp"), key=_hf("self_attn.o_proj.weight"))]
-    out.append(Tensor(f"decoder.layers.{{{n}}}.pre_mlp_layernorm.weight", ("H",),
-                      key=_hf("post_attention_layernorm.weight")))
-    return out
-
-
-def _megatron_fc(prefix: str, inter: str, key_prefix: str, etp: str = "tp", mesh: str | None = None,
-                 names=("gate_proj", "up_proj", "down_proj"), bias: bool = False) -> list[Tensor]:
-    k = lambda i, s="weight": f"{key_prefix}.{names[i]}.{s}"  # noqa: E731
-    fc1 = lambda s: _parts(("gate", inter, k(0, s)), ("up", inter, k(1, s))) + f" over {etp}"  # noqa: E731
-    out = [Tensor(f"{prefix}.linear_fc1.weight", (fc1("weight"), "H"), mesh=mesh)]
-    if bias:
-        out.append(Tensor(f"{prefix}.linear_fc1.bias", (fc1("bias"),), mesh=mesh))
-    out.append(Tensor(f"{prefix}.linear_fc2.weight", ("H", f"{inter} over {etp}"), key=k(2), mesh=mesh))
-    if bias:
-        out.append(Tensor(f"{prefix}.linear_fc2.bias", ("H",), key=k(2, "bias"), mesh=mesh))
-    return out
-
-
-def _megatron_mlp(m: Model, n: str, routed: bool) -> list[Stmt]:
-    moe = m.moe
-    p = f"decoder.layers.{{{n}}}.mlp"
-    if not routed:
-        return list(_megatron_fc(p, "F", _hf("mlp")))
-    out: list[Stmt] = [Tensor(f"{p}.router.weight", ("E", "H"), key=_hf(f"{moe.block}.{moe.router}.weight"))]
-    if moe.router_bias:
-        out.append(Tensor(f"{p}.router.bias", ("E",), key=_hf(f"{moe.block}.{moe.router}.bias")))
-    if moe.score_bias:
-        out.append(Tensor(f"{p}.router.expert_bias", ("E",), key=_hf("mlp.gate.e_score_correction_bias"),
-                          dtype="fp32"))
-    experts = _megatron_fc(f"{p}.experts.local_experts.{{e.local}}", "I", _hf(f"{moe.block}.experts.{{e}}"),
-                           etp="etp", mesh="experts", names=moe.names, bias=moe.expert_bias)
-    out.append(Loop("e", "0", "E", tuple(experts), over="ep"))
-    if moe.shared:
-        out += _megatron_fc(f"{p}.shared_experts", "S", _hf(f"mlp.{moe.shared_name}"))
-    if moe.shared_gate:
-        out.append(Tensor(f"{p}.shared_experts.gate_weight", ("1", "H"), key=_hf("mlp.shared_expert_gate.weight")))
-    return out
-
-
-def _at(stmts: list[Stmt], at: str) -> tuple[Stmt, ...]:
-    """Every tensor of `stmts` (loops included) placed `at` one coordinate."""
-    return tuple(replace(s, at=at) if isinstance(s, Tensor) else replace(s, body=_at(list(s.body), at))
-                 for s in stmts)
-
-
-def _megatron_doc(m: Model, sizes: Mapping[str, int]) -> Document:
-    moe = m.moe
-    padded = "V pad 128*TP over tp"
-    body: list[Stmt] = [
-        Tensor("embedding.word_embeddings.weight", (padded, "H"), key="model.embed_tokens.weight", at="pp=0"),
-        Tensor("decoder.final_layernorm.weight", ("H",), key="model.norm.weight", at="pp=pp - 1")]
-    if not m.tied:
-        body.append(Tensor("output_layer.weight", (padded, "H"), key="lm_head.weight", at="pp=pp - 1"))
-    elif sizes["PP"] > 1:
-        body.append(Tensor("output_layer.weight", (padded, "H"), key="model.embed_tokens.weight", at="pp=pp - 1"))
-    consts = list(_consts(m, megatron=True))
-    if len(m.runs) == 1:
-        routed = m.runs[0][2]
-        body.append(Loop("l", "0", "L", tuple(_megatron_attention(m, "l.local") + _megatron_mlp(m, "l.local", routed)),
-                         over="pp"))
-    else:  # layers of two kinds: each MLP run placed on its layers' stages (even stages of LPS layers)
-        consts.append("LPS = L/PP")
-        body.append(Loop("l", "0", "L", tuple(_megatron_attention(m, "l.local")), over="pp",
-                         comment="attention, every layer"))
-        for start, stop, routed in m.runs:
-            body.append(Loop("l", str(start), "L" if stop == m.layers else str(stop),
-                             _at(_megatron_mlp(m, "l%LPS", routed), "pp=l//LPS"),
-                             comment="routed experts" if routed else "dense MLP"))
-    args = [("TP", sizes["TP"]), ("PP", sizes["PP"]), ("DP", sizes["DP"])]
-    meshes = ["train (pp=PP, dp=DP, tp=TP) at AT"]
-    notes = ["Megatron-Core GPTModel, local layer spec (get_gpt_layer_local_spec): stage-local",
-             "layer numbers under PP (keys are global), grouped QKV (per query group: its q",
-             "heads, one k head, one v head) and fc1 = gate | up, both split over tp with",
-             "part keys; the vocabulary padded to a multiple of 128*TP (make-vocab-size-",
-             "divisible-by 128). Rank order: pp outermost, tp fastest."]
-    if isinstance(m.attention, MLA):
-        notes += ["MLA (local spec): the down projections are column parallel (split over tp),",
-                  "the LoRA norms are q_layernorm / kv_layernorm (the Transformer Engine spec",
-                  "instead replicates the down projections and fuses the norms)."]
-    if moe is not None:
-        args += [("EP", sizes["EP"]), ("ETP", sizes["ETP"])]
-        meshes.append("experts (pp=PP, edp=DP*TP/(EP*ETP), ep=EP, etp=ETP) at AT")
-        notes += ["Routed experts: SequentialMLP (local spec, moe_grouped_gemm on or off), local expert",
-                  "numbers under EP, fc1 gate | up split over etp; rank order etp fastest, ep, edp."]
-    if len(m.runs) > 1:
-        notes += ["Dense and routed layers alternate: each MLP is placed on its layer's stage",
-                  "(L/PP layers per stage, so PP must divide L)."]
-    if m.tied:
-        notes.append("Tied embeddings: with PP > 1 the last stage holds a copy in output_layer.weight"
-                     if sizes["PP"] > 1 else "Tied embeddings: no output_layer.weight at PP=1")
-        notes.append("(regenerate this file when PP changes between 1 and more).")
-    args.append(("AT", sizes["AT"]))
-    return Document(f"{m.model_type}_megatron", _header(m, "megatron", notes), tuple(args), tuple(consts),
-                    tuple(meshes), m.dtype, tuple(body))
-
-
 # ---- entry points ------------------------------------------------------------------------------------
 
 SIZE_DEFAULTS = {"TP": 1, "PP": 1, "DP": 1, "EP": 1, "AT": 0}
@@ -902,7 +773,9 @@ def arg_names(model: Model, convention: str) -> tuple[str, ...]:
 
 def document(model: Model, convention: str, sizes: Mapping[str, int] | None = None,
              expert_placement: str = "linear", redundant_experts: int = 0) -> Document:
-    """The Document of `model` in `convention`; `sizes` give the args' values (TP, PP, ...);
+    """The Document of `model` in `convention`; `sizes` give the args' values (TP, PP, ...) and,
+    for megatron, Megatron's pipeline split args (megatron_split.SPLIT_ARGS: where PP does not divide
+    the layers, the stages are written out, megatron_layout.py);
     `expert_placement` is vLLM's `expert_placement_strategy` and `redundant_experts` its EPLB
     `num_redundant_experts` (the vllm convention only: the experts then placed by a table,
     docs/language.md 14.8)."""
@@ -925,17 +798,25 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
         raise UsageError(f"unknown convention `{convention}`",
                          help=f"use one of {', '.join(CONVENTIONS + TRAINER_CONVENTIONS)}")
     given = dict(sizes or {})
+    split = {name: given.pop(name) for name in SPLIT_ARGS if name in given}  # Megatron's pipeline split
+    if split and convention != "megatron":
+        raise UsageError(f"--set {next(iter(split))}=...: Megatron's pipeline split; the {convention} layout has "
+                         "no pipeline stages", help="it goes with `layoutc new megatron`")
     allowed = arg_names(model, convention)
     for name, value in given.items():
         if name not in allowed:
             raise UsageError(f"--set {name}={value}: the {convention} layout of {model.model_type} has no arg {name}",
-                             help=f"its args: {', '.join(allowed)}")
+                             help=f"its args: {', '.join(allowed)}" + (
+                                 f" (and Megatron's pipeline split: {', '.join(SPLIT_ARGS)})"
+                                 if convention == "megatron" else ""))
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "AT" else 1):
             raise UsageError(f"--set {name}={value}: expected " + ("an integer >= 0" if name == "AT" else
                                                                      "a positive integer"))
     full = {**SIZE_DEFAULTS, "ETP": given.get("TP", 1), **given}  # Megatron's default expert TP is TP
-    if convention == "megatron":
-        return _megatron_doc(model, full)
+    if convention == "megatron":  # its module imports this one
+        from .megatron_layout import megatron_document
+
+        return megatron_document(model, full, split)
     if convention == "torchtitan":  # its module imports this one
         from .torchtitan_layout import torchtitan_document
 
