@@ -546,11 +546,14 @@ class Refitter:
                             f"moved: {text}", peers=[r for r, _ in bad], reusable=True)
 
     def _check_tensors(self, src_tensors, dst_tensors) -> list[str]:
-        problems = []
+        """This rank's tensors against the layouts (by NAME: shape, dtype, storage): at most 9
+        problems, then a `hint:` per side where they have a known cause (`_tensor_hints`)."""
+        problems, hints = [], []
         for side, held, given in (("source", self.src_held, src_tensors), ("destination", self.dst_held, dst_tensors)):
             if held and given is None:
                 problems.append(f"{side} tensors are None but this rank holds {len(held)} {side} tensors")
                 continue
+            before = len(problems)
             for name, t in held.items():
                 if name not in given:
                     problems.append(f"{side} tensor `{name}` is missing")
@@ -559,8 +562,12 @@ class Refitter:
                 if problem:
                     problems.append(f"{side} tensor `{name}`: {problem}")
                     if len(problems) > 8:
-                        return problems
-        return problems
+                        break
+            if len(problems) > before:
+                hints += _tensor_hints(side, held, given)
+            if len(problems) > 8:
+                break
+        return problems + hints
 
     # ---- one bucket -----------------------------------------------------------------
     def _bucket(self, schedule: Schedule, b: int, src, dst, device) -> list[str]:
@@ -825,4 +832,48 @@ def _shape_problem(t: TensorIR, value, rank: int) -> str | None:
         return f"expected a torch.Tensor, got {type(value).__name__}"
     if tuple(value.shape) != expected or value.dtype != PLAIN_DTYPES[t.dtype]:
         return f"expected {list(expected)} {PLAIN_DTYPES[t.dtype]}, got {list(value.shape)} {value.dtype}"
+    return None
+
+
+_LAYOUT_DTYPE = {v: k for k, v in PLAIN_DTYPES.items()}   # torch dtype -> the layout's word for it
+
+
+def _tensor_hints(side: str, held: dict[str, TensorIR], given) -> list[str]:
+    """How to fix a side's tensors that do not match its layout, where the cause is a known one:
+    tensors of another plain dtype than the layout says (fp32 masters where it says bf16), or
+    tensors keyed by checkpoint keys where the layout wants its NAMEs (an HF `state_dict()`)."""
+    return [h for h in (_dtype_hint(side, held, given), _key_hint(side, held, given)) if h]
+
+
+def _dtype_hint(side: str, held: dict[str, TensorIR], given) -> str | None:
+    """The first tensor whose torch dtype is another plain layout dtype: declare it in the layout."""
+    for name, t in held.items():
+        value = given.get(name)
+        word = _LAYOUT_DTYPE.get(getattr(value, "dtype", None))
+        if t.dtype in PLAIN_DTYPES and isinstance(value, torch.Tensor) and word and word != t.dtype:
+            where = f" at {t.span.source.path}:{t.span.line}" if t.span is not None else ""
+            return (f"hint: the {side} tensors are {word} where the {side} layout says {t.dtype} (`{name}`, declared"
+                    f"{where}): declare `{word}` in the {side} layout (`default dtype {word}` before its tensors, or "
+                    f"`{word}` after a tensor's dims) and keep passing them as they are: the plan converts between "
+                    "the two sides' dtypes")
+    return None
+
+
+def _key_hint(side: str, held: dict[str, TensorIR], given) -> str | None:
+    """Where a NAME is missing: the first given key that is a layout KEY (or a part's key) of a
+    held tensor and not a NAME: the tensors are keyed by checkpoint keys."""
+    if all(name in given for name in held):
+        return None
+    owners: dict[str, tuple[str, bool]] = {}   # key -> (NAME of the tensor holding it, is it a part's key)
+    for name, t in held.items():
+        owners.setdefault(t.key, (name, False))
+        for region in t.regions or ():
+            owners.setdefault(region.key, (name, region.key != t.key))
+    for key in given:
+        if key not in held and key in owners:
+            name, part = owners[key]
+            return (f"hint: the {side} tensors are keyed by checkpoint keys where the layout wants its NAMEs: "
+                    f"`{key}` is the key of {'a part of ' if part else ''}`{name}`; pass each tensor under the NAME "
+                    "its `tensor` statement declares (the rank's own state-dict names, e.g. "
+                    "layoutlang.bridges.megatron.tensors(model) or named_parameters())")
     return None
