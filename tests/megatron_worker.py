@@ -72,6 +72,8 @@ class Scenario:
     dense_layers: int = 1       # deepseek_v3: first_k_dense_replace (layers >= it route to experts)
     replicated_down: bool = False  # deepseek_v3: down projections whole on every TP rank (ModelOpt's
     #                                `Linear`, as the Transformer Engine spec's duplicated TELinear)
+    split: tuple = ()           # Megatron-LM's pipeline split args, (name, value) pairs (as `layoutc new
+    #                             megatron --set` takes them; SPLIT_FIELDS names their TransformerConfig field)
 
     @property
     def qk_norm(self) -> bool:
@@ -124,7 +126,7 @@ class Scenario:
         out = {"TP": self.tp, "PP": self.pp, "DP": self.world // (self.tp * self.pp)}
         if any(self.moe_layers):
             out |= {"EP": self.ep, "ETP": self.tp}
-        return out
+        return out | dict(self.split)
 
     @property
     def padded_vocab(self) -> int:
@@ -141,12 +143,25 @@ class Scenario:
         return [self.family == "qwen3_moe" or l % 2 == 1 for l in range(self.layers)]
 
 
+# Megatron-LM's pipeline split args -> TransformerConfig's fields
+SPLIT_FIELDS = {"decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+                "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
+                "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
+                "pipeline_model_parallel_layout": "pipeline_model_parallel_layout"}
+
 SCENARIOS = {
     "gpt_tp2": Scenario(world=2, tp=2, pp=1, ep=1, family="llama", tied=True),
     "moe_ep2": Scenario(world=2, tp=1, pp=1, ep=2, family="qwen3_moe"),
     # Qwen2-MoE: dense and MoE layers alternate on each of 2 stages, q/k/v biases, a gated shared
     # expert, experts split over etp=2 (Megatron's default ETP = TP)
     "qwen2_moe_tp2_pp2": Scenario(world=4, tp=2, pp=2, ep=1, family="qwen2_moe", layers=4),
+    # uneven stages (issue 49): 5 layers, 3 on the first stage (dense 0, 2; MoE 1), 2 on the last (MoE 3,
+    # dense 4); and a pipeline_model_parallel_layout of 2 and 3 (the same launch as the one above)
+    "qwen2_moe_tp2_pp2_first3": Scenario(world=4, tp=2, pp=2, ep=1, family="qwen2_moe", layers=5,
+                                         split=(("decoder_first_pipeline_num_layers", 3),)),
+    "qwen2_moe_tp2_pp2_layout": Scenario(world=4, tp=2, pp=2, ep=1, family="qwen2_moe", layers=5,
+                                         split=(("pipeline_model_parallel_layout", "Ett|t*3L"),)),
     # megatron-core 0.19 (tests/test_bridge_megatron_mla.py), one launch on 2 ranks:
     # DeepSeek-V3 MLA with q LoRA at TP2: a dense layer, then a MoE layer (grouped GEMM, experts over etp=2)
     "deepseek_mla_tp2": Scenario(world=2, tp=2, pp=1, ep=1, family="deepseek_v3", grouped_gemm=True),
@@ -225,7 +240,7 @@ def build_megatron(s: Scenario):
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp, expert_model_parallel_size=s.ep,
-        init_method_std=0.05, **moe, **mla)
+        init_method_std=0.05, **moe, **mla, **{SPLIT_FIELDS[k]: v for k, v in s.split})
     if s.family in ("qwen2_moe", "deepseek_v3"):  # layers of two kinds: the decoder block spec, this stage's
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         layer_specs = spec.layer_specs

@@ -206,12 +206,15 @@ def test_moe_ep2_refits_into_hf_qwen3_moe_with_stacked_experts_and_the_logits_ma
          "model.layers.0.mlp.experts.3.down_proj.weight"): [1]}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_qwen2_moe_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
     # Qwen2-MoE at TP2 x PP2 (experts over etp=2): dense layers 0 and 2, MoE layers 1 and 3 (one of each
     # per stage), q/k/v biases, a shared expert scaled by sigmoid(gate); HF Qwen2MoeForCausalLM on rank 2
-    # (the last stage's first rank, where the full logits are gathered).
-    results = _launch("qwen2_moe_tp2_pp2", timeout=220)["qwen2_moe_tp2_pp2"]
+    # (the last stage's first rank, where the full logits are gathered). The same launch runs the uneven
+    # stages of issue 49 (`test_uneven_stages`).
+    runs = _launch("qwen2_moe_tp2_pp2,qwen2_moe_tp2_pp2_first3,qwen2_moe_tp2_pp2_layout", timeout=330)
+    _check_uneven_stages(runs)
+    results = runs["qwen2_moe_tp2_pp2"]
     text = _check_run("qwen2_moe_tp2_pp2", results, engine_rank=2)
     assert "mesh train (pp=2, dp=1, tp=2)" in text
     assert "mesh experts (pp=2, edp=1, ep=1, etp=2) at 0" in text
@@ -224,6 +227,27 @@ def test_qwen2_moe_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
     assert names["decoder.layers.1.mlp.shared_experts.gate_weight"] == "model.layers.3.mlp.shared_expert_gate.weight"
     assert names["decoder.layers.1.mlp.router.weight"] == "model.layers.3.mlp.gate.weight"
     assert "decoder.layers.0.mlp.linear_fc1.weight" in {t.name for t in layout.tensors if t.holds(2)}
+
+
+def _check_uneven_stages(runs) -> None:
+    """Megatron's uneven splits of 5 layers over PP2, described live and refit into HF (logits equal):
+    num_layers_in_first_pipeline_stage=3 (stages of 3 and 2) and the layout `Ett|t*3L` (2 and 3). The
+    described shapes are every rank's real parameters (`_check_run`), so each stage holds the layers
+    megatron-core built on it; `layoutc new megatron --set <the same Megatron-LM arg>` writes the same
+    instances; and the NAME of a layer is its number on its stage (written out below)."""
+    for name, first in (("qwen2_moe_tp2_pp2_first3", 3), ("qwen2_moe_tp2_pp2_layout", 2)):
+        text = _check_run(name, runs[name], engine_rank=2)
+        layout = loads(text)
+        on_last = {t.name: t.key for t in layout.tensors if t.holds(2)}   # rank 2: the last stage
+        on_first = {t.name: t.key for t in layout.tensors if t.holds(0)}
+        assert on_last["decoder.layers.0.input_layernorm.weight"] == \
+            f"model.layers.{first}.input_layernorm.weight"
+        assert {k for k in on_first.values() if k.endswith(".input_layernorm.weight")} == \
+            {f"model.layers.{l}.input_layernorm.weight" for l in range(first)}
+        assert {k for k in on_last.values() if k.endswith(".input_layernorm.weight")} == \
+            {f"model.layers.{l}.input_layernorm.weight" for l in range(first, 5)}
+        # layer 4 (dense: mlp_only_layers 0, 2, 4) on the last stage, by its stage-local number
+        assert on_last[f"decoder.layers.{4 - first}.mlp.linear_fc2.weight"] == "model.layers.4.mlp.down_proj.weight"
 
 
 @pytest.mark.timeout(240)

@@ -13,7 +13,10 @@ same on every rank, computed from three things the trainer already holds:
   coordinates to exactly the ranks Megatron gives them.
 - the model's `config` (TransformerConfig: heads, query groups, head size,
   FFN sizes, experts) and its pipeline split (each stage's layer offset and
-  count, as Megatron computes them): the logical extents and part structure.
+  count, as Megatron computes them: even, uneven first/last stages, embedding /
+  loss accounting or a pipeline_model_parallel_layout of one stage per rank;
+  unequal stages are written `over pp sizes [...]`): the logical extents and
+  part structure.
 - the live parameters: their names and the attributes Megatron sets on them
   (`tensor_model_parallel`, `partition_dim`, `partition_stride`, `allreduce`
   False for experts under EP) say which dim is split over which axis; their
@@ -57,9 +60,9 @@ norms into the up projections (`linear_q_up_proj.layer_norm_weight`).
 
 Not described (a BridgeError naming the parameter): MLA's fused down projection
 (`linear_qkv_down_proj`, TE's mla_down_proj_fusion), legacy GroupedMLP,
-multi-token prediction, virtual pipeline stages, a custom
-pipeline_model_parallel_layout, parameters of modules the bridge does not
-know. megatron-core is imported lazily, inside the calls that need it.
+multi-token prediction, virtual pipeline stages (a
+pipeline_model_parallel_layout of more than one stage per rank included),
+parameters of modules the bridge does not know. megatron-core is imported lazily, inside the calls that need it.
 """
 
 from __future__ import annotations
@@ -537,9 +540,6 @@ def _trainer(config, ps, rank: int, world: int) -> _Trainer:
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         raise BridgeError("virtual pipeline parallelism (interleaved stages) is not supported",
                           help="describe a model built without virtual_pipeline_model_parallel_size")
-    if getattr(config, "pipeline_model_parallel_layout", None) is not None:
-        raise BridgeError("a custom pipeline_model_parallel_layout is not supported",
-                          help="split layers with num_layers_in_first/last_pipeline_stage or evenly")
     if getattr(config, "mtp_num_layers", None):
         raise BridgeError("multi-token prediction layers (mtp_num_layers) are not described by this bridge")
     dense_groups, expert_groups = _groups(ps)
@@ -746,14 +746,21 @@ def _layer_body(template: list[_Param], var: str, where: str, default: str) -> l
 
 
 def _stages(config, pp: int) -> list[tuple[int, int]]:
-    """(first layer, layer count) of every pipeline stage, as Megatron computes them."""
+    """(first layer, layer count) of every pipeline stage, as Megatron computes them: evenly, with
+    num_layers_in_first/last_pipeline_stage, account_for_embedding/loss_in_pipeline_split or a
+    pipeline_model_parallel_layout (megatron_split.py writes the same split for `layoutc new`)."""
     if pp == 1:
         return [(0, config.num_layers)]
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    stages = [(get_transformer_layer_offset(config, None, r), get_num_layers_to_build(config, None, r))
-              for r in range(pp)]
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:   # the block's helpers would ask parallel_state for the rank: ask the layout
+        stages = [(layout.get_layer_offset(pp_rank=r), layout.get_num_layers_to_build(pp_rank=r))
+                  for r in range(pp)]
+    else:
+        stages = [(get_transformer_layer_offset(config, None, r), get_num_layers_to_build(config, None, r))
+                  for r in range(pp)]
     end = 0
     for r, (offset, count) in enumerate(stages):
         if offset != end:
@@ -761,9 +768,7 @@ def _stages(config, pp: int) -> list[tuple[int, int]]:
                               "contiguous after the previous stage's")
         end += count
     if end != config.num_layers:
-        raise BridgeError(f"the pipeline stages hold {end} layers but config.num_layers is {config.num_layers}",
-                          help="a stage that also holds the embedding or loss "
-                               "(account_for_*_in_pipeline_split) is not supported")
+        raise BridgeError(f"the pipeline stages hold {end} layers but config.num_layers is {config.num_layers}")
     return stages
 
 
