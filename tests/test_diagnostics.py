@@ -261,3 +261,61 @@ def test_no_keyword_is_suggested_where_none_is_close(text, help_):
     with pytest.raises(layoutlang.ParseError) as info:
         layoutlang.loads(text, "t.layout")
     assert info.value.help == help_
+
+
+# ---- an error inside a `for` names the iteration it depends on (issue 49) ---------------------------
+
+def _loop_error(text: str) -> LayoutError:
+    with pytest.raises(LayoutError) as info:
+        layoutlang.loads(text, "t.layout")
+    return info.value
+
+
+def test_an_error_in_a_later_iteration_names_it_at_the_loop():
+    err = _loop_error("mesh m (tp=2)\nfor l in 0..32 {\n  tensor layers.{l}.w [64 // (7 - l)]\n}\n")
+    assert err.message == "division by zero: `7 - l` is 0"
+    assert (err.file, err.line, err.col) == ("t.layout", 3, 31)
+    assert [(n.message, n.span.line, n.span.col) for n in err.notes] == [
+        ("in iteration l = 7 of `for l in 0..32`", 2, 1)]
+    assert err.render().splitlines() == [
+        "t.layout:3:31: error: division by zero: `7 - l` is 0",
+        "    3 |   tensor layers.{l}.w [64 // (7 - l)]",
+        "      |                               ^^^^^",
+        "t.layout:2:1: note: in iteration l = 7 of `for l in 0..32`",
+        "    2 | for l in 0..32 {",
+        "      | ^^^^^^^^^^^^^^",
+    ]
+
+
+def test_the_range_is_shown_evaluated_and_the_first_iteration_is_named_when_it_is_read():
+    err = _loop_error("const L = 4\nmesh m (tp=2)\nfor l in 0..L {\n  tensor layers.{l}.w [16 / l]\n}\n")
+    assert err.message == "division by zero: `l` is 0" and (err.line, err.col) == (4, 29)
+    assert [(n.message, n.span.line, n.span.col) for n in err.notes] == [
+        ("in iteration l = 0 of `for l in 0..4`", 3, 1)]
+
+
+def test_nested_loops_name_each_iteration_the_error_depends_on_inner_first():
+    err = _loop_error("mesh m (tp=2)\nfor l in 0..4 {\n  for e in 0..3 {\n"
+                      "    tensor layers.{l}.experts.{e}.w [8 / (3 - l - e)]\n  }\n}\n")
+    assert err.message == "`8 / (3 - l - e)` is not exact: 8 / 3 leaves remainder 2"
+    assert (err.line, err.col) == (4, 38)
+    assert [(n.message, n.span.line, n.span.col) for n in err.notes] == [
+        ("in iteration e = 0 of `for e in 0..3`", 3, 3), ("in iteration l = 0 of `for l in 0..4`", 2, 1)]
+    # an inner range read from the outer variable: the outer iteration is named
+    err = _loop_error("mesh m (tp=2)\nfor l in 0..4 {\n  for j in l..2 {\n    tensor a.{l}.{j} [4]\n  }\n}\n")
+    assert err.message == "empty range 3..2: the end is before the start" and (err.line, err.col) == (3, 3)
+    assert [(n.message, n.span.line) for n in err.notes] == [("in iteration l = 3 of `for l in 0..4`", 2)]
+    # the inner loop's values are read, not the outer's: only the inner one is named
+    err = _loop_error("mesh m (tp=2)\nfor l in 0..2 {\n  for e in 0..4 {\n    tensor x.{l}.{e} [8 / (2 - e)]\n  }\n}\n")
+    assert err.message == "division by zero: `2 - e` is 0"
+    assert [(n.message, n.span.line) for n in err.notes] == [("in iteration e = 2 of `for e in 0..4`", 3)]
+
+
+@pytest.mark.parametrize("text", [
+    "mesh m (tp=2)\nfor l in 0..4 {\n  tensor layers.{l}.w [8] bf61\n}\n",            # unknown dtype
+    "mesh m (tp=2)\nfor l in 0..4 {\n  tensor w{l} [8] mxfp8\n}\n",                  # the same in every one
+    "mesh m (tp=2)\nfor l in 0..4 {\n  const H = 16\n}\n",                           # not allowed in a body
+    "mesh m (pp=4)\nfor l in 0..30 over pp {\n  tensor layers.{l.local}.w [16]\n}\n",  # the loop itself
+])
+def test_an_error_of_every_iteration_names_none(text):
+    assert not any("iteration" in n.message for n in _loop_error(text).notes)

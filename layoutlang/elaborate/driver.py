@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from .. import ast
-from ..diagnostics import ElaborationError, Source
+from ..diagnostics import ElaborationError, LayoutError, Source
 from ..gcpause import gc_paused
 from ..ir import KeyedTensorIR, Layout, Mesh, TensorIR
 from ..parser import decode
@@ -95,16 +95,22 @@ def default_dtype(el: Elaboration, stmt: ast.DefaultDtype, source: Source) -> No
 
 
 def for_loop(el: Elaboration, stmt: ast.ForLoop, source: Source) -> None:
-    frame = loops.enter(stmt, el.scope, len(el.tensors))
-    el.scope.loops.append(frame)
-    for v in range(frame.start, frame.stop):
-        frame.value = v
-        for inner in stmt.body:
-            if inner.__class__ is not ast.TensorDecl and inner.__class__ is not ast.ForLoop:
-                raise ElaborationError("only `tensor` and `for` may appear inside a `for` block",
-                                       inner.span, help="move it above the loop")
-            STATEMENTS[inner.__class__](el, inner, source)
-    el.scope.loops.pop()
+    scope = el.scope
+    frame = loops.enter(stmt, scope, len(el.tensors))
+    scope.loops.append(frame)
+    try:
+        for v in range(frame.start, frame.stop):
+            frame.value = v
+            for inner in stmt.body:
+                if inner.__class__ is not ast.TensorDecl and inner.__class__ is not ast.ForLoop:
+                    raise ElaborationError("only `tensor` and `for` may appear inside a `for` block",
+                                           inner.span, help="move it above the loop")
+                scope.statement += 1
+                STATEMENTS[inner.__class__](el, inner, source)
+    except LayoutError as err:  # (elaboration stops here: the frame stays pushed)
+        loops.name_iteration(err, frame, scope)
+        raise
+    scope.loops.pop()
     if not el.scope.loops:
         el.dims.forget_statements()
         el.keys.forget_statements()

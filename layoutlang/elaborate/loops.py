@@ -7,7 +7,8 @@ cuts the iterations into one block per coordinate of X: evenly, or as its
 `sizes [...]` say (one entry per coordinate, none negative, summing to the
 count); the first tensor the loop governs fixes X's size, and every later one
 must give X the same size. An instance inside the loop is held by the
-coordinate whose block holds the loop's current value.
+coordinate whose block holds the loop's current value. An error raised in the
+body says which iteration it was raised in, when it depends on it (`name_iteration`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from .. import ast
-from ..diagnostics import ElaborationError, Note, Span
+from ..diagnostics import ElaborationError, LayoutError, Note, Span
 from ..ir import Mesh
 from . import limits
 from .meshes import AxisClaims
@@ -34,6 +35,7 @@ class LoopFrame:
     axis_size: int | None = None  # fixed by the first tensor it governs
     axis_mesh: str | None = None
     block_starts: list[int] = field(default_factory=list)
+    read_at: int = -1  # the `Scope.statement` that last read the variable's value
 
     def block(self) -> tuple[int, int]:
         """(coordinate owning the current value, that block's first value)."""
@@ -63,6 +65,21 @@ def enter(stmt: ast.ForLoop, scope: Scope, made: int) -> LoopFrame:
     if stmt.over is not None and stop == start:
         raise ElaborationError(f"loop over `{stmt.over.name}` has an empty range", stmt.head_span)
     return LoopFrame(stmt, start, stop)
+
+
+def name_iteration(err: LayoutError, frame: LoopFrame, scope: Scope) -> None:
+    """Add to an error raised inside `frame`'s body a note naming the iteration it was raised in
+    (an outer loop adds its own after), when the error depends on it: the failing statement
+    evaluated an expression that reads the loop variable (a dim, an index, a range, `at`), or an
+    earlier iteration of the same statements passed (a key that repeats, a limit reached). An
+    error of the first iteration that evaluates no loop value (an unknown dtype, a `const` in
+    the body, a key without the variable of an inner loop: a name's plain `{l}` is no
+    expression) would be raised in every iteration: naming one would only say "the first"."""
+    if frame.read_at != scope.statement and frame.value == frame.start:
+        return
+    var = frame.node.var
+    err.notes += (Note(f"in iteration {var} = {frame.value} of `for {var} in {frame.start}..{frame.stop}`",
+                       frame.node.head_span),)
 
 
 def count_tensors(body) -> int:

@@ -71,6 +71,9 @@ class Scope:
         self.arg_values: list[tuple[str, int | Table]] = []  # in declaration order: the layout's args
         self.meshes = meshes
         self.loops: list[LoopFrame] = []
+        # counts the statements elaborated inside loops: a frame whose variable the current
+        # statement read holds its number (`LoopFrame.read_at`, loops.name_iteration)
+        self.statement = 0
         # (template id, local mode) -> its resolved pieces (names.render), inside loops only:
         # dropped with the outermost loop, as the statements whose ids key it are
         self.renders: dict[tuple[int, str], tuple] = {}
@@ -202,6 +205,7 @@ class Scope:
     def lookup(self, name: str, span: Span) -> int | Table:
         for frame in reversed(self.loops):
             if frame.node.var == name:
+                frame.read_at = self.statement
                 return frame.value
         if name in self.values:
             return self.values[name].value
@@ -235,9 +239,11 @@ class Scope:
                                    span, notes=[Note("the loop", frame.node.head_span)],
                                    help=f"use `{{{name}}}`, or distribute the loop: `over AXIS`")
         if mode == "global":
+            frame.read_at = self.statement
             return frame.value
         if not frame.block_starts:
             raise ElaborationError(f"`{name}.local` is used before the loop's axis is known", span)
+        frame.read_at = self.statement
         return frame.value - frame.block()[1]
 
 
