@@ -53,16 +53,17 @@ def _shape(shape) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def _describe(tree: PartTree) -> str:
+def describe_tree(tree: PartTree) -> str:
+    """A hoisted part tree as the language writes it: `(re: 16 | im: 16)`, `32`."""
     if isinstance(tree, Leaf):
         return str(tree.extent)
-    return "(" + " | ".join((f"{n}: " if n else "") + _describe(t) for n, t in tree.parts) + ")"
+    return "(" + " | ".join((f"{n}: " if n else "") + describe_tree(t) for n, t in tree.parts) + ")"
 
 
 ROTARY_HELP = ("q/k rows under rotary are each head's halves, `(heads, (re: D/2 | im: D/2))` as HF stores "
                "them: every `layoutc new` convention and the HF, Megatron and torchtitan bridges write them "
-               "so, and a checkpoint does when its config.json is beside it (or with `config=`); write the "
-               "plain side so too (docs/bridges.md, rotary rows)")
+               "so; compile_plan reads a plain side as the halves it meets (compiler/refine.py), this planner "
+               "compares part trees strictly: write the plain side so too (docs/bridges.md, rotary rows)")
 
 
 def _rotary(tree: PartTree) -> bool:
@@ -79,11 +80,11 @@ def tree_difference(dst: PartTree, src: PartTree, path: str = "") -> str | None:
         return None
     if isinstance(dst, Leaf) or isinstance(src, Leaf):
         side = "the source" if isinstance(dst, Leaf) else "the destination"
-        return (f"parts on one side only{where}: {_describe(dst)} here, {_describe(src)} in the "
+        return (f"parts on one side only{where}: {describe_tree(dst)} here, {describe_tree(src)} in the "
                 f"source ({side} is a concatenation)")
     if len(dst.parts) != len(src.parts):
         return (f"{len(dst.parts)} parts here but {len(src.parts)} in the source{where}: "
-                f"{_describe(dst)} vs {_describe(src)}")
+                f"{describe_tree(dst)} vs {describe_tree(src)}")
     for i, ((dn, dt), (sn, st)) in enumerate(zip(dst.parts, src.parts)):
         if dn and sn and dn != sn:
             return f"part {i} is named `{dn}` here but `{sn}` in the source{where}"
@@ -99,7 +100,7 @@ def key_items(layout: Layout) -> dict[str, tuple[tuple[TensorIR, KeyRegion | Non
     return layout.key_index
 
 
-def _trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
+def key_trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
     """The key's hoisted part tree per dim: a keyed dim contributes the keyed part's subtree."""
     if region is None:
         return [d.part_tree for d in t.dims]
@@ -131,6 +132,13 @@ def keyed_part(tree: PartTree, lo: int, hi: int) -> PartTree:
 
 def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
     """Pair every destination key (per stored instance) with its source instances; list unused source keys."""
+    return match_collecting(src, dst, None)
+
+
+def match_collecting(src: Layout, dst: Layout, one_sided: list | None) -> tuple[list[Match], list[str]]:
+    """`match`; with a list `one_sided`, a key whose part trees differ only where one side is plain
+    and the other has parts of equal extent (compiler/refine.py reads the plain side as those
+    parts) is appended to it instead of being refused."""
     by_key = key_items(src)
     matches: list[Match] = []
     checked: set[str] = set()
@@ -147,7 +155,7 @@ def match(src: Layout, dst: Layout) -> tuple[list[Match], list[str]]:
             m = Match(t, sources, region, src_regions)
             if key not in checked:
                 checked.add(key)
-                _check_same_key(m, compared)
+                _check_same_key(m, compared, one_sided)
             matches.append(m)
     unused = [k for k in by_key if k not in checked]
     return matches, unused
@@ -247,11 +255,27 @@ def _region_sig(r: KeyRegion | None) -> tuple | None:
     return None if r is None else (r.box, r.stacked, r.transposed, r.part_dim)
 
 
-def _check_same_key(m: Match, compared: set) -> None:
-    """Same logical shape and the same hoisted part trees for a key on both sides."""
+def one_sided_only(a: PartTree, b: PartTree) -> bool:
+    """Whether two hoisted part trees differ only where one is a leaf and the other a
+    concatenation of the same extent (names may be left out on one side).
+
+    >>> one_sided_only(Leaf(32), PartNode((("re", Leaf(16)), ("im", Leaf(16)))))
+    True
+    """
+    if isinstance(a, Leaf) or isinstance(b, Leaf):
+        return tree_extent(a) == tree_extent(b)
+    if len(a.parts) != len(b.parts):
+        return False
+    return all((not an or not bn or an == bn) and one_sided_only(at, bt)
+               for (an, at), (bn, bt) in zip(a.parts, b.parts))
+
+
+def _check_same_key(m: Match, compared: set, one_sided: list | None = None) -> None:
+    """Same logical shape and the same hoisted part trees for a key on both sides; with a list
+    `one_sided`, trees that differ only where one side is plain put the match there instead."""
     first, first_region = m.src[0], m.src_region(0)
     # the same dims and regions (box, stacked dims, transposition, part dim) give the same shapes and
-    # part trees (`_trees`): each such pair is compared once
+    # part trees (`key_trees`): each such pair is compared once
     sig = (id(m.dst.dims), _region_sig(m.region), id(first.dims), _region_sig(first_region))
     if sig in compared:
         return
@@ -262,7 +286,11 @@ def _check_same_key(m: Match, compared: set) -> None:
             f"`{m.key}` has logical shape {_shape(m.shape)} here but {_shape(src_shape)} in the source",
             m.dst.span, notes=[Note("the source declaration", first.span)],
             help="the two layouts must describe the same logical tensor")
-    for i, (d, s) in enumerate(zip(_trees(m.dst, m.region), _trees(first, first_region))):
+    pairs = list(zip(key_trees(m.dst, m.region), key_trees(first, first_region)))
+    if one_sided is not None and any(tree_difference(d, s) for d, s in pairs) and all(one_sided_only(d, s) for d, s in pairs):
+        one_sided.append(m)
+        return
+    for i, (d, s) in enumerate(pairs):
         diff = tree_difference(d, s)
         if diff:
             raise PlanError(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from layoutlang.gcpause import gc_paused
 from layoutlang.ir import Axis, Layout, Mesh
 
-from .match import match
+from .refine import pair
 from .plan import (Geometry, Plan, PlanCache, Request, Template, check_options, group_templates, load_pair,
                    select_stage, split_stage)
 from .ranks import RankSet
@@ -279,7 +279,7 @@ class MemberPlanner:
         """Everything K does not change, against one replica (`replicate(one, 1, first)`)."""
         self._tensors = _tensor_fields(self.one)
         base = _replicas(self.one, self._tensors, 1, self.first)
-        matches, self._unused = match(self.src, base)
+        self.src, base, matches, self._unused = pair(self.src, base)  # refined where one side is plain
         templates, instance = group_templates(matches, PlanCache(), self._options["wire"], self._options["progress"])
         self._templates, self._instance = templates, tuple(instance)
         # the matches as K does not change them (what the plan's consumers read, `Plan.key_matches`),

@@ -2,7 +2,8 @@
 
 Pipeline (each stage a pure function of the previous one)::
 
-    match      dst instance -> source instances of its key     (match.py)
+    match      dst instance -> source instances of its key     (match.py; a plain side
+               read as the other side's parts of the key first: refine.py)
     template   instances that cut and place alike share one template
     pieces     per destination shard: rectangles and who can feed them (pieces.py)
     prove      pieces tile every destination shard exactly once       (verify.py)
@@ -33,9 +34,10 @@ from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, TensorIR
 from layoutlang.modes import Run, cached_property
 
-from .match import Match, PlanError, match
+from .match import Match, PlanError
 from .pieces import Piece, Slice, Source, pieces
 from .ranks import RankSet
+from .refine import pair
 from .relay import needed_recv, relay_stage
 from . import strides
 from .select import SELECTORS
@@ -686,8 +688,10 @@ def _transpose(m: Match, src: Source) -> tuple[int, int] | None:
 
 # ---- the stages, in order ---------------------------------------------------------
 def match_stage(plan: Plan) -> None:
-    """Every destination instance with the source instances of its key (match.py)."""
-    plan.matches, plan.unused_keys = match(plan.src, plan.dst)
+    """Every destination instance with the source instances of its key (match.py). A key one side
+    stores plainly and the other as parts of it is refined first (refine.py): the plan's layouts
+    are then the refined ones (the same names, local shapes and storage)."""
+    plan.src, plan.dst, plan.matches, plan.unused_keys = pair(plan.src, plan.dst)
 
 
 def template_stage(plan: Plan) -> None:

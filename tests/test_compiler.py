@@ -59,10 +59,13 @@ def test_extent_mismatch_points_at_both_files():
 
 
 def test_strided_never_meets_plain():
+    """A plain side split over tp would be read as the strided parts' rows (compiler/refine.py):
+    refused. Whole on one rank, the plain rows are the parts in their written order: it plans."""
     with pytest.raises(PlanError) as e:
-        pair("mesh m (tp=2)\ntensor fc1 [(gate: 4 | up: 4) over tp]", "mesh m (tp=1)\ntensor fc1 [8]")
-    assert "parts on one side only" in e.value.message
+        pair("mesh m (tp=2)\ntensor fc1 [(gate: 4 | up: 4) over tp]", "mesh m (tp=2)\ntensor fc1 [8 over tp]")
+    assert "parts on one side only" in e.value.message and "`over tp` cuts plain rows" in e.value.message
     assert e.value.notes[0].span.source.path == "src.layout"
+    assert pair("mesh m (tp=2)\ntensor fc1 [(gate: 4 | up: 4) over tp]", "mesh m (tp=1)\ntensor fc1 [8]").stats["ops"] == 4
 
 
 def test_part_names_must_agree_where_both_name_them():

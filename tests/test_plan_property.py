@@ -203,13 +203,12 @@ def mutations(mode: Mode) -> list[tuple[str, Mode]]:
     out = []
     for path, node in _nodes(mode):
         match node:
+            # (a leaf split into parts, or parts flattened, is no mutation any more: a plain side is
+            # read as the other side's parts where that moves no stored row, compiler/refine.py,
+            # tests/test_refine_parts.py)
             case Plain(e):
                 out.append(("extent", _replace_at(mode, path, Plain(e + 1))))
-                if e >= 2:
-                    out.append(("split a leaf into parts",
-                                _replace_at(mode, path, Concat(((None, Plain(1)), (None, Plain(e - 1)))))))
             case Concat(parts):
-                out.append(("flatten parts", _replace_at(mode, path, Plain(_logical(node)))))
                 named = [i for i, (name, _) in enumerate(parts) if name is not None]
                 if named:
                     i = named[0]

@@ -119,12 +119,12 @@ def test_missing_key_suggests_part_keys_on_a_fused_source():
 
 
 def test_a_key_whose_parts_differ_is_a_diagnostic_at_both_declarations():
-    src = loads("mesh m (r=1)\ntensor w [(a: 4 as A | b: 4 as B), 8]\n", "s.layout")
-    dst = loads("mesh m (r=1)\ntensor A [(x: 2 | y: 2), 8]\ntensor B [4, 8]\n", "d.layout")
+    src = loads("mesh m (r=1)\ntensor w [(a: (x: 2 | y: 2) as A | b: 4 as B), 8]\n", "s.layout")
+    dst = loads("mesh m (r=1)\ntensor A [(x: 1 | y: 1 | z: 2), 8]\ntensor B [4, 8]\n", "d.layout")
     with pytest.raises(PlanError) as info:
         compile_plan(src, dst)
     err = info.value
-    assert err.message.startswith("`A` dim 0: parts on one side only")
+    assert err.message.startswith("`A` dim 0: 3 parts here but 2 in the source")
     assert err.span.source.path == "d.layout" and err.span.line == 2
     assert err.notes[0].span.source.path == "s.layout"
 

@@ -1,0 +1,140 @@
+"""Parts on one side only (compiler/refine.py): a plain dim is read as the other side's parts.
+
+Reference, independent of the compiler: storage order is the written order on both sides
+(LANGUAGE.md 3), so a plain `[NH*D, H]` key and a side writing the same key's rows as
+`(NH, (re: D/2 | im: D/2))` hold the same rows in the same stored order. Every expected
+mapping below is written out from that and from how `over` cuts each side's storage:
+which stored row of which rank lands where. The ops are executed row by row (strided
+entries expanded), nothing is read from the plan's pieces.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from layoutlang import compile_plan, loads
+from layoutlang.compiler import PlanError, strides
+
+NH, KV, D, H = 4, 2, 8, 16
+
+
+def moved(plan, key: str, cols: int = H) -> dict:
+    """(dst rank, dst name, dst row) -> (src rank, src name, src row) for every row of `key`'s ops
+    (whole rows: every op of these pairs carries all the columns)."""
+    out = {}
+    for op in plan.ops:
+        if op.key != key:
+            continue
+        assert op.src_slice[1] == op.dst_slice[1] == (0, cols), op
+        src = [x for lo, hi in strides.blocks(op.src_slice[0]) for x in range(lo, hi)]
+        dst = [x for lo, hi in strides.blocks(op.dst_slice[0]) for x in range(lo, hi)]
+        for d, s in zip(dst, src, strict=True):
+            assert (op.dst_rank, op.dst_name, d) not in out, "a row written twice"
+            out[op.dst_rank, op.dst_name, d] = (op.src_rank, op.src_name, s)
+    return out
+
+
+Q_KEY, K_KEY, V_KEY = (f"m.{p}_proj.weight" for p in "qkv")
+# a checkpoint read without its config: one rank, every key plain and whole
+PLAIN = f"""mesh ck (one=1)
+tensor {Q_KEY} [{NH * D}, {H}]
+tensor {K_KEY} [{KV * D}, {H}]
+tensor {V_KEY} [{KV * D}, {H}]
+"""
+# vLLM at TP2: each rank's q heads, its k head, its v head, q/k rows as rotary halves
+VLLM = f"""const NH = {NH}, KV = {KV}, D = {D}
+mesh infer (tp=2)
+tensor qkv [(q: (NH, (re: D/2 | im: D/2)) as {Q_KEY} | k: (KV, (re: D/2 | im: D/2)) as {K_KEY}
+            | v: (KV, D) as {V_KEY}) over tp, {H}]
+"""
+
+
+def vllm_rows() -> dict:
+    """(rank, local row of qkv) -> (key, stored row of that key in the plain checkpoint), by hand:
+    rank t holds q heads 2t, 2t+1 (rows 16t .. 16t+15), k head t, v head t, in that order."""
+    out = {}
+    for t in range(2):
+        rows = [(Q_KEY, 16 * t + r) for r in range(16)] + [(K_KEY, 8 * t + r) for r in range(8)]
+        rows += [(V_KEY, 8 * t + r) for r in range(8)]
+        out.update({(t, j): key_row for j, key_row in enumerate(rows)})
+    return out
+
+
+def test_a_plain_checkpoint_loads_into_rotary_halves_row_for_row():
+    plan = compile_plan(loads(PLAIN, "plain"), loads(VLLM, "vllm"))
+    want = vllm_rows()
+    for key in (Q_KEY, K_KEY, V_KEY):
+        got = moved(plan, key)
+        assert got == {(t, "qkv", j): (0, k, r) for (t, j), (k, r) in want.items() if k == key}, key
+    assert plan.stats["bytes"] == (NH + 2 * KV) * D * H * 2  # bf16, every row once
+
+
+def test_rotary_halves_save_into_a_plain_checkpoint_row_for_row():
+    plan = compile_plan(loads(VLLM, "vllm"), loads(PLAIN, "plain"))
+    want = vllm_rows()
+    for key in (Q_KEY, K_KEY):
+        got = moved(plan, key)
+        assert got == {(0, k, r): (t, "qkv", j) for (t, j), (k, r) in want.items() if k == key}, key
+
+
+def test_plain_parts_of_a_fused_tensor_and_under_a_product_are_refined_too():
+    """Megatron's grouped qkv written plain, `(KV, (q: QG*D as q | k: D as k | v: D as v)) over tp`
+    (per group: its 2 q heads, its k head, its v head), against the halves written once, one rank:
+    group g's rows are q rows 16g.., k rows 8g.., v rows 8g.. of the keys, in stored order."""
+    grouped = f"""const KV = {KV}, D = {D}
+mesh train (tp=2)
+tensor qkv [(KV, (q: 2*D as {Q_KEY} | k: D as {K_KEY} | v: D as {V_KEY})) over tp, {H}]
+"""
+    halves = f"""const NH = {NH}, KV = {KV}, D = {D}
+mesh one (one=1)
+tensor {Q_KEY} [(NH, (re: D/2 | im: D/2)), {H}]
+tensor {K_KEY} [(KV, (re: D/2 | im: D/2)), {H}]
+tensor {V_KEY} [KV*D, {H}]
+"""
+    for src, dst, flip in ((grouped, halves, False), (halves, grouped, True)):
+        plan = compile_plan(loads(src, "src"), loads(dst, "dst"))
+        for key, first, n in ((Q_KEY, 0, 16), (K_KEY, 16, 8), (V_KEY, 24, 8)):
+            want = {(g, "qkv", first + r): (0, key, n * g + r) for g in range(2) for r in range(n)}
+            if not flip:
+                want = {(0, k, r): (g, name, row) for (g, name, row), (_, k, r) in want.items()}
+            assert moved(plan, key) == want, (key, flip)
+
+
+def test_a_plain_side_whose_split_would_move_rows_is_refused_with_the_reason():
+    """`over` cuts plain rows contiguously: a strided `(gate | up) over tp` or a product whose
+    copies are replicated (tp 8 > 4 heads) stores other rows per rank, so the plain side cannot
+    be read as those parts; the error names the split, at the plain side's line."""
+    strided = "mesh m (tp=2)\ntensor w [(gate: 8 | up: 8) over tp, 4]\n"
+    plain = "mesh m (tp=2)\ntensor w [16 over tp, 4]\n"
+    with pytest.raises(PlanError) as e:
+        compile_plan(loads(strided, "strided"), loads(plain, "plain.layout"))
+    assert e.value.message == ("`w` dim 0: parts on one side only: 16 in `w`, (gate: 8 | up: 8) in the source; "
+                               "the plain rows cannot be read as those parts: `over tp` cuts plain rows "
+                               "contiguously but would cut those parts otherwise (each part of a concatenation, "
+                               "whole copies of a product)")
+    assert (e.value.file, e.value.line, e.value.col) == ("plain.layout", 2, 1)
+    assert e.value.notes[0].message == "the source declaration" and e.value.notes[0].span.source.path == "strided"
+    heads = "mesh m (tp=8)\ntensor w [(4, (re: 4 | im: 4)) over tp, 4]\n"
+    rows = "mesh m (tp=8)\ntensor w [32 over tp, 4]\n"
+    with pytest.raises(PlanError) as e:
+        compile_plan(loads(rows, "rows"), loads(heads, "heads"))
+    assert "in `w`, (re: 16 | im: 16) in the destination; the plain rows cannot be read" in e.value.message
+    assert e.value.file == "rows"
+    # whole on one rank, the same strided parts pair: gate rows then up rows, as stored
+    one = "mesh m (one=1)\ntensor w [16, 4]\n"
+    plan = compile_plan(loads(strided, "strided"), loads(one, "one"))
+    # stored row r of the plain side: gate row r (r < 8) or up row r - 8; tp rank c holds gate rows
+    # 4c..4c+3 at local 0..3 and up rows 4c..4c+3 at local 4..7
+    want = {(0, "w", r): ((r % 8) // 4, "w", (r // 8) * 4 + r % 4) for r in range(16)}
+    assert moved(plan, "w", cols=4) == want
+
+
+def test_pairs_that_plan_without_refinement_keep_their_layouts():
+    """Nothing refined: the plan's layouts are the caller's objects."""
+    src, dst = loads(VLLM, "a"), loads(VLLM.replace("tp=2", "tp=1"), "b")
+    plan = compile_plan(src, dst)
+    assert plan.src is src and plan.dst is dst
+    plain = loads(PLAIN, "plain")
+    plan = compile_plan(plain, dst)
+    assert plan.src is not plain and plan.dst is dst  # the plain side is refined, not the halves
+    assert [(t.name, t.local_shape) for t in plan.src.tensors] == [(t.name, t.local_shape) for t in plain.tensors]
