@@ -49,6 +49,11 @@ if [ ! -f "$stamp" ]; then
     # openai_harmony; not the older openai-harmony 0.0.8), structured output
     # (llguidance, xgrammar below)
     pillow fastapi openai aiohttp partial_json_parser oss-harmony llguidance
+    # vLLM's own trainer-side clients (tests/test_vllm_clients.py): RayVLLMWeightSyncClient
+    # drives engines in Ray actors (ray core only, no dashboard extras);
+    # HTTPVLLMWeightSyncClient posts to vLLM's RL routes, served by uvicorn as `vllm serve`
+    # serves them
+    ray uvicorn
     # the main repo, its dev tools, no framework extras (no megatron-core, and no hf
     # extra: transformers comes pinned above)
     -e '.[dev]'

@@ -14,6 +14,7 @@ profile registered without a parent would inherit that, so a CI machine would ru
 developer profile derandomized too.
 """
 
+import importlib.util
 import os
 
 from hypothesis import HealthCheck, settings
@@ -25,3 +26,7 @@ settings.register_profile("ci", _BASE, derandomize=True, print_blob=True, deadli
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", _BASE, derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("LAYOUTLANG_CI") else "dev"))
+
+# --doctest-modules imports every module here; tests/vllm_hosts.py imports vLLM, which only
+# .venv-vllm has (tests/test_vllm_clients.py runs it there, as a program's helper)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_hosts.py"]

@@ -89,22 +89,27 @@ def test_faked_tensor_parallel_ranks(arch, tp):
 
 
 def test_driven_through_vllms_trainer_factory():
-    """WeightTransferTrainerFactory.trainer_init + send_weights drive the worker engine through
-    vLLM's client calls, in vLLM's order, three times."""
+    """WeightTransferTrainerFactory.trainer_init + send_weights, with an in-process `LLM` (its RL
+    entry points, vLLM's own, over one worker: tests/vllm_hosts.py) as the client, adapted by
+    the backend's LLMClient: vLLM's worker methods run in vLLM's order, three refits, each
+    equal to vLLM's own load of that step. vLLM's HTTP and Ray clients: test_vllm_clients.py."""
     (lines,) = run_all(["driven", str(_port())])
-    assert [x["differ"] for x in _steps(lines)] == [[], [], []]
-    assert lines[-1]["calls"] == ["init"] + ["start", "update", "finish"] * 3
+    assert [(x["step"], x["differ"], x["moved_storage"], x["version"], x["weight_version"]) for x in _steps(lines)] \
+        == [(1, [], [], 1, "1"), (2, [], [], 2, "2"), (3, [], [], 3, "3")]
+    assert lines[-1]["adapted"] is True
+    assert lines[-1]["calls"] == ["init_weight_transfer_engine"] + \
+        ["start_weight_update", "update_weights", "finish_weight_update"] * 3
 
 
-def test_a_whole_vllm_llm_driven_by_its_own_rl_calls():
+def test_a_whole_vllm_llm_is_the_trainer_factorys_client():
     """`vllm.LLM(..., weight_transfer_config={"backend": "layoutlang"})`: vLLM's worker builds
-    the backend in its load_model; LLM.init_weight_transfer_engine / start_weight_update /
-    update_weights / finish_weight_update(weight_version) take three refits from a trainer job
-    in another process, each equal to vLLM's own load of that step's checkpoint."""
-    port = _port()
-    trainer, llm = run_all(["trainer", "llama", str(port)], ["llm", str(port)])
+    the backend in its load_model; the trainer from WeightTransferTrainerFactory, given the LLM
+    itself as its client, drives LLM.init_weight_transfer_engine / start_weight_update /
+    update_weights / finish_weight_update(weight_version) around three refits, each equal to
+    vLLM's own load of that step's checkpoint."""
+    (llm,) = run_all(["llm", str(_port())])
     assert [x["version"] for x in _steps(llm)] == ["1", "2", "3"]
-    assert all(x["differ"] == [] for x in _steps(llm))
+    assert all(x["differ"] == [] and x["replicas"] == ["vllm-0"] for x in _steps(llm))
     assert llm[-1]["engines"] == ["LayoutlangEngine"]
 
 

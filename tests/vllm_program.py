@@ -2,9 +2,9 @@
 
     vllm_program.py engine ARCH PORT [TP RANK]  # a vLLM worker (its own gloo world) + the backend
     vllm_program.py trainer ARCH PORT [TP]      # a trainer job (TrainerJob, 1 rank) in another process
-    vllm_program.py driven PORT          # vLLM's trainer factory drives the engine (tiny Llama)
+    vllm_program.py driven PORT          # vLLM's trainer factory drives an in-process LLM (tiny Llama)
     vllm_program.py refused              # every refused case, before a byte moves
-    vllm_program.py llm PORT             # a whole vllm.LLM, driven by its own RL calls
+    vllm_program.py llm PORT             # a whole vllm.LLM as the trainer factory's client
     vllm_program.py placement            # uneven and round-robin experts refused
     vllm_program.py eplb_engine PORT RANK  # rank RANK of an EPLB replica (EP faked at 2), maps rebalanced
     vllm_program.py eplb_trainer PORT      # the trainer job feeding it
@@ -154,61 +154,33 @@ def run_trainer(arch: str, port: int, tp: int = 1) -> None:
     say(ok=True, role="trainer")
 
 
-class InProcessClient:
-    """vLLM's VLLMWeightSyncClient, reaching one worker's engine in this process (what
-    `LLM.collective_rpc` does for a single worker)."""
-
-    def __init__(self, engine, vc):
-        self.engine, self.vc = engine, vc
-        self.calls: list[str] = []
-
-    def _call(self, name, fn):
-        from vllm.config import set_current_vllm_config
-        self.calls.append(name)
-        with set_current_vllm_config(self.vc), vm.cpu_accelerator_noops():
-            return fn()
-
-    def init_weight_transfer_engine(self, request):
-        return self._call("init", lambda: self.engine.init_transfer_engine(
-            self.engine.parse_init_info(request["init_info"])))
-
-    def start_weight_update(self):
-        return self._call("start", self.engine.start_weight_update)
-
-    def update_weights(self, request):
-        return self._call("update", lambda: self.engine.update_weights(request["update_info"]))
-
-    def finish_weight_update(self, weight_version=None):
-        return self._call("finish", self.engine.finish_weight_update)
-
-
 def run_driven(port: int) -> None:
-    """vLLM's trainer factory: trainer_init, then send_weights three times."""
+    """vLLM's trainer factory with an in-process `LLM` as its client (tests/vllm_hosts.py: vLLM's
+    own LLM entry points, Worker methods and backend over one engine): trainer_init, then
+    send_weights three times; the backend's LLMClient gives the LLM vLLM's request objects."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from layoutlang.integrations.vllm_engine import LayoutlangTrainerInitInfo
+    from layoutlang.integrations.vllm_engine import LayoutlangTrainerInitInfo, LLMClient
+
+    import vllm_hosts
 
     cfg = vm.LLAMA
     tmp = tempfile.mkdtemp()
-    vc, model = vm.build(cfg, Path(tmp) / "engine")
-    _, oracle = vm.build(cfg, Path(tmp) / "oracle")
-    engine = make_engine(vc, model)
-    client = InProcessClient(engine, vc)
+    host = vllm_hosts.EngineHost("llama", tmp)
     train = Path(tmp) / "hf.layout"
     train.write_text(hf_text(cfg))
     info = LayoutlangTrainerInitInfo(train=str(train), infer=engine_text(cfg), address=f"127.0.0.1:{port}",
                                      world_size=1, replica=REPLICA, timeout=TIMEOUT, rank=0)
-    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=host.llm())
     for step in range(1, STEPS + 1):
         report = trainer.send_weights(checkpoint(cfg, step), step)
-        vm.load_hf_weights(oracle, checkpoint(cfg, step), vc)
-        diff = differences(model, oracle)
-        say(role="driven", step=step, replicas=list(report.replicas), differ=diff[:10])
-        if diff or list(report.replicas) != [REPLICA]:
+        seen = host.check(step)
+        say(role="driven", replicas=list(report.replicas), **seen)
+        if seen["differ"] or seen["weight_version"] != str(step) or list(report.replicas) != [REPLICA]:
             sys.exit(1)
     trainer.shutdown()
-    engine.shutdown()
-    say(ok=True, role="driven", calls=client.calls)
+    host.core.worker.weight_transfer_engine.shutdown()
+    say(ok=True, role="driven", calls=host.core.calls, adapted=type(trainer.client).__name__ == LLMClient.__name__)
 
 
 def run_refused() -> None:
@@ -456,9 +428,15 @@ def run_eplb_trainer(port: int) -> None:
 def run_llm(port: int) -> None:
     """A whole `vllm.LLM` (engine core and worker in this process) started with
     `weight_transfer_config={"backend": "layoutlang"}`: vLLM's worker builds the backend in
-    its `load_model`, and `LLM`'s own RL calls drive it, while the trainer job (another
-    process) refits; each step's parameters, read through `collective_rpc`, equal vLLM's own
+    its `load_model`, and the `layoutlang` trainer from vLLM's trainer factory, given the `LLM`
+    itself as its client, drives it through `LLM`'s own RL calls (init_weight_transfer_engine,
+    start_weight_update, update_weights, finish_weight_update(weight_version)) around three
+    refits of its job; each step's parameters, read through `collective_rpc`, equal vLLM's own
     load of that step's checkpoint into an oracle model."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from layoutlang.integrations.vllm_engine import LayoutlangTrainerInitInfo
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's CPU worker takes ~90 % of the machine's memory for its KV cache unless told (GiB)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -467,22 +445,26 @@ def run_llm(port: int) -> None:
     with vm.cpu_accelerator_noops():
         llm = vm.make_llm(cfg, Path(tmp) / "llm", weight_transfer_config={"backend": "layoutlang"})
         vc, oracle = vm.build(cfg, Path(tmp) / "oracle")  # vLLM's world exists already: joins it
-        llm.init_weight_transfer_engine({"init_info": {"address": f"127.0.0.1:{port}", "replica": REPLICA,
-                                                       "timeout": TIMEOUT}})
+        train = Path(tmp) / "hf.layout"
+        train.write_text(hf_text(cfg))
+        info = LayoutlangTrainerInitInfo(train=str(train), infer=engine_text(cfg), address=f"127.0.0.1:{port}",
+                                         world_size=1, replica=REPLICA, timeout=TIMEOUT, rank=0)
+        trainer = WeightTransferTrainerFactory.trainer_init(info, client=llm)
         kinds = llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)
         for step in range(1, STEPS + 1):
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"version": step}})
-            llm.finish_weight_update(weight_version=str(step))
+            report = trainer.send_weights(checkpoint(cfg, step), step)
             (live,) = llm.collective_rpc(lambda w: {n: p.detach().clone() for n, p in
                                                    w.model_runner.get_model().named_parameters()})
             vm.load_hf_weights(oracle, checkpoint(cfg, step), vc)
             want = dict(oracle.named_parameters())
             diff = sorted(n for n in set(live) | set(want)
                           if n not in live or n not in want or not torch.equal(live[n], want[n]))
-            say(role="llm", step=step, version=llm.get_weight_version(), differ=diff[:10])
-            if diff or llm.get_weight_version() != str(step):
+            say(role="llm", step=step, version=llm.get_weight_version(), differ=diff[:10],
+                replicas=list(report.replicas))
+            if diff or llm.get_weight_version() != str(step) or list(report.replicas) != [REPLICA]:
                 sys.exit(1)
+        llm.shutdown_weight_transfer_engine()
+        trainer.shutdown()
     say(ok=True, role="llm", engines=kinds)
 
 

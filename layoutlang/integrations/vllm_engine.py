@@ -31,8 +31,13 @@ With EPLB on, the layout's `EPLB` table is vLLM's live physical -> logical exper
 trainer plans that refit for the slots as they are.
 
 Trainer side, `LayoutlangTrainer`: a `TrainerJob` on every trainer rank; rank 0 drives the
-engines through vLLM's client (`init_weight_transfer_engine`, then per step
-`start_weight_update`, `update_weights` concurrently with the refit, `finish_weight_update`).
+engines through vLLM's trainer-side client protocol (`VLLMWeightSyncClient`:
+`init_weight_transfer_engine(init_info)`, then per step `start_weight_update`,
+`update_weights(update_info)` concurrently with the refit, `finish_weight_update`), which
+takes the init info and the update payload themselves, as vLLM's own nccl / ipc trainers
+pass them to `HTTPVLLMWeightSyncClient` and `RayVLLMWeightSyncClient`. An in-process
+`vllm.LLM` is no such client (its RL entry points take vLLM's request objects): `LLMClient`
+adapts it.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
                                                    WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+                                                   WeightTransferInitRequest, WeightTransferUpdateInfo,
+                                                   WeightTransferUpdateRequest)
 
 from layoutlang.elaborate import loads
 from layoutlang.runtime import EngineJob, TrainerJob
@@ -426,6 +432,36 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     train_args: dict = field(default_factory=dict)
 
 
+@dataclass
+class LLMClient:
+    """vLLM's trainer-side client protocol over an in-process `vllm.LLM`: its RL entry points
+    (`RLOfflineMixin`) take vLLM's request objects, which is what `RayVLLMWeightSyncClient`
+    sends an `LLM` in a Ray actor; this sends the same, in process."""
+
+    llm: Any
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def sync_client(client):
+    """`client` as a `VLLMWeightSyncClient` (init info and update payload as they are): an
+    in-process `vllm.LLM` (anything with its RL entry points) wrapped in `LLMClient`,
+    anything else (vLLM's HTTP / Ray clients, a user's) as it is."""
+    from vllm.entrypoints.rl.offline import RLOfflineMixin
+
+    return LLMClient(client) if isinstance(client, RLOfflineMixin) else client
+
+
 class LayoutlangTrainer(TrainerWeightTransferEngine[LayoutlangTrainerInitInfo]):
     """A TrainerJob on every trainer rank; rank 0 drives vLLM's update flow around each refit."""
 
@@ -433,16 +469,16 @@ class LayoutlangTrainer(TrainerWeightTransferEngine[LayoutlangTrainerInitInfo]):
 
     @classmethod
     def trainer_init(cls, init_info: LayoutlangTrainerInitInfo, *, client, source=None):
+        client = sync_client(client)
         self = cls(client=client, source=source, is_sender=init_info.rank == 0, rank=init_info.rank)
         self.info = init_info
         self.job = TrainerJob(init_info.train, loads(init_info.infer, LAYOUT_PATH), address=init_info.address,
                               rank=init_info.rank, world_size=init_info.world_size,
                               timeout=timedelta(seconds=init_info.timeout), src_args=init_info.train_args)
         self.step = 0
-        if self.is_sender:
-            client.init_weight_transfer_engine({"init_info": {"address": init_info.address,
-                                                              "replica": init_info.replica,
-                                                              "timeout": init_info.timeout}})
+        if self.is_sender:  # the worker's LayoutlangInitInfo, as the client protocol takes it
+            client.init_weight_transfer_engine({"address": init_info.address, "replica": init_info.replica,
+                                                "timeout": init_info.timeout})
         return self
 
     def send_weights(self, tensors=None, version=None):
@@ -458,7 +494,7 @@ class LayoutlangTrainer(TrainerWeightTransferEngine[LayoutlangTrainerInitInfo]):
 
         def update() -> None:
             try:
-                self.client.update_weights({"update_info": {"version": version}})
+                self.client.update_weights({"version": version})  # the worker's LayoutlangUpdateInfo
             except BaseException as exc:  # noqa: BLE001 - reported after the refit
                 failed.append(exc)
 
