@@ -19,7 +19,7 @@ from layoutlang.modes import PadRun
 
 from .quant import dequantize, quantize_into
 from .staging import StagingArena
-from .views import shape as _shape
+from .views import aligned, turned
 from .views import view as _view
 from .wire import forwarded, pack, unpack_into, write_tensor_scale
 from .wire import wire_bytes as packed_bytes
@@ -70,8 +70,10 @@ class BucketRun:
 
     # ---- views ---------------------------------------------------------------------
     def source_view(self, op) -> torch.Tensor:
-        """The source block, in the RECEIVER's order (a transposed key is turned here); a relay's:
-        this rank's destination copy (a quantized one: its bf16 assembly)."""
+        """The source block, in the RECEIVER's element order (a transposed key is turned here); a
+        relay's: this rank's destination copy (a quantized one: its bf16 assembly). Always a view
+        of that storage, never a copy (a steady step's record holds it: runtime/replay.py), in
+        its view's shape: a blocked dim is a (count, block) pair, stacked dims are there."""
         if op.after:
             base = self.assembly.get(op.src_name)
             return _view(base if base is not None else self.dst[op.src_name], op.src_slice)
@@ -79,9 +81,7 @@ class BucketRun:
         if value is None:
             value = self.src[op.src_name]
         block = _view(value, op.src_slice)  # strided slices too (runtime/views.py)
-        if op.transpose is not None:
-            block = block.reshape(op.transpose).t().reshape(_shape(op.dst_slice))
-        return block
+        return block if op.transpose is None else turned(block, op.transpose)
 
     def block_of(self, op) -> torch.Tensor:
         """What a quantized-wire op quantizes: the bf16 values the receiver would assemble."""
@@ -102,7 +102,17 @@ class BucketRun:
         return tuple(self.r.dst_held[name].local_shape_at(self.me))
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """Every copy of the plain path goes through here (a steady step records it)."""
+        """Every copy of the plain path goes through here (a steady step records it). `source`
+        holds the target's elements in row-major order, in any shape: both are viewed in one
+        shape (`views.aligned`), so that a record refers to the two storages, never to a
+        reshaped copy of the source made when it was recorded (its values would be replayed)."""
+        pair = aligned(target, source)
+        if pair is None:  # no common view: the source is reshaped (copied) at every step, replays too
+            target.copy_(source.reshape(target.shape))
+            if self.record is not None:
+                self.record.append(("reshape", target, source))
+            return
+        target, source = pair
         target.copy_(source)
         if self.record is not None:
             self.record.append(("copy", target, source))
@@ -217,8 +227,9 @@ class BucketRun:
     def _copy(self, step: Step) -> None:
         op = step.op
         view = self.dst_view(op)
-        # a stacked side's block carries its extent-1 expert dim: same elements, same order
-        self.copy(view, self.source_view(op).reshape(view.shape))
+        # a stacked side's block carries its extent-1 expert dim, a blocked dim its (count, block)
+        # pair, a turned one its permuted dims: same elements, same order (`copy` views them alike)
+        self.copy(view, self.source_view(op))
         self.r.local_bytes += op.bytes
 
     def _land(self, step: Step) -> None:

@@ -93,7 +93,12 @@ class Recording:
     """One walked step's actions, each `(kind, a, b)`:
 
     - ("phase", name, None): the step's phase from here on (what an error names);
-    - ("zero", view, None) and ("copy", target, source);
+    - ("zero", view, None) and ("copy", target, source): views of the caller's tensors or of
+      staging buffers, never a tensor made while recording (a caller changes its tensors in
+      place: a copy made then would replay its values), `target` and `source` of one shape
+      (`views.aligned`);
+    - ("reshape", target, source): a copy whose ends have no view in one shape: the source
+      is reshaped (copied) anew at every replay;
     - ("post", n, (messages, what, calls)): post a round's point-to-point messages, as works
       `n` (through `calls`, their `resolved_posts`, where there are some);
     - ("wait", n, (which, ops, what)): wait for these of works `n` (indices: a staged receive

@@ -20,6 +20,7 @@ from layoutlang.runtime.launch import launch
 from layoutlang.runtime.replay import replayable, stages
 
 from test_relay import TRAIN  # a two-rank bf16 trainer: a padded embedding, fused gate|up
+import steady_inplace_program
 
 STEPS = 5
 
@@ -51,6 +52,9 @@ for l in 0..2 {
 """
 
 CASES = {
+    # a block-strided GTP source copied locally and sent, a transposed key in blocks, stacked
+    # experts, padding, relays (tests/test_steady_inplace.py checks these against the reference)
+    "blocked-turned": (steady_inplace_program.TRAIN, steady_inplace_program.ENGINE, {}),
     "staged-receives": (TP4, TP2, {}),
     "strided-views": (TP4, TP2, {"strided": True}),            # every send and receive staged
     "overlap-buckets": (TP4, TP2, {"overlap": True, "budget": 2048}),  # staged ahead, two arenas
