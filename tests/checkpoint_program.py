@@ -217,6 +217,20 @@ def case_load(job: dict, rank: int, report: dict) -> None:
                                "untouched": all(bool(torch.isnan(t).all()) for t in dst.values())}
 
 
+def case_vllm_save(job: dict, rank: int, report: dict) -> None:
+    """`layoutc new vllm` TP2 shards (loaded from the save_pretrained Llama) saved into a directory
+    that does not exist yet, with no config.json anywhere near it and no `config=`: the q/k rows
+    the layout writes as rotary halves meet the files' plain rows (compiler/refine.py)."""
+    from layoutlang import load as load_layout
+    from layoutlang.checkpoint import load, save
+
+    layout = load_layout(job["layouts"]["vllm"], {})
+    shards = garbage(layout, rank)
+    load(job["llama_dir"], layout, shards, rank=rank, group=dist.group.WORLD)
+    r = save(job["vllm_save"], layout, shards, group=dist.group.WORLD, max_shard_size="10KB")
+    report["vllm_save"] = {"files": list(r.files), "written": r.written_bytes}
+
+
 def _tokens(V: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, V, (2, 12), generator=g)
@@ -454,6 +468,7 @@ def main() -> None:
         rank = dist.get_rank()
         report["rank"] = rank
         case_load(job, rank, report)
+        case_vllm_save(job, rank, report)
         case_fsdp2_save(job, rank, report)
         case_megatron_save(job, rank, report)
         case_mxfp8_save(job, rank, report)

@@ -35,7 +35,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from checkpoint_program import (  # noqa: E402 - tests/: the rules by hand, shared with the workers
-    TORCH_DTYPE, check_all, garbage, mx_values, plain_values, read_checkpoint, vllm_expected)
+    TORCH_DTYPE, _tokens, check_all, garbage, mx_values, plain_values, read_checkpoint, vllm_expected)
 from layoutlang import load as load_layout  # noqa: E402
 from layoutlang import loads  # noqa: E402
 from layoutlang.checkpoint import CheckpointError, load, save  # noqa: E402
@@ -86,7 +86,8 @@ def launched(llama, tmp_path_factory):
                         "in_place": str(out / "megatron-in-place"),
                         "rounds": str(out / "megatron-rounds"),
                         "logits": str(out / "megatron-logits.safetensors")},
-           "mx": {"dir": str(out / "mx")}, "fail_dir": str(out / "fail"), "kill_dir": str(out / "kill")}
+           "mx": {"dir": str(out / "mx")}, "fail_dir": str(out / "fail"), "kill_dir": str(out / "kill"),
+           "vllm_save": str(out / "vllm-save")}
     results = launch(job, 2, timeout=150, program=str(PROGRAM),
                      env={"PYTHONPATH": os.pathsep.join([str(PROGRAM.parent), os.environ.get("PYTHONPATH", "")])})
     return results, job
@@ -255,9 +256,22 @@ def test_a_save_that_fails_on_one_rank_publishes_nothing(launched):
     failed, other = _report(results, 0)["save_raises"], _report(results, 1)["save_raises"]
     assert failed["raised"] == "RuntimeError" and "injected" in failed["message"]
     assert other["raised"] == "RefitError" and "nothing was saved" in other["message"], other
-    folder = job["fail_dir"]
-    assert not os.path.exists(folder) or (_published(folder) == []
-                                          and all(n.startswith(".layoutlang-partial-") for n in os.listdir(folder)))
+    assert not os.path.exists(job["fail_dir"])  # the save made the directory: it leaves none behind
+
+
+def test_vllm_tp2_shards_save_without_a_config_what_save_pretrained_wrote(launched, llama):
+    """`layoutc new vllm --set TP=2` shards (rotary halves in their qkv_proj) saved into a directory
+    that did not exist, without config.json or `config=`: every key's dtype, shape and bytes are
+    save_pretrained's, files cut at 10 KB, and the model read back gives save_pretrained's logits."""
+    results, job = launched
+    folder, _, _ = llama
+    for rank in (0, 1):
+        assert _report(results, rank)["vllm_save"]["written"] > 0
+    saved = Path(job["vllm_save"])
+    _check_same_checkpoint(saved, folder, 10_000, same_files=False)
+    shutil.copy(folder / "config.json", saved / "config.json")  # weights only: the config is the caller's
+    tokens = _tokens(LLAMA["V"])
+    assert torch.equal(_logits(saved, tokens), _logits(folder, tokens))
 
 
 def test_a_save_killed_halfway_publishes_nothing_and_the_other_rank_raises(launched):

@@ -55,6 +55,7 @@ class RankResult:
     error: str | None = None     # what went wrong (a diagnostic's message), None when ok
     help: str | None = None
     usage: bool = False          # the error is a UsageError (bad arguments: exit 2 in the CLI)
+    rendered: str | None = None  # the rank's diagnostic as it renders (file:line, caret, notes, help)
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,14 @@ class ConvertReport:
 class ConvertError(LayoutError):
     """Some rank failed; `ranks` says which and why. Nothing was published in OUT."""
 
-    def __init__(self, message: str, ranks: tuple[RankResult, ...], *, help: str | None = None):
+    def __init__(self, message: str, ranks: tuple[RankResult, ...], *, help: str | None = None,
+                 rendered: str | None = None):
         super().__init__(message, help=help)
         self.ranks = ranks
+        self.rendered = rendered  # a rank's own diagnostic, positioned where it was raised
+
+    def render(self) -> str:
+        return self.rendered or super().render()
 
 
 def allocate(layout, rank: int) -> dict:
@@ -161,13 +167,14 @@ def preflight(src: str, out: str, layout=None, *, args: dict[str, int] | None = 
               max_shard_size: int | str = "5GB", dtype: str | None = None, overwrite: bool = False):
     """Everything a conversion can refuse before a process starts: SRC (headers), LAYOUT, the load's
     plan (a key LAYOUT needs that SRC lacks is a diagnostic at LAYOUT's line), `dtype`,
-    `max_shard_size`, OUT. Returns (checkpoint, layout, load plan, the files OUT will hold)."""
+    `max_shard_size`, OUT, and the save's plan (save.plan_save: a key LAYOUT cannot write, at its
+    line). Returns (checkpoint, layout, load plan, the files OUT will hold)."""
     from layoutlang.vocabulary import DTYPE
 
     from .describe import describe
     from .headers import INDEX_NAME
     from .load import plan_load
-    from .save import checkpoint_files, layout_keys
+    from .save import checkpoint_files, layout_keys, plan_save
 
     if dtype is not None and dtype not in DTYPE:
         from layoutlang.diagnostics import did_you_mean
@@ -187,6 +194,7 @@ def preflight(src: str, out: str, layout=None, *, args: dict[str, int] | None = 
             raise UsageError(f"-o {out}: holds a checkpoint already ({there[0]})",
                              help="pass --overwrite to replace it")
     _, plan = plan_load(ckpt, target)
+    plan_save(target, out, max_shard_size=max_shard_size, dtype=dtype)  # refused at LAYOUT's line, here
     return ckpt, target, plan, files
 
 
@@ -260,7 +268,8 @@ def _failure(failed: tuple[RankResult, ...], results: tuple[RankResult, ...]) ->
             message = f"rank {failed[0].rank}: {message}"
         if all(r.usage for r in failed):
             return UsageError(message, help=help_)
-        return ConvertError(message, results, help=help_)
+        rendered = failed[0].rendered if len(failed) == len(results) else None
+        return ConvertError(message, results, help=help_, rendered=rendered)
     return ConvertError("; ".join(f"rank {r.rank}: {r.error}" for r in failed[:4])
                         + (f"; and {len(failed) - 4} more ranks" if len(failed) > 4 else ""), results)
 
@@ -272,7 +281,8 @@ def _result(w, timeout: float) -> RankResult:
         return RankResult(w.rank, True, data["read_bytes"], data["written_bytes"], data["seconds"],
                           tuple(data["files"]))
     if data.get("error"):
-        return RankResult(w.rank, False, error=data["error"], help=data.get("help"), usage=bool(data.get("usage")))
+        return RankResult(w.rank, False, error=data["error"], help=data.get("help"), usage=bool(data.get("usage")),
+                          rendered=data.get("rendered"))
     if w.returncode is None:
         return RankResult(w.rank, False, error=f"still running after {timeout:.0f} s: killed (raise --timeout)")
     tail = " | ".join(w.stderr.strip().splitlines()[-3:])

@@ -35,6 +35,7 @@ shard files, whose keys are each rank's own: ranked.py checks those against thei
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -255,15 +256,37 @@ def _read_index(directory: Path) -> dict[str, str]:
     return weight_map
 
 
+def _check_link(path: Path) -> None:
+    """A symbolic link (an HF cache snapshot is a directory of them, into `../../blobs/`) is
+    followed; one that leads nowhere, or back into itself, is an error naming it."""
+    if not path.is_symlink():
+        return
+    try:
+        os.stat(path)
+    except OSError as exc:
+        target = os.readlink(path)
+        if exc.errno == errno.ELOOP:
+            raise _fail(path.name, f"is a symbolic link that loops ({path.name} -> {target})") from None
+        raise _fail(path.name, f"is a symbolic link to {target}, which does not exist"
+                    + (f" ({exc.strerror})" if exc.errno != errno.ENOENT and exc.strerror else "")) from None
+
+
 def read_checkpoint(path: str | os.PathLike) -> CheckpointFiles:
-    """Every header of a checkpoint: a directory (with or without an index) or one .safetensors file."""
+    """Every header of a checkpoint: a directory (with or without an index) or one .safetensors file.
+    Symbolic links are followed (HF cache snapshots); a broken or looping one is an error."""
     root = Path(path)
     if root.is_file():
         return CheckpointFiles(str(root), (read_header(root),), None)
     if not root.is_dir():
         raise UsageError(f"{root}: not a directory of safetensors files (nor one file)")
-    found = sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors") and p.is_file())
-    if not (root / INDEX_NAME).is_file():
+    _check_link(root / INDEX_NAME)
+    indexed = (root / INDEX_NAME).is_file()
+    listed = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors"))
+    if not indexed:
+        for p in listed:
+            _check_link(p)
+    found = [p.name for p in listed if p.is_file()]
+    if not indexed:
         if not found:
             raise UsageError(f"{root}: no *.safetensors file and no {INDEX_NAME}")
         files = tuple(read_header(root / name) for name in found)
@@ -280,6 +303,7 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFiles:
     weight_map = _read_index(root)
     names = sorted(set(weight_map.values()))
     for name in names:
+        _check_link(root / name)
         if not (root / name).is_file():
             key = next(k for k, v in weight_map.items() if v == name)
             raise _fail(INDEX_NAME, f"maps to {name}, which is not in {root}", key)

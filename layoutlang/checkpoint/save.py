@@ -108,14 +108,23 @@ def _entries(key: str, dtype: str, shape: tuple[int, ...]) -> tuple[tuple[str, s
                      "fp8_e5m2, fp8_b128, mxfp8, mxfp4)")
 
 
+def _holds(dtype: str, shape: tuple[int, ...]) -> bool:
+    """Whether a key of `shape` can be stored in `dtype` (LANGUAGE.md 4: mxfp8's last dim a multiple
+    of 32, fp8_b128's two dims, ...)."""
+    d = DTYPE[dtype]
+    return len(shape) >= d.min_dims and (not shape or shape[-1] % d.last_dim_multiple == 0)
+
+
 def layout_keys(layout: Layout, dtype: str | None = None) -> tuple[KeyFile, ...]:
-    """Every key of the layout once, in the order it first appears, with its logical shape."""
+    """Every key of the layout once, in the order it first appears, with its logical shape. With
+    `dtype`, every key that can hold it is written in it; one that cannot (a [16] norm in mxfp8,
+    whose blocks are 32) keeps its tensor's dtype, as quantized checkpoints keep their norms."""
     seen: dict[str, KeyFile] = {}
     for t in layout.tensors:
         regions = [(t.key, t.logical_shape)] if t.regions is None else [(r.key, r.key_shape) for r in t.regions]
         for key, shape in regions:
             if key not in seen:
-                d = dtype or t.dtype
+                d = dtype if dtype is not None and _holds(dtype, tuple(shape)) else t.dtype
                 seen[key] = KeyFile(key, d, tuple(shape), _entries(key, d, tuple(shape)))
     return tuple(seen.values())
 
@@ -188,6 +197,31 @@ def file_plan(src: Layout, ckpt, path: str):
     return cached_plan("save", src, text_digest(text), build)
 
 
+def plan_save(layout: Layout, target: str, *, max_shard_size: int | str = "5GB", dtype: str | None = None,
+              metadata: dict[str, str] | None = None, config=None):
+    """The plan a save of `layout` into `target` would run, made without touching `target`: the
+    files' headers are written (sparse) into a temporary directory, described and planned, then
+    removed. A layout that cannot be saved is refused here, at its own line (what `layoutc
+    convert` checks before it starts a process)."""
+    import tempfile
+
+    from .describe import describe
+
+    files = checkpoint_files(layout_keys(layout, dtype), max_shard_size, metadata)
+    with tempfile.TemporaryDirectory(prefix="layoutlang-plan-") as tmp:
+        for f in files:
+            with open(os.path.join(tmp, f.name), "wb") as fh:
+                fh.write(f.header)
+                fh.truncate(f.size)
+        if len(files) > 1:
+            with open(os.path.join(tmp, INDEX_NAME), "wb") as fh:
+                fh.write(_index(files))
+        ckpt = describe(tmp, config if config is not None else _target_config(target))
+        plan = file_plan(layout, ckpt, f"<checkpoint {target}>")
+        _all_written(plan)
+        return plan
+
+
 def file_layout_text(layout: Layout, ckpt_text: str) -> str:
     """The checkpoint's layout as the plan's destination: one rank past the source's ranks holds it all."""
     slot = layout.ranks
@@ -241,8 +275,10 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     that the others send their pieces of (exchange.py); True, every plain key so; False, every
     piece in place. `config`: the model's HF config (a dict or a config.json path; default: the
     target's `config.json`, if it has one) — the files then store q/k rows as the conventions
-    describe them, rotary halves and all (describe.py); without one they are plain rows, and a
-    layout that writes the halves (every `layoutc new` convention) does not plan against them.
+    describe them, rotary halves and all (describe.py); without one they are plain rows, which
+    the plan reads as the halves `layout` writes (compiler/refine.py): the same bytes either way.
+    A save that fails leaves nothing at `path` that was not there before (the directory too,
+    when the save created it).
     """
     from ..compiler.plan import _as_layout
     from .describe import describe
@@ -275,12 +311,15 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         rank_metadata(src, me)  # a layout that cannot be carried is refused on every rank, before anything
     target = os.fspath(path)
     partial = os.path.join(target, PARTIAL + src.digest[:16])
+    created = me == 0 and not os.path.lexists(target)  # a failed save removes the directory it made
     ok = False
     try:
         if me == 0:
             _prepare(target, partial, files, overwrite)
         ok = True
     finally:
+        if not ok and created:
+            _remove_made(target, partial)
         if group is not None and _barrier_ok(ok, group):
             raise UsageError(f"{target}: the save could not start (rank 0 could not create its files)")
     ok, written, plan, exchanged, transport = False, 0, None, [], []
@@ -290,6 +329,7 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         else:
             ckpt = describe(partial, config if config is not None else _target_config(target))
             plan = file_plan(src, ckpt, f"<checkpoint {target}>")
+            _all_written(plan)
             exchanged = _exchanged(plan, ckpt, src.ranks, exchange) if group is not None else []
             alongside = None
             if exchanged:  # the exchange's messages fly while this rank writes its own pieces
@@ -305,6 +345,8 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         if failed:
             if me == 0:
                 shutil.rmtree(partial, ignore_errors=True)
+                if created:
+                    _remove_made(target, partial)
             if ok:
                 from ..runtime.errors import RefitError
 
@@ -316,6 +358,25 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         _barrier_ok(True, group)  # every rank returns once the checkpoint is complete
     return SaveReport(names + ((INDEX_NAME,) if len(files) > 1 else ()), plan, me, written, tuple(exchanged),
                       transport[0] if transport else "")
+
+
+def _all_written(plan) -> None:
+    """Every key of the layout has a place in the files: one the files' description left out
+    (entries it cannot pair) would be a key silently never written."""
+    if plan.unused_keys:
+        key = plan.unused_keys[0]
+        raise UsageError(f"key `{key}`: the checkpoint's files cannot hold it as written (describe() leaves "
+                         f"it out), so it would not be saved", help="save it in a plain dtype")
+
+
+def _remove_made(target: str, partial: str) -> None:
+    """Undo what a failed save made: its temporary directory, and the target it created, when
+    nothing else has appeared there since (a failed save leaves no empty directory behind)."""
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        os.rmdir(target)  # only when empty
+    except OSError:
+        pass
 
 
 def _target_config(target: str) -> str | None:
@@ -378,4 +439,4 @@ def _publish(target: str, partial: str, names: tuple[str, ...], index: bytes | N
             os.close(fd)
 
 
-__all__ = ["save", "SaveReport", "checkpoint_files", "layout_keys", "parse_size", "KeyFile", "FileLayout"]
+__all__ = ["save", "plan_save", "SaveReport", "checkpoint_files", "layout_keys", "parse_size", "KeyFile", "FileLayout"]
