@@ -14,10 +14,10 @@ Without .venv-vllm they skip on a developer's machine and fail in CI (LAYOUTLANG
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import program_runs  # noqa: E402
 from test_vllm import _port, _python  # noqa: E402
+from vllm_clients_program import wait_gone  # noqa: E402
 
 PROGRAM = ROOT / "tests" / "vllm_clients_program.py"
 TIMEOUT = 300
@@ -38,20 +39,6 @@ def _run(*commands: list[str]) -> list[list[dict]]:
     return program_runs.run_all(_python(), PROGRAM, list(commands), env=env, cwd=ROOT, timeout=TIMEOUT)
 
 
-def _session_processes(tmp: str) -> list[int]:
-    """Every live process started for the Ray session in `tmp` (its raylet, GCS and workers all
-    name the session's folder, which is this test's own, on their command line)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if tmp.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
 @pytest.fixture(scope="module")
 def ray_session():
     """The `ray` program once: one Ray session, both engines in actors, both trainers driven
@@ -61,14 +48,13 @@ def ray_session():
     try:
         (lines,) = _run(["ray", tmp])
     finally:
-        deadline = time.monotonic() + 20
-        while (left := _session_processes(tmp)) and time.monotonic() < deadline:
-            time.sleep(0.5)  # ray.shutdown() signals them; they exit on their own
-        for pid in left:
+        left = wait_gone(tmp)  # the driver is gone too now: anything of the session still alive
+        for pid in left:       # is this run's own (its folder is on the command line): ended
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return lines, left
 
 
@@ -98,7 +84,9 @@ def test_ray_client_refits_engines_in_ray_actors(ray_session, arch):
     assert [x["replicas"] for x in steps] == [["vllm-0"]] * 3
     up = next(x for x in lines if x.get("ray") == "up")
     assert len(set(up["actor_pids"])) == 2 and up["driver_pid"] not in up["actor_pids"]  # other processes
-    assert left == [], f"Ray processes left after ray.shutdown(): {left}"
+    down = next(x for x in lines if x.get("ray") == "down")
+    assert down["left"] == [], f"Ray processes alive after ray.shutdown(): {down['left']}"
+    assert left == [], f"Ray processes alive after the driver exited (killed now): {left}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -47,6 +47,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def session_processes(tmp: str) -> list[int]:
+    """Every live process of the Ray session in folder `tmp` but this one: its GCS, raylet and
+    workers all name the session's folder, which is the test's own, on their command line."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if tmp.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def wait_gone(tmp: str, seconds: float = 20.0) -> list[int]:
+    """The session's processes still alive after up to `seconds` (they exit on their own)."""
+    deadline = time.monotonic() + seconds
+    while (left := session_processes(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 def trainer_for(arch: str, client, tmp: Path):
     """vLLM's trainer factory: the `layoutlang` trainer of `arch` (an HF checkpoint layout into the
     engine's), hosting its job's store on a free port, driving the engine through `client`."""
@@ -132,7 +154,11 @@ def run_ray(tmp: str) -> None:
                   for arch, engine in engines.items()])
     finally:
         ray.shutdown()
-    say(ok=ok, role="ray")
+    # ray.shutdown() ends the session's processes while this driver lives (were it skipped,
+    # they would outlive nothing but this driver: Ray ends them when it exits)
+    left = wait_gone(tmp)
+    say(ray="down", left=left)
+    say(ok=ok and not left, role="ray")
 
 
 def checker(host):
