@@ -414,8 +414,6 @@ class Refitter:
             for kind, a, b in record.actions:
                 if kind == "copy":
                     a.copy_(b)
-                elif kind == "reshape":  # (no view of one in the other's shape: `BucketRun.copy`)
-                    a.copy_(b.reshape(a.shape))
                 elif kind == "post":
                     works[a] = self._post(*b)
                     deadlines[a] = time.monotonic() + self.timeout.total_seconds()
@@ -427,6 +425,8 @@ class Refitter:
                     self._wait([posted[i] for i in which], ops, what, deadlines[a])
                 elif kind == "zero":
                     a.zero_()
+                elif kind == "reshape":  # (no view of one in the other's shape: `BucketRun.copy`)
+                    a.copy_(b.reshape(a.shape))
                 else:
                     self._phase = a
         except Exception as exc:  # noqa: BLE001 - as in a walked bucket
