@@ -34,6 +34,7 @@ import steady_inplace_program as prog
 
 PROGRAM = str(Path(__file__).with_name("steady_inplace_program.py"))
 STEPS = 4
+REPLAYED = {"plain": STEPS - 2, "strided": STEPS - 2, "fallback": STEPS - 2, "quantized": 0}  # steps 3 and 4
 FOUR = {"TP": 2, "GTP": 2, "DP": 2}
 ONE = {"TP": 1, "GTP": 1, "DP": 1}
 
@@ -63,8 +64,9 @@ def _run(files: dict, args: dict, world: int) -> list:
     job = {**files, "args": args, "world": world, "steps": STEPS}
     results = launch(job, world, timeout=150, program=PROGRAM)
     for r in results:
-        assert r.returncode == 0 and r.result and r.result.get("ok"), \
-            f"rank {r.rank}: {r.result and r.result.get('error')} {r.result and r.result.get('trace')} {r.stderr[-1500:]}"
+        report = r.result or {}
+        assert r.returncode == 0 and report.get("ok"), \
+            f"rank {r.rank}: {report.get('error')} {report.get('trace')} {r.stderr[-1500:]}"
         assert r.result["problems"] == [], f"rank {r.rank}: {r.result['problems']}"
     return results
 
@@ -90,7 +92,7 @@ def test_steady_steps_on_gloo_ranks_move_this_steps_values(tmp_path):
         held = (3 * _held(prog.engine_tensors(2, False), dmesh, r.rank)
                 + _held(prog.engine_tensors(2, True), dmesh, r.rank))
         assert r.result["checked"] == STEPS * held
-        assert r.result["replayed"] == {"plain": STEPS - 2, "strided": STEPS - 2, "fallback": STEPS - 2, "quantized": 0}, r.result
+        assert r.result["replayed"] == REPLAYED, r.result
         assert "reshape" in r.result["recorded"]["fallback"] and "reshape" not in r.result["recorded"]["plain"]
 
 
@@ -104,7 +106,7 @@ def test_steady_steps_in_one_process_move_this_steps_values(tmp_path):
     assert all(op.local for op in plain.ops)
     assert any(_blocked(op.src_slice) for op in plain.ops) and any(op.transpose for op in plain.ops)
     (one,) = _run(files, ONE, 1)
-    assert one.result["replayed"] == {"plain": STEPS - 2, "strided": STEPS - 2, "fallback": STEPS - 2, "quantized": 0}
+    assert one.result["replayed"] == REPLAYED
     assert one.result["checked"] == STEPS * (3 * len(prog.engine_tensors(1, False)) + len(prog.engine_tensors(1, True)))
 
     from layoutlang.runtime.quant import empty
@@ -126,7 +128,7 @@ def test_steady_steps_in_one_process_move_this_steps_values(tmp_path):
             loop.refit(src, dst)
             problems = [p for r in range(4) for t in engine
                         if (expected := prog.local_values(t, dmesh, r, step, 0.0)) is not None
-                        for p in prog.destination_problems(t, dst[r][t.name], expected, f"loopback step {step} rank {r}")]
+                        for p in prog.destination_problems(t, dst[r][t.name], expected, f"step {step} rank {r}")]
             assert problems == []
 
 
