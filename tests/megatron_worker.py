@@ -156,10 +156,12 @@ SCENARIOS = {
     # Qwen2-MoE: dense and MoE layers alternate on each of 2 stages, q/k/v biases, a gated shared
     # expert, experts split over etp=2 (Megatron's default ETP = TP)
     "qwen2_moe_tp2_pp2": Scenario(world=4, tp=2, pp=2, ep=1, family="qwen2_moe", layers=4),
-    # uneven stages (issue 49): 5 layers, 3 on the first stage (dense 0, 2; MoE 1), 2 on the last (MoE 3,
-    # dense 4); and a pipeline_model_parallel_layout of 2 and 3 (the same launch as the one above)
-    "qwen2_moe_tp2_pp2_first3": Scenario(world=4, tp=2, pp=2, ep=1, family="qwen2_moe", layers=5,
-                                         split=(("decoder_first_pipeline_num_layers", 3),)),
+    # uneven stages (issue 49), in the same launch as the one above: DeepSeek-V3 (MLA, q LoRA) of 3 layers,
+    # its dense layer 0 alone on the first stage (decoder_first_pipeline_num_layers=1), MoE layers 1 and 2
+    # on the last: each stage holds one kind only; and Qwen2-MoE of 5 layers split 2 + 3 by a
+    # pipeline_model_parallel_layout
+    "deepseek_tp2_pp2_first1": Scenario(world=4, tp=2, pp=2, ep=1, family="deepseek_v3", layers=3,
+                                        split=(("decoder_first_pipeline_num_layers", 1),)),
     "qwen2_moe_tp2_pp2_layout": Scenario(world=4, tp=2, pp=2, ep=1, family="qwen2_moe", layers=5,
                                          split=(("pipeline_model_parallel_layout", "Ett|t*3L"),)),
     # megatron-core 0.19 (tests/test_bridge_megatron_mla.py), one launch on 2 ranks:

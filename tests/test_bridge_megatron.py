@@ -212,7 +212,7 @@ def test_qwen2_moe_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
     # per stage), q/k/v biases, a shared expert scaled by sigmoid(gate); HF Qwen2MoeForCausalLM on rank 2
     # (the last stage's first rank, where the full logits are gathered). The same launch runs the uneven
     # stages of issue 49 (`test_uneven_stages`).
-    runs = _launch("qwen2_moe_tp2_pp2,qwen2_moe_tp2_pp2_first3,qwen2_moe_tp2_pp2_layout", timeout=330)
+    runs = _launch("qwen2_moe_tp2_pp2,deepseek_tp2_pp2_first1,qwen2_moe_tp2_pp2_layout", timeout=330)
     _check_uneven_stages(runs)
     results = runs["qwen2_moe_tp2_pp2"]
     text = _check_run("qwen2_moe_tp2_pp2", results, engine_rank=2)
@@ -230,12 +230,15 @@ def test_qwen2_moe_tp2_pp2_on_four_ranks_refits_into_hf_on_the_last_stage():
 
 
 def _check_uneven_stages(runs) -> None:
-    """Megatron's uneven splits of 5 layers over PP2, described live and refit into HF (logits equal):
-    num_layers_in_first_pipeline_stage=3 (stages of 3 and 2) and the layout `Ett|t*3L` (2 and 3). The
-    described shapes are every rank's real parameters (`_check_run`), so each stage holds the layers
-    megatron-core built on it; `layoutc new megatron --set <the same Megatron-LM arg>` writes the same
-    instances; and the NAME of a layer is its number on its stage (written out below)."""
-    for name, first in (("qwen2_moe_tp2_pp2_first3", 3), ("qwen2_moe_tp2_pp2_layout", 2)):
+    """Megatron's uneven splits over PP2, described live and refit into HF (logits equal):
+    DeepSeek-V3 with num_layers_in_first_pipeline_stage=1 (its dense layer 0 alone on stage 0, MoE
+    layers 1 and 2 on stage 1: each stage describes the kind it does not hold from the one it does),
+    and Qwen2-MoE with the layout `Ett|t*3L` (stages of 2 and 3). The described shapes are every
+    rank's real parameters and every rank's text is the same (`_check_run`), so each stage holds the
+    layers megatron-core built on it; `layoutc new megatron --set <the same Megatron-LM arg>` writes
+    the same instances; and a layer's NAME is its number on its stage (written out below)."""
+    for name, first, layers, dense in (("deepseek_tp2_pp2_first1", 1, 3, [0]),
+                                       ("qwen2_moe_tp2_pp2_layout", 2, 5, [0, 2, 4])):
         text = _check_run(name, runs[name], engine_rank=2)
         layout = loads(text)
         on_last = {t.name: t.key for t in layout.tensors if t.holds(2)}   # rank 2: the last stage
@@ -245,9 +248,15 @@ def _check_uneven_stages(runs) -> None:
         assert {k for k in on_first.values() if k.endswith(".input_layernorm.weight")} == \
             {f"model.layers.{l}.input_layernorm.weight" for l in range(first)}
         assert {k for k in on_last.values() if k.endswith(".input_layernorm.weight")} == \
-            {f"model.layers.{l}.input_layernorm.weight" for l in range(first, 5)}
-        # layer 4 (dense: mlp_only_layers 0, 2, 4) on the last stage, by its stage-local number
-        assert on_last[f"decoder.layers.{4 - first}.mlp.linear_fc2.weight"] == "model.layers.4.mlp.down_proj.weight"
+            {f"model.layers.{l}.input_layernorm.weight" for l in range(first, layers)}
+        # the last layer on the last stage by its stage-local number; dense ones on their stages only
+        routed = "mlp.router.weight"
+        assert on_last[f"decoder.layers.{layers - 1 - first}.{routed}" if layers - 1 not in dense else
+                       f"decoder.layers.{layers - 1 - first}.mlp.linear_fc2.weight"].startswith(
+                           f"model.layers.{layers - 1}.mlp.")
+        held_dense = sorted(int(k.split(".")[2]) for k in {*on_first.values(), *on_last.values()}
+                            if k.endswith(".mlp.down_proj.weight"))
+        assert held_dense == dense
 
 
 @pytest.mark.timeout(240)

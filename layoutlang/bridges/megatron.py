@@ -22,8 +22,11 @@ same on every rank, computed from three things the trainer already holds:
   False for experts under EP) say which dim is split over which axis; their
   shapes and dtypes are checked against the elaborated layout before it is
   returned. Each kind of layer (dense, MoE) is read from this rank's own
-  layers; other stages' layers of that kind are written the same way. The
-  router's `expert_bias` buffer is a weight too (the engine routes with it).
+  layers; other stages' layers of that kind are written the same way. A kind
+  this stage does not hold (DeepSeek-V3 under PP: its dense layers all on
+  stage 0) is derived from one it does, with the local spec's MLP for that
+  kind (`_derived_template`). The router's `expert_bias` buffer is a weight
+  too (the engine routes with it).
 
 Keys follow the HF-name convention (LANGUAGE.md 8): the HF checkpoint name of
 each unfused, per-expert weight. Fused QKV carries part keys grouped per query
@@ -600,12 +603,57 @@ def _layer_templates(model, t: _Trainer, weights: dict, keys: dict[str, str]) ->
                               "(heterogeneous layers of one kind are not supported)")
     for layer_index, kind in enumerate(t.kinds):
         if kind not in templates:
-            stage = next(r for r, (o, c) in enumerate(t.stages) if o <= layer_index < o + c)
-            raise BridgeError(f"layer {layer_index} is a {kind} layer on pipeline stage {stage}, and stage "
-                              f"{t.pp_rank} holds no {kind} layer to read its parameters from",
-                              help="describe() reads each kind of layer from the stage's own layers; give "
-                                   "every pipeline stage at least one layer of each kind")
-    return templates
+            derived = _derived_template(kind, next(iter(templates.values()), None), config, t, keys)
+            if derived is None:
+                stage = next(r for r, (o, c) in enumerate(t.stages) if o <= layer_index < o + c)
+                raise BridgeError(f"layer {layer_index} is a {kind} layer on pipeline stage {stage}, and stage "
+                                  f"{t.pp_rank} holds no {kind} layer to read its parameters from",
+                                  help="describe() reads each kind of layer from the stage's own layers, or "
+                                       "derives it from another kind where the layers are the local spec's; "
+                                       "give every pipeline stage at least one layer of each kind")
+            templates[kind] = derived
+    # one order on every rank, whichever kinds it read and which it derived: the layer's own parameters
+    # (attention, norms: one spec for both kinds) in the model's order, then its MLP's by name
+    return {kind: [e for e in entries if not e.rel.startswith("mlp.")]
+            + sorted((e for e in entries if e.rel.startswith("mlp.")), key=lambda e: e.rel)
+            for kind, entries in templates.items()}
+
+
+def _derived_template(kind: str, have: list[_Param] | None, config, t: _Trainer, keys) -> list[_Param] | None:
+    """The parameters of a kind of layer this stage does not hold (DeepSeek-V3 under PP: its dense
+    layers all on stage 0), from a kind it does. Megatron's decoder block spec builds both kinds
+    with one layer spec function that differs only in `mlp`, so the attention and norms are the
+    held kind's; the MLP is what the local spec builds for that kind from the config: fc1/fc2
+    (biases with add_bias_linear) for a dense layer; for a MoE layer the router (its bias with
+    add_bias_linear, its fp32 `expert_bias` buffer with moe_router_enable_expert_bias), SequentialMLP
+    experts and the shared experts (their gate with moe_shared_expert_gate). In params_dtype, split
+    as their roles say. None where the held layers are not the local spec's (Transformer Engine
+    fuses the MLP's norm into fc1 in dense layers only) or there is no held layer to start from.
+    Every rank describes every kind, so a wrong derivation is a text that differs between ranks."""
+    if have is None or any("layer_norm_" in p.rel or p.rel.startswith("mlp.experts.linear_fc") for p in have):
+        return None
+    weights = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    if kind == "dense":
+        rels = [f"mlp.linear_fc{i}.{w}" for i in (1, 2) for w in weights]
+    else:
+        rels = [f"mlp.router.{w}" for w in weights]
+        if getattr(config, "moe_router_enable_expert_bias", False):
+            rels.append("mlp.router.expert_bias")
+        rels += [f"mlp.experts.local_experts.{{e}}.linear_fc{i}.{w}" for i in (1, 2) for w in weights]
+        if getattr(config, "moe_shared_expert_intermediate_size", None):
+            rels += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
+            if getattr(config, "moe_shared_expert_gate", False):
+                rels.append("mlp.shared_experts.gate_weight")
+    default = _DTYPES[str(config.params_dtype)]
+    out = [p for p in have if not p.rel.startswith("mlp.")]
+    for rel in rels:
+        role = _role_or_error(rel, rel, keys, bool(config.gated_linear_unit),
+                              bool(getattr(config, "multi_latent_attention", False)),
+                              bool(getattr(config, "rotary_interleaved", False)))
+        size = t.etp if role.expert else t.tp
+        out.append(_Param(rel, role, "fp32" if rel.endswith(".expert_bias") else default,
+                          role.split if size > 1 else None))
+    return out
 
 
 def _outside_layers(model, t: _Trainer, weights: dict, vocab: str, default: str) -> list[tuple[str, _Param, str]]:
