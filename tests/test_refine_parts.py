@@ -138,3 +138,21 @@ def test_pairs_that_plan_without_refinement_keep_their_layouts():
     plan = compile_plan(plain, dst)
     assert plan.src is not plain and plan.dst is dst  # the plain side is refined, not the halves
     assert [(t.name, t.local_shape) for t in plan.src.tensors] == [(t.name, t.local_shape) for t in plain.tensors]
+
+
+def test_a_plain_side_keeps_its_padding_and_chunks_when_refined():
+    """Plain `30 pad 32 over tp` (rank t: stored rows 16t.., rank 1's last 2 rows padding) and plain
+    `32 over tp chunk g` (rank (t, g): rows 16t + 8g ..) against the same rows written as
+    `(3, (re: 5 | im: 5))` / `(4, (re: 4 | im: 4))` on one rank: stored row r of the one-rank side
+    is stored row r of the plain side's whole dim, never a padding row."""
+    padded = "mesh m (tp=2)\ntensor w [30 pad 32 over tp, 4]\n"
+    halves = "mesh o (one=1)\ntensor w [(3, (re: 5 | im: 5)), 4]\n"
+    plan = compile_plan(loads(padded, "padded"), loads(halves, "halves"))
+    assert moved(plan, "w", cols=4) == {(0, "w", r): (r // 16, "w", r % 16) for r in range(30)}
+    plan = compile_plan(loads(halves, "halves"), loads(padded, "padded"))
+    assert moved(plan, "w", cols=4) == {(r // 16, "w", r % 16): (0, "w", r) for r in range(30)}
+    chunked = "mesh m (tp=2, g=2)\ntensor w [32 over tp chunk g, 4]\n"
+    heads = "mesh o (one=1)\ntensor w [(4, (re: 4 | im: 4)), 4]\n"
+    plan = compile_plan(loads(chunked, "chunked"), loads(heads, "heads"))
+    # rank (t, g) is rank 2t + g (row-major mesh coordinates)
+    assert moved(plan, "w", cols=4) == {(0, "w", r): (2 * (r // 16) + (r % 16) // 8, "w", r % 8) for r in range(32)}
