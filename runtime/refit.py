@@ -91,11 +91,27 @@ def _slices(sl) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in sl)
 
 
+CHECKSUM_BASE = 251     # a position's weights are its digits in this base, plus one
+CHECKSUM_DIGITS = 5     # 251**5 ~ 1e12 elements: more than any one op moves
+
+
 def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """Position-weighted float64 sum: detects changed, lost and swapped elements."""
+    """Position-weighted float64 sums: detect changed, lost and swapped elements.
+
+    Sum d weights each element by digit d of its position in base 251, plus one.
+    Two positions differ in some digit, so a swap of two unequal elements changes
+    at least one sum by a multiple of their difference (one weight alone, i % 251,
+    is blind to elements 251 apart: two rows of a [N, 251] tensor). Digits a tensor
+    of this size does not have are 0 (weight 1: the plain sum), so every checksum
+    has CHECKSUM_DIGITS sums and the receiver's buffer needs no size from the sender.
+    """
     flat = t.reshape(-1).to(torch.float64)
-    weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 251) + 1.0
-    return (flat * weights).sum().reshape(1)
+    position = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+    sums = []
+    for _ in range(CHECKSUM_DIGITS):
+        sums.append((flat * ((position % CHECKSUM_BASE) + 1).to(torch.float64)).sum())
+        position = position // CHECKSUM_BASE
+    return torch.stack(sums)
 
 
 def _group_rank(global_rank: int, group) -> int | None:
@@ -772,7 +788,7 @@ class Refitter:
                 else:
                     outgoing.append((mine, op))
             elif op.dst_rank == me:
-                incoming.append((torch.zeros(1, dtype=torch.float64, device=device), op))
+                incoming.append((torch.zeros(CHECKSUM_DIGITS, dtype=torch.float64, device=device), op))
         p2p = [self._p2p(True, s, op.dst_rank) for s, op in outgoing]
         p2p += [self._p2p(False, s, op.src_rank) for s, op in incoming]
         self._wait(self._post(p2p, "checksums"), [op for _, op in outgoing + incoming], "checksum")

@@ -1,7 +1,8 @@
 """`verify=True` catches two swapped elements (runtime/refit.py `_checksum`'s promise).
 
-The checksum is a position-weighted sum (weights 1, 2, ..., 251, 1, 2, ...): a sum
-without the weights is blind to any permutation. Expected values are computed here
+The checksum is five position-weighted sums (sum d weights a position by its digit d
+in base 251, plus one: 1, 2, ..., 251, 1, 2, ... for d = 0): a sum without the weights
+is blind to any permutation, one weight alone to elements 251 apart. Expected values are computed here
 by hand from that written rule; then two gloo processes refit with `verify=True`
 while a hook (RefitHooks.on_send, the runtime's documented test seam) swaps two
 elements of what rank 0 sends: adjacent ones, the first and the last, two rows.
@@ -25,15 +26,41 @@ def test_the_checksum_weights_positions():
     from layoutlang.runtime.refit import _checksum
 
     # sum of value x (position % 251 + 1), by hand
-    assert _checksum(torch.tensor([1.0, 2.0, 3.0])).item() == 1 * 1 + 2 * 2 + 3 * 3        # 14
-    assert _checksum(torch.tensor([2.0, 1.0, 3.0])).item() == 2 * 1 + 1 * 2 + 3 * 3        # 13: a swap shows
-    assert _checksum(torch.tensor([3.0, 2.0, 1.0])).item() == 3 * 1 + 2 * 2 + 1 * 3        # 10
-    assert _checksum(torch.tensor([[1.0, 2.0], [3.0, 4.0]])).item() == 1 + 4 + 9 + 16      # C order
-    assert _checksum(torch.tensor([[3.0, 4.0], [1.0, 2.0]])).item() == 3 + 8 + 3 + 8       # rows swapped: 22
+    assert _checksum(torch.tensor([1.0, 2.0, 3.0]))[0].item() == 1 * 1 + 2 * 2 + 3 * 3        # 14
+    assert _checksum(torch.tensor([2.0, 1.0, 3.0]))[0].item() == 2 * 1 + 1 * 2 + 3 * 3        # 13: a swap shows
+    assert _checksum(torch.tensor([3.0, 2.0, 1.0]))[0].item() == 3 * 1 + 2 * 2 + 1 * 3        # 10
+    assert _checksum(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))[0].item() == 1 + 4 + 9 + 16      # C order
+    assert _checksum(torch.tensor([[3.0, 4.0], [1.0, 2.0]]))[0].item() == 3 + 8 + 3 + 8       # rows swapped: 22
     x = torch.zeros(253)
     x[250], x[251], x[252] = 5.0, 7.0, 11.0  # weights 251, then 1, 2 again
-    assert _checksum(x).item() == 5 * 251 + 7 * 1 + 11 * 2
-    assert _checksum(x).dtype == torch.float64 and _checksum(x).shape == (1,)
+    assert _checksum(x)[0].item() == 5 * 251 + 7 * 1 + 11 * 2
+    # the second sum weights by position // 251 (+1): 250 -> 1, 251 and 252 -> 2
+    assert _checksum(x)[1].item() == 5 * 1 + 7 * 2 + 11 * 2
+    # the higher digits are all 0 here: weight 1, the plain sum
+    assert _checksum(x)[2:].tolist() == [23.0, 23.0, 23.0]
+    assert _checksum(x).dtype == torch.float64 and _checksum(x).shape == (5,)
+
+
+def test_a_swap_of_elements_251_apart_shows():
+    import torch
+
+    from layoutlang.runtime.refit import _checksum
+
+    # two rows of a [3, 251] tensor: every element's partner is 251 positions away, where
+    # position % 251 is the same; the second digit (position // 251) tells them apart
+    x = torch.arange(3 * 251, dtype=torch.float32).reshape(3, 251)
+    swapped = x[[1, 0, 2]]
+    assert _checksum(x)[0].item() == _checksum(swapped)[0].item()      # the first sum alone is blind
+    # by hand, the second sum:
+    # rows weigh 1, 2, 3; row sums are s0 = sum(0..250), s1 = s0 + 251*251, s2 = s0 + 2*251*251
+    s0 = sum(range(251))
+    s1, s2 = s0 + 251 * 251, s0 + 2 * 251 * 251
+    assert _checksum(x)[1].item() == 1 * s0 + 2 * s1 + 3 * s2
+    assert _checksum(swapped)[1].item() == 1 * s1 + 2 * s0 + 3 * s2
+    far = torch.zeros(251 * 251 + 1)
+    far[0], far[251 * 251] = 1.0, 2.0                                    # 63001 apart: the third digit
+    moved = far.flip(0)
+    assert not torch.equal(_checksum(far), _checksum(moved))
 
 
 def _body(job: dict, rank: int) -> dict:
