@@ -452,6 +452,9 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
 
+    def shutdown_weight_transfer_engine(self) -> None:  # as vLLM's HTTP and Ray clients have it
+        self.llm.shutdown_weight_transfer_engine()
+
 
 def sync_client(client):
     """`client` as a `VLLMWeightSyncClient` (init info and update payload as they are): an
