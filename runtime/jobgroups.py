@@ -99,6 +99,7 @@ def _kept(pg):
 
 
 HELLO = 1 << 20   # the tag of a pair's first message (`hello`), apart from the plan's (tag 0)
+SEVER = 1 << 21   # a tag no message ever carries: a receive posted on it only to close the group
 
 
 @dataclass(eq=False)
@@ -109,6 +110,7 @@ class ReplicaGroup:
     name: str
     pg: object
     connected: set = field(default_factory=set)
+    severed: bool = False     # its connections are closed (`sever`): it is never used again
 
 
 def hello(group: ReplicaGroup, peers, sending: bool, device: torch.device, deadline: float) -> str | None:
@@ -133,6 +135,35 @@ def hello(group: ReplicaGroup, peers, sending: bool, device: torch.device, deadl
         return f"connecting failed: {_first_line(exc)}"
     group.connected.update(todo)
     return None
+
+
+def sever(group: "ReplicaGroup | None") -> None:
+    """Close every connection of this rank in `group`, at once: the replica's walk is over for
+    this rank, and every rank at the other end of a pair must learn it now, not at the deadline.
+
+    Why: a rank that gives up on a replica (an engine rank whose transfer failed, a trainer rank
+    that dropped the replica) but keeps its connections open leaves its peers' messages to it
+    pending: a trainer rank waiting on one holds up every replica behind it. Closed, the pair
+    fails the peer's pending and later messages at once ("Connection closed by peer"), so a
+    failure anywhere in a replica's group spreads through that group alone, in milliseconds,
+    and the walk of every other replica goes on. Gloo has no call that closes a group (its
+    `abort` and `shutdown` leave the pairs open): a wait that runs out closes every pair of the
+    group's context ("Application timeout caused pair closure"), so one receive on a tag no
+    message carries, from a peer already connected, waited on for a millisecond, does it. NCCL:
+    `abort`. The group is never used again (its replica's next refit gets a new one)."""
+    if group is None or group.severed:
+        return
+    group.severed = True
+    pg = group.pg
+    try:
+        if isinstance(pg, dist.ProcessGroupGloo):
+            peers = sorted(group.connected)
+            if peers:  # (a pair never connected has nothing to close: a lazy group would connect it)
+                pg.recv([torch.zeros(1)], peers[0], SEVER).wait(timedelta(milliseconds=1))
+        elif hasattr(pg, "abort"):
+            pg.abort()
+    except Exception:  # noqa: BLE001 - the closing itself is the expected error
+        pass
 
 
 @dataclass(frozen=True)
@@ -201,6 +232,16 @@ class JobWalk(Refitter):
 
     On a trainer rank, `dropped` (slot -> reason) collects the replicas whose transfers
     failed in this walk; on an engine rank any failure raises (its replica is lost).
+
+    Where the walk stands once a rank is gone is the same on every rank: a replica is dropped
+    whole. The first failed message with any of its ranks (a dead peer's closed connection,
+    a post on a closed pair, the deadline) ends every message to and from all of its ranks
+    for the rest of the walk, and `sever` closes this rank's connections in its group, which
+    fails the pending and later messages of every rank at their other ends at once: its live
+    ranks stop (and sever theirs), so every other trainer rank drops it at its next message
+    with it instead of waiting on a rank that will never read. Nothing is owed to or by a
+    dropped replica; everything else is owed as planned, so no message of another replica
+    ever waits on it.
     """
 
     def __init__(self, plan: Plan, *, rank: int, membership: Membership, device=None,
@@ -257,6 +298,7 @@ class JobWalk(Refitter):
             if why:
                 self.dropped[slot] = f"replica {m.replicas[slot]}: {why}"
                 self.skip.update(m.plan_ranks(slot))
+                sever(m.groups[slot])
 
     def walk(self, refit: int, src_tensors, dst_tensors, deadline: float, *, cut_strided: bool = True) -> list[str]:
         """Every bucket's steps, each wait bounded by `deadline` (time.monotonic()); returns
@@ -295,10 +337,10 @@ class JobWalk(Refitter):
         return None  # a walk is never recorded (no steady steps between jobs)
 
     def _post(self, p2p: list, what: str, calls=None) -> list:
-        """Each message in its replica's group; none to or from a rank in `skip` (gone, or never
-        connected). A dropped replica's other ranks keep getting theirs: they are waiting for
-        them, and a rank left waiting would hold up every trainer rank that sends to it. A
-        backend that groups messages (NCCL) gets each group's messages of the round as one group."""
+        """Each message in its replica's group; none to or from a rank in `skip` (a dropped
+        replica's ranks: its group is severed, so none of them waits for a message from this
+        rank, and none holds up this rank's walk). A backend that groups messages (NCCL) gets
+        each group's messages of the round as one group."""
         works: list = [DONE] * len(p2p)
         by_group: dict[int, list[int]] = {}
         for i, m in enumerate(p2p):
@@ -321,6 +363,8 @@ class JobWalk(Refitter):
                 continue
             for i in idx:
                 m = p2p[i]
+                if m.rank in self.skip:  # its replica was dropped while this round was posted
+                    continue
                 try:
                     works[i] = (group.send if m.sending else group.recv)([m.tensor], m.peer, m.tag)
                 except Exception as exc:  # noqa: BLE001 - the pair is broken: its rank is gone
@@ -359,16 +403,16 @@ class JobWalk(Refitter):
             return f"trainer rank {plan_rank}"
         return f"replica {m.replicas[m.slot_of(plan_rank)]} rank {m.local_of(plan_rank)}"
 
-    def _lost(self, slot: int, reason: str, peer: int | None) -> None:
-        """A trainer rank drops the replica (the first reason stands) and stops talking to `peer`
-        (None: to the whole replica); an engine rank's replica is lost."""
+    def _lost(self, slot: int, reason: str, peer: int | None = None) -> None:
+        """A trainer rank drops the replica (the first reason stands): no message of the rest of
+        the walk goes to or comes from any of its ranks, and this rank's connections in its
+        group close (`sever`), so that each of its ranks, and through them every other trainer
+        rank, learns it at once. An engine rank's replica is lost (its job severs)."""
         if not self.trainer_side:
             raise ReplicaLost(reason)
         self.dropped.setdefault(slot, reason)
-        if peer is None:
-            self.skip.update(self.membership.plan_ranks(slot))
-        else:
-            self.skip.add(peer)
+        self.skip.update(self.membership.plan_ranks(slot))
+        sever(self.membership.groups[slot])
 
 
 def failure_text(exc: BaseException) -> str:

@@ -12,8 +12,10 @@ through one process group per replica (runtime/jobgroups.py).
 
 One refit n, as the keys say it (all under `layoutlang/jobs/`)::
 
-    engine rank t     replica/R/wait/t = "<nonce>/<call>/<c|s>"    it waits in `receive`
-    trainer rank 0    refit/n = {members, their waits and groups, refused, plan digest}
+    engine rank t     replica/R/wait/t = "<nonce>/<call>/<c|s>/<epoch>"    it waits in `receive`
+                      (in R's incarnation `epoch`; it sleeps on R's doorbell: runtime/jobwait.py)
+    trainer rank 0    refit/n = {members, their waits and groups, refused, absent, plan digest},
+                      then rings every replica's doorbell
     trainer ranks     meet "start" (each one's tensors checked), then rank 0: refit/n/go
                       ("go", or "go strided" when a trainer rank's tensors are not contiguous)
     every rank        walks its steps of plan(K) until the one deadline (go + timeout)
@@ -24,7 +26,9 @@ One refit n, as the keys say it (all under `layoutlang/jobs/`)::
 
 A replica is a member of refit n when every one of its ranks waits (has called
 `receive`) when rank 0 opens it; later ones join refit n+1. A replica whose transfers
-fail, time out or do not finish by the deadline is missed: the trainer and the other
+fail, time out or do not finish by the deadline is missed: it is dropped whole, its group
+severed on the rank that found it (runtime/jobgroups.py: every rank of it, and through them
+every trainer rank, stops its messages with it at once), the trainer and the other
 replicas finish the step, its ranks raise `RefitError`, its tensors are marked
 `interrupted` and keep their previous version. Its wait values are cleared and its
 group is not used again: a restarted (or retrying) replica gets a new group and the
@@ -36,7 +40,6 @@ store go (`close`), so the store's host may exit right after `close` returns.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -48,13 +51,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from layoutlang.compiler import members
 from layoutlang.diagnostics import LayoutError, UsageError
 from layoutlang.elaborate import load, loads
 from layoutlang.ir import Layout
 
 from .errors import RefitError
-from .jobgroups import JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, failure_text
+from .jobplans import KEPT, ReplicaPlans, _arg_value, _keep, args_json, layout_difference, published, text_digest
+from .jobgroups import JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, failure_text, sever
+from .jobwait import CLOSE_WAIT, bell, born, current_waits, epoch_of, is_strided, ring, sleep_until_rung, wait_value
 from .refit import _shape_problem, _strided
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable
 
@@ -62,8 +66,7 @@ NAMESPACE = "layoutlang/jobs/"
 MEET_GRACE = 0.4     # s the trainer's "end" meeting waits past the walks' deadline
 GRACE = 1.0          # s a reader waits for a verdict past its own deadline (the writer's is no later)
 GO, GO_STRIDED = "go", "go strided"   # refit/n/go: the walk may start (buckets cut as staged)
-KEPT = 8             # layouts, plans and walks kept per replica layout (EPLB rebalances every `step_interval` steps)
-POLL = 0.5           # s between looks at `trainer/closed` while an engine waits for the next refit
+POLL = 0.05          # s between looks while trainer rank 0 waits for the replicas a refit expects
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -175,48 +178,6 @@ def tensor_problems(layout: Layout, rank: int, tensors, side: str) -> list[str]:
     return problems
 
 
-def signature(layout: Layout) -> list:
-    """Each tensor of a replica's layout as data: name, dtype, local shape on every rank."""
-    return [[t.name, t.dtype, [list(t.local_shape_at(r)) if t.holds(r) else None for r in range(layout.ranks)]]
-            for t in layout.tensors]
-
-
-def text_digest(layout: Layout) -> str:
-    """The digest of a layout's own text: two replicas with equal ones differ only in args."""
-    return hashlib.sha256(layout.source_text.encode("utf-8")).hexdigest()
-
-
-def published(layout: Layout) -> dict:
-    """What an engine replica says of its layout under `replica/R/layout`: the digest, the
-    shapes, and (one file) its text's digest and its args, so that a trainer holding the same
-    text can plan for this replica's args (an EPLB map) without the text travelling."""
-    record = {"digest": layout.digest, "ranks": layout.ranks, "tensors": signature(layout)}
-    if len(layout.sources) == 1:
-        record.update(text=text_digest(layout), args=args_json(layout))
-    return record
-
-
-def layout_difference(expected: Layout, theirs: dict) -> str | None:
-    """Why an engine's layout (its `signature` and digest) is not the one the trainer plans for."""
-    if theirs.get("digest") == expected.digest:
-        return None
-    mine = {name: (dtype, shapes) for name, dtype, shapes in signature(expected)}
-    given = {name: (dtype, shapes) for name, dtype, shapes in theirs.get("tensors", [])}
-    if theirs.get("ranks") != expected.ranks:
-        return f"its layout spans {theirs.get('ranks')} ranks, the trainer's {expected.path} spans {expected.ranks}"
-    for name in mine:
-        if name not in given:
-            return f"its layout has no tensor `{name}` ({expected.path} has)"
-        if given[name] != mine[name]:
-            (d0, s0), (d1, s1) = mine[name], given[name]
-            return f"tensor `{name}`: the trainer expects {d0} {s0}, the replica's layout says {d1} {s1}"
-    extra = sorted(set(given) - set(mine))
-    if extra:
-        return f"its layout has tensor `{extra[0]}`, which {expected.path} does not"
-    return (f"its layout's text or args differ from {expected.path} (digest {str(theirs.get('digest'))[:12]}, "
-            f"expected {expected.digest[:12]})")
-
-
 def _error(who: str, n: int, phase: str, detail: str, *, reusable: bool, help: str, replica: str | None = None,
            rank: int | None = None, peers=()) -> RefitError:
     err = RefitError(f"{who}: refit {n}, {phase}: {detail}" if n else f"{who}: {phase}: {detail}", rank=rank,
@@ -230,89 +191,6 @@ TRAINER_BROKEN = ("a trainer rank failed while bytes moved: the replicas keep th
                   "(marked interrupted); restart the trainer job")
 ENGINE_AGAIN = ("call receive again on every rank of this replica: the next refit it takes part in "
                 "rewrites every element")
-
-
-class ReplicaPlans:
-    """Membership plans by (replica layout, replica count), the same on trainer and engine ranks.
-
-    Every replica of a job runs `one`'s text; its args may differ (an EPLB engine publishes
-    the expert map it holds now: runtime/jobs.md "Replicas with their own args"). Replicas
-    with equal layouts share one K-copy plan (MemberPlanner, geometry shared across K); one
-    replica whose args differ from `one`'s in a single table arg is planned through that
-    table's TablePlanner (its ranks after the trainer's), so a new map re-plans on its fast
-    path. Both kinds equal `compile_plan(src, replicate(layout, K, N), relay=False)`, so
-    both sides reach the same digest whichever path each takes (the engine checks it)."""
-
-    def __init__(self, src: Layout, one: Layout):
-        self.src, self.one = src, one
-        self._layouts: dict[str, Layout] = {}                  # args as JSON -> layout
-        self._members: dict[str, members.MemberPlanner] = {}   # layout digest -> its planner
-        self.tables: dict[str, object] = {}                    # table arg -> its TablePlanner
-        self._plans: dict[tuple[str, int], object] = {}        # (args as JSON, copies) -> plan
-
-    def layout(self, args: dict | None) -> Layout:
-        """`one`'s text with `args` over its own (a replica's published args)."""
-        if not args:
-            return self.one
-        key = json.dumps(args, sort_keys=True)
-        if key not in self._layouts:
-            if len(self.one.sources) != 1:
-                raise UsageError(f"{self.one.path} includes other files: only its own args can be planned for")
-            merged = {**dict(self.one.args), **{k: _arg_value(v) for k, v in args.items()}}
-            _keep(self._layouts, key, loads(self.one.source_text, self.one.path, merged, unknown_args="ignore"),
-                  KEPT)
-        return self._layouts[key]
-
-    def plan(self, copies: int, args: dict | None = None):
-        """The plan into `copies` replicas that hold `one`'s text with `args` (None: `one`)."""
-        key = (json.dumps(args, sort_keys=True), copies)
-        if key not in self._plans:
-            _keep(self._plans, key, self._make(copies, args), KEPT)
-        return self._plans[key]
-
-    def _make(self, copies: int, args: dict | None):
-        table = self._table_of(args) if copies == 1 else None
-        if table is not None:
-            if table not in self.tables:
-                from layoutlang.compiler.tables import TablePlanner
-                self.tables[table] = TablePlanner(self.src, self.one.source_text, table, dst_path=self.one.path,
-                                                   dst_args=dict(self.one.args), replica_at=self.src.ranks,
-                                                   relay=False)
-            return self.tables[table].plan(_arg_value(args[table]))
-        layout = self.layout(args)
-        if layout.digest not in self._members:
-            _keep(self._members, layout.digest, members.MemberPlanner(self.src, layout), 2)
-        return self._members[layout.digest].plan(copies)
-
-    def _table_of(self, args: dict | None) -> str | None:
-        """The one table arg in which `args` differ from `one`'s, if that is all they change."""
-        if not args or len(self.one.sources) != 1:
-            return None
-        mine = dict(self.one.args)
-        theirs = {name: _arg_value(v) for name, v in args.items()}
-        if not set(theirs) <= set(mine):
-            return None
-        changed = [name for name in theirs if theirs[name] != mine[name]]
-        if len(changed) == 1 and isinstance(theirs[changed[0]], tuple):
-            return changed[0]
-        return None
-
-
-def _keep(cache: dict, key, value, most: int) -> None:
-    """cache[key] = value, the oldest entries dropped past `most`."""
-    cache[key] = value
-    while len(cache) > most:
-        cache.pop(next(iter(cache)))
-
-
-def _arg_value(v):
-    """An arg as JSON carried it, as layouts hold it (tables: tuples of tuples)."""
-    return tuple(_arg_value(x) for x in v) if isinstance(v, list) else v
-
-
-def args_json(layout: Layout) -> dict:
-    """A layout's args as data (tables as lists)."""
-    return {name: value for name, value in layout.args}
 
 
 class TrainerJob:
@@ -330,7 +208,7 @@ class TrainerJob:
                  timeout: timedelta | float = timedelta(seconds=60), budget_bytes: int | None = None,
                  verify: bool = False, overlap: bool = False, keep_staging: bool | None = None, device=None,
                  src_args: dict | None = None, dst_args: dict | None = None, hooks=None,
-                 connect_timeout: timedelta | float | None = None):
+                 connect_timeout: timedelta | float | None = None, expect_wait: timedelta | float | None = None):
         self.src, self.one = _as_layout(train, src_args), _as_layout(infer, dst_args)
         self.rank, self.world = rank, world_size
         self.who = f"trainer rank {rank}"
@@ -340,6 +218,8 @@ class TrainerJob:
             raise UsageError(f"{self.src.path} includes other files: a trainer layout travels to the engines as "
                              "one text, so write it without `include` for a refit between jobs")
         self.timeout = _as_timeout(timeout)
+        # how long rank 0 waits for the replicas a refit expects, before the refit's own timeout
+        self.expect_wait = (self.timeout / 2 if expect_wait is None else _as_timeout(expect_wait)).total_seconds()
         self.options = dict(budget_bytes=budget_bytes, verify=verify, overlap=overlap)
         self.keep_staging, self.device, self.hooks = keep_staging, device, hooks
         self.kv, self._owner = _connect(address, store, rank == 0, _as_timeout(connect_timeout or timeout))
@@ -367,9 +247,12 @@ class TrainerJob:
     def refit(self, tensors, version, *, expect=()) -> JobReport:
         """Move this rank's tensors into every member replica; return who got `version`.
 
-        `expect` (rank 0 reads it): replica ids to wait for, up to the timeout, before the
-        membership is fixed (a caller that just told those engines to receive, as vLLM's
-        update flow does); others join when they are waiting, as always.
+        `expect` (rank 0 reads it): replica ids to wait for, up to `expect_wait` (half the
+        timeout by default), before the membership is fixed (a caller that just told those
+        engines to receive, as vLLM's update flow does); others join when they are waiting, as
+        always. An expected replica whose ranks do not all wait by then is left out of this
+        refit and named in `report.missed` ("did not wait in receive within ..."); the refit
+        of the others then has its whole timeout.
 
         Raises RefitError when the trainer itself cannot refit (a rank late, missing, with
         wrong tensors, or failing while bytes move); a replica that fails is not an error
@@ -393,15 +276,20 @@ class TrainerJob:
         return report
 
     def _refit(self, n: int, tensors, version, began: float, expect: tuple = ()) -> JobReport:
-        if self.rank == 0 and expect:
-            self._await_replicas(expect, began + self.timeout.total_seconds())
-        ann = self._announce(n, version) if self.rank == 0 else self._announcement(n, began + self.timeout.total_seconds())
+        absent = {}
+        if self.rank == 0:
+            if expect:
+                absent = self._await_replicas(expect, began + self.expect_wait)
+            ann = self._announce(n, version, absent)
+        else:  # (rank 0 may first wait `expect_wait` for the replicas its caller expects)
+            ann = self._announcement(n, began + self.expect_wait + self.timeout.total_seconds())
+        opened = time.monotonic()  # the refit's own timeout starts here, after any wait for expected replicas
         problems = tensor_problems(self.src, self.rank, tensors, "source")
         walks = []  # one per layout the members hold (replicas with their own args: ReplicaPlans)
         for entry, group in layout_groups(ann):
             walk = self._walk(len(group), entry["args"])
             walk.membership = self._membership(group, tensors)
-            walk.connect(_device_of(tensors, self.device), began + self.timeout.total_seconds())
+            walk.connect(_device_of(tensors, self.device), opened + self.timeout.total_seconds())
             walks.append(walk)
         # from here one deadline bounds the refit: the start meeting, every walk, the end meeting
         # (its grace past it). Announcing and connecting had their own (a replica that does not
@@ -430,7 +318,7 @@ class TrainerJob:
         return JobReport(n, version, tuple(verdict["refit"]), tuple(missed), missed, time.monotonic() - began)
 
     # ---- rank 0 decides who takes part ---------------------------------------------
-    def _announce(self, n: int, version) -> dict:
+    def _announce(self, n: int, version, absent: dict | None = None) -> dict:
         self._register()
         members, refused = [], {}
         ranks = self.one.ranks
@@ -448,12 +336,9 @@ class TrainerJob:
                     for key, value in held:
                         self.kv.clear(key, value)
                 continue
-            waits_keys = [f"{base}/wait/{t}" for t in range(ranks)]
-            if not self.kv.has(*waits_keys):
-                continue  # not every rank has connected yet
-            waits = self.kv.many(waits_keys)
-            if not all(waits):
-                continue  # some rank is not waiting in `receive`
+            waits = current_waits(self.kv, rid, ranks)
+            if waits is None:
+                continue  # some rank is not there, not waiting in `receive`, or of an earlier incarnation
             nonces = tuple(w.split("/", 1)[0] for w in waits)
             known = self._generation.get(rid)
             if known is None or known[0] != nonces:
@@ -474,26 +359,29 @@ class TrainerJob:
         for entry in layouts:
             plan = self.plans.plan(entry["copies"], entry["args"])
             entry.update(digest=self.plans.layout(entry["args"]).digest, plan=plan.digest)
+        listed = {m["id"] for m in members} | set(refused)
+        absent = {rid: why for rid, why in (absent or {}).items() if rid not in listed}
         ann = {"refit": n, "version": version, "trainer": self.world, "members": members, "layouts": layouts,
-               "refused": refused}
+               "refused": refused, "absent": absent}
         self.kv.set(f"refit/{n}", json.dumps(ann))
         self.kv.set("refit/latest", str(n))
+        for rid in self._known:  # wake the replicas' waiting ranks (runtime/jobwait.py)
+            ring(self.kv, rid)
         return ann
 
-    def _await_replicas(self, rids: tuple, deadline: float) -> None:
-        """Until every replica named has connected and all its ranks wait in `receive` (or the deadline)."""
+    def _await_replicas(self, rids: tuple, deadline: float) -> dict[str, str]:
+        """Until every replica named has connected and all its ranks wait in `receive`, or the
+        deadline (`expect_wait`); the ones that did not, with why."""
         ranks = self.one.ranks
-        while time.monotonic() < deadline:
-            self._register()
-            ready = True
-            for rid in rids:
-                waits = [f"replica/{rid}/wait/{t}" for t in range(ranks)]
-                if not (self.kv.has(f"replica/{rid}/layout", *waits) and all(self.kv.many(waits))):
-                    ready = False
-                    break
-            if ready:
-                return
-            time.sleep(POLL / 10)
+        while True:
+            late = [rid for rid in rids if not (self.kv.has(f"replica/{rid}/layout")
+                                                 and current_waits(self.kv, rid, ranks) is not None)]
+            if not late or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL)
+        self._register()
+        return {rid: f"replica {rid} did not wait in receive within {self.expect_wait:g} s (this refit expected it)"
+                for rid in late}
 
     def _register(self) -> None:
         """Replicas that connected since the last look, in the order they did."""
@@ -535,7 +423,7 @@ class TrainerJob:
             self.kv.wait([f"refit/{n}"], deadline)
         except TimeoutError:
             raise _error(self.who, n, "agreement", f"trainer rank 0 did not open refit {n} within "
-                         f"{self.timeout.total_seconds():g} s (stalled or dead)", reusable=True, help=TRAINER_AGAIN,
+                         f"{self.expect_wait + self.timeout.total_seconds():g} s (stalled or dead)", reusable=True, help=TRAINER_AGAIN,
                          rank=self.rank, peers=(0,)) from None
         return json.loads(self.kv.get(f"refit/{n}"))
 
@@ -649,6 +537,7 @@ class TrainerJob:
                 refit.append(rid)
         for rid, entry in ann["refused"].items():
             missed[rid] = f"replica {rid} refused: {entry['reason']}"
+        missed.update(ann.get("absent", {}))
         for m in ann["members"]:
             if m["id"] in missed:  # its ranks wait no more (a dead one would be listed again)
                 for t, value in enumerate(m["waits"]):
@@ -701,11 +590,32 @@ class TrainerJob:
                 except (StoreUnreachable, TimeoutError):
                     pass
             try:
-                self.kv.set("trainer/closed", "closed")
+                self._close_replicas()
             except (StoreUnreachable, TimeoutError):
                 pass
         self._groups.clear()
         self._walks.clear()
+
+
+    def _close_replicas(self) -> None:
+        """Tell the waiting engine ranks that the job closed, and wait (at most CLOSE_WAIT) until
+        each has said it saw it: its last store request (runtime/jobwait.py), so that none has
+        one in flight when this process, the store's host, exits."""
+        self._register()
+        ranks = self.one.ranks
+        waiting = []
+        for rid in self._known:
+            keys = [f"replica/{rid}/wait/{t}" for t in range(ranks)]
+            present = [k for k in keys if self.kv.has(k)]
+            epoch = self.kv.add(f"replica/{rid}/epoch", 0)
+            waiting += [f"replica/{rid}/gone/{k.rsplit('/', 1)[1]}"   # (a dead rank's old wait: not waited for)
+                        for k, v in zip(present, self.kv.many(present)) if v and epoch_of(v) == epoch]
+        self.kv.set("trainer/closed", "closed")
+        for rid in self._known:
+            ring(self.kv, rid)
+        give_up = time.monotonic() + CLOSE_WAIT
+        while waiting and not self.kv.has(*waiting) and time.monotonic() < give_up:
+            time.sleep(0.002)  # (checks: a store wait that runs out would log)
 
 
 def layout_groups(ann: dict) -> list[tuple[dict, list[dict]]]:
@@ -715,7 +625,7 @@ def layout_groups(ann: dict) -> list[tuple[dict, list[dict]]]:
 
 def members_strided(ann: dict) -> bool:
     """Some rank of a member replica said its tensors are not contiguous (its wait's `s`)."""
-    return any(w.endswith("/s") for m in ann["members"] for w in m["waits"])
+    return any(is_strided(w) for m in ann["members"] for w in m["waits"])
 
 
 def _ranks_of(text: str) -> int:
@@ -772,12 +682,15 @@ class EngineJob:
         self._trainer: tuple[str, Layout, ReplicaPlans, dict] | None = None  # (its digest, layout, plans, options)
         self._walks: dict[tuple, JobWalk] = {}
         self._group: tuple[str, object] | None = None
+        self._closed = False  # the trainer job closed: this rank makes no store request any more
         base = f"replica/{replica}"
         self.kv.set(f"{base}/wait/{rank}", "")
+        self.epoch = born(self.kv, replica)  # a new incarnation: waits of earlier ones no longer count
         if rank == 0:
             self.kv.set(f"{base}/layout", json.dumps(published(self.one)))
             number = self.kv.add("replicas/count", 1) - 1
             self.kv.set(f"replicas/{number}", replica)
+        self._prepare()
 
     def set_args(self, args: dict) -> None:
         """From the next refit on, this replica holds its layout with `args` over the ones it was
@@ -814,6 +727,8 @@ class EngineJob:
         if problems:
             raise _error(self.who, 0, "check", "local tensors do not match the layout, nothing was moved: "
                          + "; ".join(problems), reusable=True, help=ENGINE_AGAIN, replica=self.replica, rank=self.rank)
+        if self._closed:
+            raise self._gone()
         give_up = None if wait is None else time.monotonic() + wait
         strided = any(_strided(v) for v in (tensors or {}).values())
         while True:
@@ -824,46 +739,59 @@ class EngineJob:
 
     def _wait_for_refit(self, give_up: float | None, strided: bool) -> tuple[int, dict, int]:
         """Announce that this rank waits (and whether its tensors are `strided`), then the first
-        refit that lists this wait (n, its announcement, this replica's slot)."""
+        refit that lists this wait (n, its announcement, this replica's slot). Between looks it
+        sleeps on the replica's doorbell (runtime/jobwait.py): rung when a refit opens, when a
+        rank of this replica starts (the wait is written again, in the new incarnation) and when
+        the trainer job closes; nothing times out while it waits, so nothing is logged."""
         self._calls += 1
-        value = f"{self.nonce}/{self._calls}/{'s' if strided else 'c'}"
         mine = f"replica/{self.replica}/wait/{self.rank}"
-        self.kv.set(mine, value)
-        latest = int(self.kv.get("refit/latest")) if self.kv.has("refit/latest") else 0
-        n = max(latest, 1)
+        written: list[str] = []  # this call's wait values (one per incarnation it saw)
+        n = None
         while True:
-            key = f"refit/{n}"
-            while True:
-                try:
-                    self.kv.wait([key], time.monotonic() + POLL)
-                    break
-                except TimeoutError:
-                    if self.kv.has("trainer/closed") and self.kv.get("trainer/closed") == "closed":
-                        self.kv.clear(mine, value)
-                        raise _error(self.who, 0, "waiting", "the trainer job closed", reusable=False,
-                                     replica=self.replica, rank=self.rank,
-                                     help="no refit will come from that trainer job: close this EngineJob")
-                    if give_up is not None and time.monotonic() > give_up:
-                        self.kv.clear(mine, value)
-                        raise _error(self.who, 0, "waiting", "no refit started within the wait given",
-                                     reusable=True, replica=self.replica, rank=self.rank, help=ENGINE_AGAIN)
-            ann = json.loads(self.kv.get(key))
-            refused = ann["refused"].get(self.replica)
-            if refused is not None and value in refused["waits"]:
-                raise _error(self.who, n, "membership", f"the trainer refused this replica: {refused['reason']}",
-                             reusable=False, replica=self.replica, rank=self.rank,
-                             help="give this replica the layout the trainer job was started with")
-            for slot, m in enumerate(ann["members"]):
-                if m["id"] == self.replica and m["waits"][self.rank] == value:
-                    self.kv.clear(mine, value)
-                    return n, ann, slot
-            n += 1
+            rung = bell(self.kv, self.replica)  # read before looking: a ring after the look wakes us
+            if self.kv.has("trainer/closed") and self.kv.get("trainer/closed") == "closed":
+                raise self._gone()
+            epoch = self.kv.add(f"replica/{self.replica}/epoch", 0)
+            value = wait_value(self.nonce, self._calls, strided, epoch)
+            if not written or written[-1] != value:
+                self.kv.set(mine, value)
+                written.append(value)
+            if n is None:
+                n = max(int(self.kv.get("refit/latest")) if self.kv.has("refit/latest") else 0, 1)
+            while self.kv.has(f"refit/{n}"):
+                ann = json.loads(self.kv.get(f"refit/{n}"))
+                refused = ann["refused"].get(self.replica)
+                if refused is not None and any(w in refused["waits"] for w in written):
+                    raise _error(self.who, n, "membership", f"the trainer refused this replica: {refused['reason']}",
+                                 reusable=False, replica=self.replica, rank=self.rank,
+                                 help="give this replica the layout the trainer job was started with")
+                for slot, m in enumerate(ann["members"]):
+                    if m["id"] == self.replica and m["waits"][self.rank] in written:
+                        self.kv.clear(mine, written[-1])
+                        return n, ann, slot
+                n += 1
+            if not sleep_until_rung(self.kv, rung, give_up):
+                self.kv.clear(mine, written[-1])
+                raise _error(self.who, 0, "waiting", "no refit started within the wait given",
+                             reusable=True, replica=self.replica, rank=self.rank, help=ENGINE_AGAIN)
+
+    def _gone(self) -> RefitError:
+        """The trainer job closed: say so to its rank 0 (this rank's last store request: a set,
+        which gets no reply), and never use the store again."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self.kv.set(f"replica/{self.replica}/gone/{self.rank}", self.nonce)
+            except (StoreUnreachable, TimeoutError):
+                pass
+        return _error(self.who, 0, "waiting", "the trainer job closed", reusable=False, replica=self.replica,
+                      rank=self.rank, help="no refit will come from that trainer job: close this EngineJob")
 
     def _take_part(self, n: int, ann: dict, slot: int, tensors):
         member = ann["members"][slot]
         entry, together = layout_groups(ann)[member["layout"]]  # the members planned with this one
         copies, slot = len(together), together.index(member)
-        walk, fail = None, None
+        walk, fail, group = None, None, None
         try:
             walk = self._walk(ann, entry, copies, slot)
             group = self._group_for(member["group"], ann["trainer"], tensors)
@@ -891,6 +819,8 @@ class EngineJob:
                     fail = "verification failed: destination contents differ from the source: " + "; ".join(mismatches)
             except Exception as exc:  # noqa: BLE001 - any failure loses this replica's step
                 fail = failure_text(exc)
+        if fail is not None:  # this rank leaves the walk: every trainer rank must learn it now (jobgroups.sever)
+            sever(group)
         self.kv.set(f"refit/{n}/done/{self.replica}/{self.rank}", "ok" if fail is None else "fail\n" + fail[:2000])
         if fail is not None:
             raise self._fail(n, walk._phase if walk is not None else "setup", fail, touched=True)
@@ -917,26 +847,56 @@ class EngineJob:
         return _error(self.who, n, phase, detail, reusable=True, help=help, replica=self.replica, rank=self.rank)
 
     def _walk(self, ann: dict, entry: dict, copies: int, slot: int) -> JobWalk:
-        trainer = self._trainer_layout()
-        _, src, plans, options = trainer
         if entry["digest"] != self.one.digest:
             raise _error(self.who, ann["refit"], "setup", f"the trainer planned refit {ann['refit']} for layout "
                          f"{entry['digest'][:12]} but this replica holds {self.one.digest[:12]} (its args changed "
                          "since: set_args)", reusable=True, help=ENGINE_AGAIN, replica=self.replica, rank=self.rank)
+        walk = self._walk_for(ann["trainer"], copies, slot)
+        if walk.plan.digest != entry["plan"]:
+            raise _error(self.who, ann["refit"], "setup", f"this replica's plan for {copies} replicas "
+                         f"({walk.plan.digest[:12]}) differs from the trainer's ({entry['plan'][:12]}): different "
+                         "layouts or layoutlang versions", reusable=True, help=ENGINE_AGAIN,
+                         replica=self.replica, rank=self.rank)
+        return walk
+
+    def _walk_for(self, trainer: int, copies: int, slot: int) -> JobWalk:
+        """This rank's walk of the plan into `copies` replicas holding this one's layout, this
+        replica in `slot` (kept: the next refit of the same membership reuses it)."""
+        _, src, plans, options = self._trainer_layout()
         args = None if self.one is self._base else args_json(self.one)
         key = (copies, slot, self.one.digest)
         if key not in self._walks:
             plan = plans.plan(copies, args)
-            if plan.digest != entry["plan"]:
-                raise _error(self.who, ann["refit"], "setup", f"this replica's plan for {copies} replicas "
-                             f"({plan.digest[:12]}) differs from the trainer's ({entry['plan'][:12]}): different "
-                             "layouts or layoutlang versions", reusable=True, help=ENGINE_AGAIN,
-                             replica=self.replica, rank=self.rank)
-            rank = ann["trainer"] + self.rank * copies + slot
+            rank = trainer + self.rank * copies + slot
             _keep(self._walks, key, JobWalk(plan, rank=rank, membership=Membership(
-                ann["trainer"], self.one.ranks, ("",) * copies, (None,) * copies), device=self.device,
+                trainer, self.one.ranks, ("",) * copies, (None,) * copies), device=self.device,
                 keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout, **options), KEPT)
         return self._walks[key]
+
+    def _prepare(self) -> None:
+        """Before the first refit (a started or restarted replica): load the trainer's layout and
+        plan the membership this replica most likely joins, the latest refit's with this replica
+        in it (in its slot there, or after the others), so that its first refit costs what any
+        other does. Best effort: a guess that misses is planned when the refit comes."""
+        try:
+            if not (self.kv.has("trainer/layout") and self.kv.has("refit/latest")):
+                return
+            key = f"refit/{self.kv.get('refit/latest')}"
+            if not self.kv.has(key):
+                return
+            ann = json.loads(self.kv.get(key))
+            mine = [m for m in ann["members"] if m["id"] == self.replica]
+            if mine:
+                together = layout_groups(ann)[mine[0]["layout"]][1]
+                copies, slot = len(together), together.index(mine[0])
+            else:
+                copies = slot = sum(1 for m in ann["members"] if m["layout"] == 0)
+                copies += 1
+            walk = self._walk_for(ann["trainer"], copies, slot)
+            for strided in (False, True):
+                walk.schedule(strided, cut=True)
+        except Exception:  # noqa: BLE001 - a warm-up: the refit itself reports what is wrong
+            return
 
     def _trainer_layout(self):
         """The trainer's layout, as its rank 0 left it in the store (text and args: data)."""
@@ -958,9 +918,11 @@ class EngineJob:
 
     def close(self) -> None:
         """Stop waiting for refits (this rank leaves the next memberships)."""
-        try:
-            self.kv.set(f"replica/{self.replica}/wait/{self.rank}", "")
-        except (StoreUnreachable, TimeoutError):
-            pass
+        if not self._closed:  # (once the trainer job closed, its store may be gone: not touched)
+            self._closed = True
+            try:
+                self.kv.set(f"replica/{self.replica}/wait/{self.rank}", "")
+            except (StoreUnreachable, TimeoutError):
+                pass
         self._group = None
         self._walks.clear()

@@ -27,7 +27,8 @@ from weights import engine_tensors, problems, trainer_tensors  # noqa: E402
 
 from layoutlang import load  # noqa: E402
 from layoutlang.runtime import EngineJob, RefitError, TrainerJob  # noqa: E402
-from layoutlang.runtime.jobs import NAMESPACE  # noqa: E402
+from layoutlang.runtime.jobs import NAMESPACE, _Store  # noqa: E402
+from layoutlang.runtime.jobwait import current_waits  # noqa: E402
 
 TRAIN, INFER = ROOT / "examples" / "jobs" / "train.layout", ROOT / "examples" / "jobs" / "infer.layout"
 TIMEOUT = timedelta(seconds=10)
@@ -57,9 +58,8 @@ def trainer(rank: int, at: Path, version: int, layout) -> None:
         store = dist.TCPStore("127.0.0.1", _port(at), None, False, TIMEOUT)
     job = TrainerJob(layout, load(str(INFER)), store=store, rank=rank, world_size=TRAINER_RANKS, timeout=TIMEOUT)
     if rank == 0:  # both engine ranks wait in `receive`: the replica is a member of this refit
-        keys = [f"replica/r0/wait/{t}" for t in range(ENGINE_RANKS)]
-        jobs = dist.PrefixStore(NAMESPACE, store)
-        while not (jobs.check(keys) and all(jobs.multi_get(keys))):
+        kv = _Store(dist.PrefixStore(NAMESPACE, store), "")
+        while current_waits(kv, "r0", ENGINE_RANKS) is None:  # (runtime/jobwait.py: this incarnation's waits)
             time.sleep(0.002)
     report = job.refit(trainer_tensors(layout, rank, version), version=version)
     job.close()
