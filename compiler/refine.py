@@ -21,9 +21,17 @@ refused, naming the split. Only the logical index of the plain side changes, and
 inside that key: a refined key's box in its stored tensor is unchanged (a leaf and the
 parts that replace it have one extent).
 
-Only a real difference of order needs parts on both sides: Meta's interleaved pairs
-`(NH, D/2, (re: 1 | im: 1))` against HF's halves are two written orders, and a plain side
-paired with either takes that side's order.
+A plain side is refined only by parts that keep runs of rows together. Where the parts it
+would adopt interleave element by element (a concatenation of two or more parts of one row
+each, under a product of more than one copy: Meta's `(NH, D/2, (re: 1 | im: 1))`), the
+orders differ in the world (Meta's checkpoints and torchtitan's Llama3 against HF's halves,
+which plain HF-named rows hold by the project's key convention) and the plain side cannot
+say which it holds: refused at the plain side's declaration, naming the key and the
+interleaved parts, help: write the parts on this side too (a checkpoint: its config.json).
+The hoisted trees of the two orders are the same, `(re: NH*D/2 | im: NH*D/2)`, and so is
+the depth of products above the concatenation where Megatron groups its q heads
+(`(KV, (q: (QG, (re: D/2 | im: D/2)) | ...))`): the extent of the interleaved parts is what
+tells them apart. Only where both sides write the parts is Meta's order paired with HF's.
 
 Pairs that plan without refinement are untouched (`pair` returns the same layouts).
 """
@@ -34,8 +42,8 @@ import dataclasses
 
 from layoutlang.diagnostics import Note
 from layoutlang.ir import DimIR, KeyRegion, Layout, TensorIR
-from layoutlang.modes import (ConcatM, Leaf, PadM, PartM, PartNode, PartTree, ProductM, SplitError, check_split,
-                              select, select_uneven, tree_extent)
+from layoutlang.modes import (ConcatM, Leaf, PadM, PartM, PartNode, PartTree, PlainM, ProductM, SplitError,
+                              check_split, select, select_uneven, tree_extent)
 
 from .match import Match, PlanError, describe_tree, key_trees, match, match_collecting
 
@@ -104,6 +112,9 @@ def _refinements(m: Match, instances) -> list[tuple[int, int, Path, object]]:
             d_mode = instances[donor][0].dims[d_dim].mode
             products, node = _descend(d_mode, d_prefix + sub)
             parts = _unpadded(_wrap(products, node))
+            woven = _interleaved(parts)
+            if woven is not None:
+                raise _unordered(m, j, plain[0], donor, instances, trees, sub, woven)
             for i in plain:
                 t = instances[i][0]
                 p_dim, p_prefix = dims[i][j]
@@ -129,6 +140,64 @@ def _refused(m: Match, j: int, plain: int, donor: int, instances, trees, sub: Pa
         t.span, notes=[Note(f"the {side} declaration", other.span)],
         help="write the same parts on both sides (LANGUAGE.md 3); a plain side is read as the other "
              "side's parts only where that leaves every rank's rows where they are")
+
+
+def _unordered(m: Match, j: int, plain: int, donor: int, instances, trees, sub: Path, woven) -> PlanError:
+    t, other = instances[plain][0], instances[donor][0]
+    here, there = _subtree(trees[plain][j], sub), _subtree(trees[donor][j], sub)
+    side = "source" if donor else "destination"
+    at = f" in part {'.'.join(map(str, sub))}" if sub else ""
+    return PlanError(
+        f"`{m.key}` dim {j}: parts on one side only{at}: {describe_tree(here)} in `{t.name}`, "
+        f"{describe_tree(there)} in the {side}, which interleaves them row by row, `{written(woven)}`; "
+        "plain rows do not say whether they are stored in that order or in runs of each part "
+        "(Meta's interleaved rotary pairs against HF's halves)",
+        t.span, notes=[Note(f"the {side} declaration", other.span)],
+        help="write the parts on this side too (LANGUAGE.md 3); for a checkpoint, describe it with its "
+             "config.json beside the files (`layoutc new checkpoint DIR` reads it, or `describe(dir, "
+             "config=...)`), which writes HF's rotary halves")
+
+
+def _interleaved(mode, under: bool = False):
+    """The first product (outer first) whose copies are a concatenation of two or more parts of
+    one row each, somewhere under a product of more than one copy: parts interleaved element
+    by element (Meta's `(D/2, (re: 1 | im: 1))`). None where every part keeps runs of rows."""
+    if isinstance(mode, PadM):
+        return _interleaved(mode.inner, under)
+    if isinstance(mode, ProductM):
+        inner = mode.inner
+        while isinstance(inner, PadM):
+            inner = inner.inner
+        if (mode.count > 1 and isinstance(inner, ConcatM) and len(inner.parts) > 1
+                and all(p.mode.logical == 1 for p in inner.parts)):
+            return mode
+        return _interleaved(mode.inner, under or mode.count > 1)
+    if isinstance(mode, ConcatM):
+        if under and len(mode.parts) > 1 and all(p.mode.logical == 1 for p in mode.parts):
+            return mode
+        for p in mode.parts:
+            found = _interleaved(p.mode, under)
+            if found is not None:
+                return found
+    return None
+
+
+def written(mode) -> str:
+    """A mode as the language writes it, extents as numbers: `(4, (re: 1 | im: 1))`."""
+    if isinstance(mode, PlainM):
+        return str(mode.extent)
+    if isinstance(mode, PadM):
+        inner = written(mode.inner)
+        return f"({inner} pad {mode.multiple})" if isinstance(mode.inner, PadM) else f"{inner} pad {mode.multiple}"
+    if isinstance(mode, ProductM):
+        counts = [mode.count]
+        while isinstance(mode.inner, ProductM):
+            mode = mode.inner
+            counts.append(mode.count)
+        inner = mode.inner
+        tail = f"({written(inner)})" if isinstance(inner, PadM) else written(inner)
+        return "(" + ", ".join(map(str, counts)) + ", " + tail + ")"
+    return "(" + " | ".join((f"{p.name}: " if p.name else "") + written(p.mode) for p in mode.parts) + ")"
 
 
 def key_dims(t: TensorIR, region: KeyRegion | None) -> list[tuple[int, Path]]:

@@ -156,3 +156,99 @@ def test_a_plain_side_keeps_its_padding_and_chunks_when_refined():
     plan = compile_plan(loads(chunked, "chunked"), loads(heads, "heads"))
     # rank (t, g) is rank 2t + g (row-major mesh coordinates)
     assert moved(plan, "w", cols=4) == {(0, "w", r): (2 * (r // 16) + (r % 16) // 8, "w", r % 8) for r in range(32)}
+
+
+# ---- halves refine a plain side, Meta's interleaved pairs do not -------------------------------
+# An HF checkpoint read without its config.json: plain q/k rows, HF's order by the key convention
+# (each head's re half, then its im half), but nothing in the layout says so. HF keeps
+# `(NH, (re: D/2 | im: D/2))` (stored order = that same order: plain row r is halves row r);
+# Meta / torchtitan's Llama3 keep `(NH, D/2, (re: 1 | im: 1))`: HF row h*D + j*D/2 + i is Meta
+# row h*D + 2i + j (convert_llama_weights_to_hf.py's permute), another order of the same rows.
+HQ, HK = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qk")
+HF_PLAIN = f"mesh ck (one=1)\ntensor {HQ} [64, 32]\ntensor {HK} [32, 32]\n"  # NH 4, KV 2, D 16, H 32
+ROPE = "const NH = 4, KV = 2, D = 16\nmesh {mesh} ({axis}=2)\n" + "".join(
+    f"tensor {key} [({n}, {{rows}}) over {{axis}}, 32]\n" for key, n in ((HQ, "NH"), (HK, "KV")))
+HALVES = ROPE.format(mesh="infer", axis="tp", rows="(re: D/2 | im: D/2)")
+META = ROPE.format(mesh="meta", axis="mp", rows="D/2, (re: 1 | im: 1)")
+
+
+def test_a_config_less_hf_side_is_refined_by_halves_row_for_row():
+    """Plain row r of a key is stored row r of the halves side at TP2: rank r // (rows / 2),
+    local row r % (rows / 2); both ways."""
+    plan = compile_plan(loads(HF_PLAIN, "plain"), loads(HALVES, "halves"))
+    q = moved(plan, HQ, cols=32)
+    # by hand: head 0's first re row, its first im row, head 1's im rows, head 2's re row, the last row
+    for r, want in ((0, (0, 0)), (8, (0, 8)), (24, (0, 24)), (32, (1, 0)), (63, (1, 31))):
+        assert q[want[0], HQ, want[1]] == (0, HQ, r), r
+    assert q == {(r // 32, HQ, r % 32): (0, HQ, r) for r in range(64)}
+    assert moved(plan, HK, cols=32) == {(r // 16, HK, r % 16): (0, HK, r) for r in range(32)}
+    back = compile_plan(loads(HALVES, "halves"), loads(HF_PLAIN, "plain"))
+    assert moved(back, HQ, cols=32) == {(0, HQ, r): (r // 32, HQ, r % 32) for r in range(64)}
+
+
+def test_a_config_less_hf_side_against_meta_order_is_refused_at_the_plain_side():
+    """Reading plain rows as Meta's pairs would load HF's halves in Meta's order: refused, both
+    ways, at the plain declaration (line 2: q_proj), naming the interleaved parts."""
+    for src, dst, side in ((META, HF_PLAIN, "source"), (HF_PLAIN, META, "destination")):
+        with pytest.raises(PlanError) as e:
+            compile_plan(loads(src, "meta.layout" if src is META else "hf.layout"),
+                         loads(dst, "meta.layout" if dst is META else "hf.layout"))
+        err = e.value
+        assert err.message == (f"`{HQ}` dim 0: parts on one side only: 64 in `{HQ}`, (re: 32 | im: 32) in the "
+                               f"{side}, which interleaves them row by row, `(8, (re: 1 | im: 1))`; plain rows do "
+                               "not say whether they are stored in that order or in runs of each part (Meta's "
+                               "interleaved rotary pairs against HF's halves)")
+        assert (err.file, err.line, err.col) == ("hf.layout", 2, 1)
+        assert err.help == ("write the parts on this side too (LANGUAGE.md 3); for a checkpoint, describe it with "
+                            "its config.json beside the files (`layoutc new checkpoint DIR` reads it, or "
+                            "`describe(dir, config=...)`), which writes HF's rotary halves")
+        assert err.notes[0].message == f"the {side} declaration" and err.notes[0].span.source.path == "meta.layout"
+        text = str(err).splitlines()
+        assert text[0].startswith("hf.layout:2:1: error: ") and text[1].endswith(f"tensor {HQ} [64, 32]")
+        assert text[2].strip(" |").startswith("^")
+
+
+def test_meta_order_against_halves_pairs_when_both_write_the_parts():
+    """Meta (MP2: rank h // 2 holds heads 2(h // 2), +1) -> the halves on one rank: head h's HF row
+    h*D + j*D/2 + i is Meta's row 2i + j of head h, local row (h % 2)*16 + 2i + j on rank h // 2."""
+    one = HALVES.replace("(tp=2)", "(tp=1)")
+    plan = compile_plan(loads(META, "meta"), loads(one, "halves"))
+    q = moved(plan, HQ, cols=32)
+    head1 = {(0, HQ, 16 + 8 * j + i): (0, HQ, 16 + 2 * i + j) for i in range(8) for j in range(2)}
+    assert {k: q[k] for k in head1} == head1  # head 1, written out: HF 16..23 <- Meta 16, 18, ..., 30
+    assert q[0, HQ, 17] == (0, HQ, 18) and q[0, HQ, 24] == (0, HQ, 17)
+    assert q == {(0, HQ, 16 * h + 8 * j + i): (h // 2, HQ, 16 * (h % 2) + 2 * i + j)
+                 for h in range(4) for i in range(8) for j in range(2)}
+
+
+def test_a_checkpoint_without_config_json_is_refused_against_torchtitans_llama3(tmp_path, capsys):
+    """End to end: save_file of an HF Llama's keys (no config.json) -> `layoutc plan` / `convert`
+    into `layoutc new torchtitan` (Meta's order): exit 1, the diagnostic at the checkpoint's q_proj
+    line; with the config.json beside the files the q/k rows are halves and it plans."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from layoutlang.bridges.families import model_from_config, render
+    from layoutlang.checkpoint import describe
+    from layoutlang.cli import main
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 32}
+    model = model_from_config(config)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_file({t.key: torch.zeros(t.local_shape, dtype=torch.bfloat16)
+               for t in loads(render(model, "hf", {"DP": 1}), "hf").tensors}, str(ck / "model.safetensors"))
+    line = next(i for i, text in enumerate(describe(ck).text.splitlines(), 1) if f"tensor {HQ} " in text)
+    titan = tmp_path / "titan.layout"
+    titan.write_text(render(model, "torchtitan", {"DP": 1}))
+    for argv in (["plan", str(ck), str(titan)], ["convert", str(ck), "-o", str(tmp_path / "out"), "--to", str(titan)]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"<checkpoint {ck}>:{line}:1: error: `{HQ}` dim 0: parts on one side only"), err
+        assert "`(4, (re: 1 | im: 1))`" in err and "help: write the parts on this side too" in err
+        assert not (tmp_path / "out").exists()
+    (ck / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(ck), str(titan)]) == 0

@@ -3,8 +3,9 @@
 Meta's checkpoints and torchtitan's Llama3 keep each head's rotary pairs interleaved,
 `(NH, D/2, (re: 1 | im: 1))`; HF, vLLM, SGLang and Megatron keep them split per head,
 `(NH, (re: D/2 | im: D/2))`. The two name the same logical rows only when BOTH sides
-write the parts (a plain side is read in the other side's written order: compiler/refine.py),
-so the conventions that store HF order must say so for a Meta-order source to pair without edits.
+write the parts (a plain side is read as the halves it meets, never as Meta's interleaved
+pairs: compiler/refine.py), so the conventions that store HF order must say so for a
+Meta-order source to pair without edits.
 
 Whatever the conventions say, the ops and bytes of every shipped pair are guarded
 here against the numbers main planned before this work (tests/golden/pairs/ops.json):
@@ -89,32 +90,25 @@ def test_every_small_example_pair_keeps_its_ops_and_bytes():
     assert not moved, f"{len(moved)} pairs moved, first: {next(iter(moved.items()))}"
 
 
-def test_a_meta_order_source_reorders_only_against_rotary_parts():
+def test_a_meta_order_source_pairs_only_with_rotary_parts():
     """The rule the conventions meet: the Meta file pairs with the HF file that writes the
-    halves (the rows permuted, its golden ops). A plain `[NH*D, H]` q_proj has no order of
-    its own: it is read in the other side's written order (compiler/refine.py), so against
-    Meta's file it receives Meta's stored rows as they are, row r of the plain side from
-    Meta's stored row r (rank r // 32, local row r % 32 at MP2), never permuted."""
+    halves (the rows permuted, its golden ops). A plain `[NH*D, H]` q_proj (HF order by the
+    key convention, but nothing says so) against Meta's interleaved pairs is refused at the
+    plain declaration (compiler/refine.py: plain rows are refined only by runs of rows),
+    naming the interleaved parts; tests/test_refine_parts.py checks the whole diagnostic."""
     meta = load(str(EXAMPLES / "small/v2/llama2_meta.layout"))
     hf = load(str(EXAMPLES / "small/v2/llama2_hf.layout"))
     assert compile_plan(meta, hf).stats["ops"] == GOLDEN["ex:small/v2/llama2_meta->small/v2/llama2_hf"]["ops"]
     plain = (EXAMPLES / "small/v2/llama2_hf.layout").read_text().replace("[(NH, (re: D/2 | im: D/2)), H]",
                                                                        "[NH*D, H]")
     assert plain.count("[NH*D, H]") == 3  # q, k (rewritten) and v
-    plain_hf = loads(plain, "plain_hf")
-    plan = compile_plan(meta, plain_hf)
-    from layoutlang.compiler import strides
+    from layoutlang.compiler import PlanError
 
-    for proj in ("q_proj", "k_proj"):
-        key = f"model.layers.1.self_attn.{proj}.weight"
-        got = {}
-        for op in plan.ops:
-            if op.key == key:
-                src_rows = [x for lo, hi in strides.blocks(op.src_slice[0]) for x in range(lo, hi)]
-                dst_rows = [x for lo, hi in strides.blocks(op.dst_slice[0]) for x in range(lo, hi)]
-                assert op.src_slice[1] == op.dst_slice[1] == (0, 64) and op.dst_rank == 0
-                got.update(zip(dst_rows, ((op.src_rank, r) for r in src_rows)))
-        assert got == {r: (r // 32, r % 32) for r in range(64)}, proj
+    for src, dst in ((meta, loads(plain, "plain_hf")), (loads(plain, "plain_hf"), meta)):
+        with pytest.raises(PlanError) as e:
+            compile_plan(src, dst)
+        assert "parts on one side only" in e.value.message and "`(8, (re: 1 | im: 1))`" in e.value.message
+        assert e.value.file == "plain_hf" and "config.json" in e.value.help
 
 
 # ---- a Meta-order source against the conventions, element by element --------------------------
