@@ -153,9 +153,9 @@ def _unordered(m: Match, j: int, plain: int, donor: int, instances, trees, sub: 
         "plain rows do not say whether they are stored in that order or in runs of each part "
         "(Meta's interleaved rotary pairs against HF's halves)",
         t.span, notes=[Note(f"the {side} declaration", other.span)],
-        help="write the parts on this side too (LANGUAGE.md 3); for a checkpoint, describe it with its "
-             "config.json beside the files (`layoutc new checkpoint DIR` reads it, or `describe(dir, "
-             "config=...)`), which writes HF's rotary halves")
+        help="write the parts on this side too (LANGUAGE.md 3); for a checkpoint, give it its config.json: "
+             "beside the files (`layoutc new checkpoint DIR` reads it), `describe(dir, config=...)` or "
+             "`save(..., config=...)`, which write HF's rotary halves")
 
 
 def _interleaved(mode, under: bool = False):

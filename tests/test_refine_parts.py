@@ -199,9 +199,9 @@ def test_a_config_less_hf_side_against_meta_order_is_refused_at_the_plain_side()
                                "not say whether they are stored in that order or in runs of each part (Meta's "
                                "interleaved rotary pairs against HF's halves)")
         assert (err.file, err.line, err.col) == ("hf.layout", 2, 1)
-        assert err.help == ("write the parts on this side too (LANGUAGE.md 3); for a checkpoint, describe it with "
-                            "its config.json beside the files (`layoutc new checkpoint DIR` reads it, or "
-                            "`describe(dir, config=...)`), which writes HF's rotary halves")
+        assert err.help == ("write the parts on this side too (LANGUAGE.md 3); for a checkpoint, give it its "
+                            "config.json: beside the files (`layoutc new checkpoint DIR` reads it), `describe(dir, "
+                            "config=...)` or `save(..., config=...)`, which write HF's rotary halves")
         assert err.notes[0].message == f"the {side} declaration" and err.notes[0].span.source.path == "meta.layout"
         text = str(err).splitlines()
         assert text[0].startswith("hf.layout:2:1: error: ") and text[1].endswith(f"tensor {HQ} [64, 32]")
@@ -224,7 +224,8 @@ def test_meta_order_against_halves_pairs_when_both_write_the_parts():
 def test_a_checkpoint_without_config_json_is_refused_against_torchtitans_llama3(tmp_path, capsys):
     """End to end: save_file of an HF Llama's keys (no config.json) -> `layoutc plan` / `convert`
     into `layoutc new torchtitan` (Meta's order): exit 1, the diagnostic at the checkpoint's q_proj
-    line; with the config.json beside the files the q/k rows are halves and it plans."""
+    line, nothing written; `save` of torchtitan's tensors without a config likewise; with the
+    config.json beside the files the q/k rows are halves and it plans."""
     import json
 
     torch = pytest.importorskip("torch")
@@ -250,5 +251,14 @@ def test_a_checkpoint_without_config_json_is_refused_against_torchtitans_llama3(
         assert err.startswith(f"<checkpoint {ck}>:{line}:1: error: `{HQ}` dim 0: parts on one side only"), err
         assert "`(4, (re: 1 | im: 1))`" in err and "help: write the parts on this side too" in err
         assert not (tmp_path / "out").exists()
+    # save: torchtitan's tensors into an empty directory, no config -> the same refusal, nothing written
+    from layoutlang.checkpoint import save
+
+    source = loads(titan.read_text(), "titan.layout")
+    tensors = {t.name: torch.zeros(t.local_shape, dtype=torch.bfloat16) for t in source.tensors}
+    with pytest.raises(PlanError) as e:
+        save(str(tmp_path / "saved"), source, tensors)
+    assert e.value.message.startswith(f"`{HQ}` dim 0: parts on one side only") and "config=" in e.value.help
+    assert e.value.file == f"<checkpoint {tmp_path / 'saved'}>" and not (tmp_path / "saved").exists()
     (ck / "config.json").write_text(json.dumps(config))
     assert main(["plan", str(ck), str(titan)]) == 0
