@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from layoutlang.compiler import compile_plan  # noqa: E402
-from layoutlang.compiler.graph import contiguous  # noqa: E402
+from layoutlang.compiler.staging import contiguous  # noqa: E402
 from layoutlang.modes import Run  # noqa: E402
 from layoutlang.runtime import Refitter  # noqa: E402
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor  # noqa: E402

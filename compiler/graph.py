@@ -1,4 +1,4 @@
-"""The buckets that bound staging memory, and a rank's steps as a dependency graph.
+"""The buckets that bound staging memory.
 
 Buckets are global: contiguous runs of destination instances in plan order,
 closed as soon as adding the next instance would push some rank's staging
@@ -9,15 +9,13 @@ rank computes the same buckets, so every rank walks them in the same order
 and batched point-to-point exchanges pair up.
 
 Staging a rank needs (what the budget limits), as compiler/steps.py decides
-it: a quantized destination that receives bf16 somewhere is assembled whole
+it (compiler/staging.py's rule, which both read): a quantized destination that receives bf16 somewhere is assembled whole
 in bf16; a quantized source is dequantized whole to bf16; a transfer whose
 slice is not contiguous in local storage, or whose dtype changes on the wire,
 goes through a buffer of its own size; a quantized-wire transfer through a
 buffer of its bytes on both ends.
 
-`rank_graph` is a rank's steps as a networkx DiGraph (data edges, a barrier
-per bucket), checked acyclic: what `layoutc plan --rank R --steps` lists in
-order and the runtime walks.
+A rank's steps as a dependency graph are compiler/stepgraph.py's `rank_graph`.
 """
 
 from __future__ import annotations
@@ -25,13 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-import networkx as nx
-
 from layoutlang.ir import QUANTIZED
 from layoutlang.modes import Run
 
 from .plan import Plan, Transfer
-from .steps import contiguous, recv_staged, send_staged
+from .staging import contiguous, recv_staged, send_staged
 from .wire import wire_dtype
 
 
@@ -151,126 +147,3 @@ def staging_per_bucket(plan: Plan, bucket: Bucket, strided: bool = False) -> dic
         for r, b in instance_staging(plan, i, strided).items():
             used[r] = used.get(r, 0) + b
     return used
-
-
-def rank_graph(plan: Plan, rank: int, budget_bytes: int | None = None, strided: bool = False,
-               overlap: bool = False) -> nx.DiGraph:
-    """The steps `rank` executes (compiler/steps.py, what the runtime walks) as a DAG (checked).
-
-    Nodes are (bucket, position) with the `step` and its `kind`, plus ("done", bucket, T) for
-    every tensor completed and ("barrier", bucket). Edges are data: a round's messages ->
-    its post -> its wait -> what reads them (agree, the next round, unpack), and a staged
-    receive's post -> its land (which waits for that message alone); an
-    assembly -> what writes into it -> its quantize -> the packed blocks unpacked over it;
-    dequantize / pack -> the sends and copies that read them; every sink of bucket k ->
-    barrier k -> bucket k+1's first steps. With `overlap` (buckets cut at half the budget,
-    as `Refitter(overlap=True)` walks them) bucket k+1's first steps follow barrier k-1 (its
-    staging is released) and, those before bucket k+1's first post, bucket k's first post:
-    they are staged while bucket k's messages fly.
-    """
-    from .steps import MESSAGES, schedule
-
-    g = nx.DiGraph()
-    if overlap and budget_bytes is not None:
-        budget_bytes = max(1, budget_bytes // 2)
-    sched = schedule(plan, rank, budget_bytes, strided)
-    prev_barrier = None
-    barriers: list[tuple] = []
-    first_posts: list[tuple | None] = []
-    for b, steps in enumerate(sched.steps):
-        nodes = []
-        last: dict[tuple, tuple] = {}   # what a later step reads: ("post", r), ("wait", r), ("tensor", T), ...
-        writes: dict[str, list] = {}    # destination tensor -> steps writing it
-        for i, st in enumerate(steps):
-            n = (b, i)
-            g.add_node(n, step=st, kind=st.kind, bucket=b)
-            nodes.append(n)
-            o = st.op
-
-            def dep(key):
-                if key in last:
-                    g.add_edge(last[key], n)
-
-            if st.kind in ("assemble", "zero", "dequantize"):
-                last[("tensor", st.tensor)] = n
-            elif st.kind == "pack":
-                dep(("tensor", o.src_name))
-                dep(("agree", o.dst_name))
-                last[("pack", o.id)] = n
-                if o.local:
-                    last[("landed", o.id)] = n
-            elif st.kind in MESSAGES:
-                dep(("pack", o.id) if st.kind == "send" else ("tensor", o.src_name if MESSAGES[st.kind][1] else
-                                                             o.dst_name))
-                if st.kind == "reply-send":
-                    dep(("agree", o.dst_name))
-                if st.kind == "send" and o.after:  # a relay forwards what the op it waits for delivered
-                    dep(("landed", o.after[0]))
-                last.setdefault(("round", st.round), [])
-                last[("round", st.round)].append(n)
-                last[("op", o.id)] = n
-            elif st.kind == "post":
-                for m in last.get(("round", st.round), []):
-                    g.add_edge(m, n)
-                last[("post", st.round)] = n
-            elif st.kind == "wait":
-                dep(("post", st.round))
-                last[("wait", st.round)] = n
-                for m in last.get(("round", st.round), []):
-                    if g.nodes[m]["kind"] == "recv":  # (a staged one landed already: its land step)
-                        last.setdefault(("landed", g.nodes[m]["step"].op.id), n)
-            elif st.kind == "copy":
-                dep(("tensor", o.src_name))
-                dep(("tensor", o.dst_name))
-                writes.setdefault(o.dst_name, []).append(n)
-                last[("landed", o.id)] = n
-            elif st.kind == "land":  # its own receive, once its round is posted (not the whole round)
-                dep(("op", o.id))
-                dep(("post", st.round))
-                writes.setdefault(o.dst_name, []).append(n)
-                last[("landed", o.id)] = n
-            elif st.kind == "agree":
-                dep(("wait", 0))
-                for w in writes.get(st.tensor, []):
-                    g.add_edge(w, n)
-                last[("agree", st.tensor)] = n
-            elif st.kind in ("quantize", "scale"):
-                for key in (("wait", 0), ("wait", 2), ("agree", st.tensor), ("tensor", st.tensor)):
-                    dep(key)
-                for w in writes.get(st.tensor, []):
-                    g.add_edge(w, n)
-                last[("tensor", st.tensor)] = n
-                writes[st.tensor] = [n]
-            elif st.kind == "unpack":
-                for key in (("wait", 0), ("wait", 2), ("pack", o.id), ("tensor", o.dst_name)):
-                    dep(key)
-                writes.setdefault(o.dst_name, []).append(n)
-        for t in sched.dst[b]:
-            done = ("done", b, t.name)
-            g.add_node(done, kind="done", bucket=b)
-            for w in writes.get(t.name, []):
-                g.add_edge(w, done)
-            if ("tensor", t.name) in last:
-                g.add_edge(last[("tensor", t.name)], done)
-            nodes.append(done)
-        barrier = ("barrier", b)
-        g.add_node(barrier, kind="barrier", bucket=b)
-        posts = [i for i, st in enumerate(steps) if st.kind == "post"]
-        first_posts.append((b, posts[0]) if posts else None)
-        if overlap:  # (the runtime's `_stage_ahead`; a relay send waits for its round anyway)
-            prev_barrier = barriers[-2] if len(barriers) >= 2 else None
-        for n_ in nodes:
-            if g.in_degree(n_) == 0:
-                if prev_barrier is not None:
-                    g.add_edge(prev_barrier, n_)
-                if overlap and b and first_posts[b - 1] and posts and n_[0] == b and n_[1] < posts[0]:
-                    g.add_edge(first_posts[b - 1], n_)
-            if g.out_degree(n_) == 0:
-                g.add_edge(n_, barrier)
-        if prev_barrier is not None and not nodes:
-            g.add_edge(prev_barrier, barrier)
-        barriers.append(barrier)
-        prev_barrier = barrier
-    if not nx.is_directed_acyclic_graph(g):
-        raise AssertionError(f"rank {rank}'s graph has a cycle")
-    return g

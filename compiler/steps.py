@@ -8,7 +8,8 @@ which carry quantized bytes (compiler/wire.py), and in which round of
 point-to-point messages each transfer is posted. The runtime
 (runtime/refit.py) executes the steps in order, one handler per kind, and
 decides nothing; `compiler/graph.py` counts the staging the same steps
-allocate to cut buckets under the budget.
+allocate to cut buckets under the budget (both by compiler/staging.py's rule),
+and compiler/stepgraph.py draws them as a dependency graph.
 
 Per bucket, in order::
 
@@ -38,22 +39,15 @@ from math import prod
 from layoutlang.ir import QUANTIZED, TensorIR
 from layoutlang.modes import Run
 
+from .graph import buckets
 from .plan import Op, Plan
+from .staging import recv_staged, send_staged
 from .wire import forwards, tensor_scaled, wire_dtype
 
 ROUNDS = 3  # 0: transfers and amaxes; 1: agreed amaxes back; 2: per-tensor-scale blocks
 # the kinds that post a point-to-point message: (what it says, whether this rank sends it)
 MESSAGES = {"send": ("send", True), "recv": ("recv", False), "amax-send": ("amax", True),
             "amax-recv": ("amax", False), "reply-send": ("reply", True), "reply-recv": ("reply", False)}
-
-
-def contiguous(sl: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
-    """Is this slice one contiguous block of a row-major tensor of `shape`? (A strided dim never is.)"""
-    k = 0
-    while k < len(sl) and sl[k][1] - sl[k][0] == 1:
-        k += 1  # leading dims of extent one
-    # a strided dim (compiler/strides.py: [start, stop, step(, block)]) never is
-    return (k == len(sl) or len(sl[k]) == 2) and all(sl[i] == (0, shape[i]) for i in range(k + 1, len(sl)))
 
 
 @dataclass(frozen=True)
@@ -90,25 +84,6 @@ class Step:
 
 def _has_padding(t: TensorIR, rank: int) -> bool:
     return any(not isinstance(r, Run) for runs in t.runs(rank) for r in runs)
-
-
-def send_staged(src_slice, src_local: tuple[int, ...], src_dtype: str, wire: str, turned: bool,
-                strided: bool) -> bool:
-    """A bf16-path send goes through a buffer unless its source block is already one contiguous
-    block of the wire dtype in the sender's storage (a quantized source: in its bf16
-    dequantization, which is ours, so never strided)."""
-    if src_dtype in QUANTIZED:
-        return turned or wire != "bf16" or not contiguous(src_slice, src_local)
-    return strided or turned or src_dtype != wire or not contiguous(src_slice, src_local)
-
-
-def recv_staged(dst_slice, dst_local: tuple[int, ...], dst_dtype: str, strided: bool) -> bool:
-    """A bf16-path receive lands in its destination view (a quantized destination: its bf16
-    assembly, which is ours) unless that view is not one contiguous block, or a caller's
-    tensor may be strided."""
-    if dst_dtype not in QUANTIZED and strided:
-        return True
-    return not contiguous(dst_slice, dst_local)
 
 
 def bucket_steps(rank: int, index: int, ops: tuple[Op, ...], completes: tuple[TensorIR, ...],
@@ -238,8 +213,6 @@ def schedule(plan: Plan, rank: int, budget_bytes: int | None, strided: bool = Fa
     contiguous on the wire whether either end stages it, and staging only what a rank's own
     tensors need stays under what the cut counted (runtime/jobgroups.py: the ranks of separate
     jobs learn at their start meeting whether any of them holds a non-contiguous tensor)."""
-    from .graph import buckets
-
     bucket_list = buckets(plan, budget_bytes, strided if cut is None else cut)
     stops = [b.stop_op for b in bucket_list]
     ops: list[list[Op]] = [[] for _ in bucket_list]

@@ -217,7 +217,6 @@ CYCLES_LEFT = [
     ["layoutlang.checkpoint.describe", "layoutlang.checkpoint.exchange", "layoutlang.checkpoint.files",
      "layoutlang.checkpoint.load", "layoutlang.checkpoint.ranked", "layoutlang.checkpoint.save",
      "layoutlang.checkpoint.write"],
-    ["layoutlang.compiler.graph", "layoutlang.compiler.steps"],
     ["layoutlang.elaborate.loops", "layoutlang.elaborate.meshes", "layoutlang.elaborate.scope"],
 ]
 

@@ -5,7 +5,9 @@ import pytest
 
 from layoutlang import loads
 from layoutlang.compiler import PlanError, compile_plan
-from layoutlang.compiler.graph import buckets, contiguous, instance_staging, rank_graph, staging_per_bucket
+from layoutlang.compiler.graph import buckets, instance_staging, staging_per_bucket
+from layoutlang.compiler.staging import contiguous
+from layoutlang.compiler.stepgraph import rank_graph
 from layoutlang.compiler.verify import check_tiling
 from layoutlang.modes import PadRun, Run
 

@@ -217,7 +217,8 @@ def test_staging_and_step_graph_count_relays():
     """Rank 0-1 hold column halves of w; ranks 2-5 want all of w (replicas). Every piece is a
     [64, 32] column block: contiguous on the trainer (its whole local tensor), not inside a
     replica's [64, 64], so each network receive and each relay send is staged at 64*32*2 B."""
-    from layoutlang.compiler.graph import instance_staging, rank_graph
+    from layoutlang.compiler.graph import instance_staging
+    from layoutlang.compiler.stepgraph import rank_graph
 
     plan = _plan("mesh m (tp=2)\ntensor w [64, 64 over tp]\n", "mesh m (dp=4) at 2\ntensor w [64, 64]\n")
     relays = [op for op in plan.ops if op.after]

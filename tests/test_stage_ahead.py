@@ -74,7 +74,7 @@ def test_the_step_graph_with_overlap_stages_the_next_bucket_during_this_one(tmp_
     bucket's first post, not for the previous bucket to finish; without overlap they wait for it."""
     import networkx as nx
 
-    from layoutlang.compiler.graph import rank_graph
+    from layoutlang.compiler.stepgraph import rank_graph
 
     (tmp_path / "src.layout").write_text(BF16_TRAIN)
     (tmp_path / "dst.layout").write_text(ENGINE)

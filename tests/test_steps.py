@@ -11,7 +11,7 @@ import pytest
 from layoutlang import loads
 from layoutlang.cli import main
 from layoutlang.compiler import compile_plan
-from layoutlang.compiler.graph import rank_graph
+from layoutlang.compiler.stepgraph import rank_graph
 from layoutlang.compiler.steps import schedule
 
 
