@@ -217,7 +217,6 @@ CYCLES_LEFT = [
     ["layoutlang.checkpoint.describe", "layoutlang.checkpoint.exchange", "layoutlang.checkpoint.files",
      "layoutlang.checkpoint.load", "layoutlang.checkpoint.ranked", "layoutlang.checkpoint.save",
      "layoutlang.checkpoint.write"],
-    ["layoutlang.elaborate.loops", "layoutlang.elaborate.meshes", "layoutlang.elaborate.scope"],
 ]
 
 
@@ -298,7 +297,6 @@ RUNTIME_PRIVATE |= {  # not yet made public (this list only shrinks)
     ('layoutlang/checkpoint/ranked.py', 'layoutlang.checkpoint.write:_Writer'),
     ('layoutlang/checkpoint/save.py', 'layoutlang.checkpoint.load:_rank_of'),
     ('layoutlang/checkpoint/save.py', 'layoutlang.compiler.plan:_as_layout'),
-    ('layoutlang/elaborate/rekey.py', 'layoutlang.elaborate.driver:_finish'),
     ('layoutlang/ir.py', 'layoutlang.modes:_cached_hash'),
 }
 

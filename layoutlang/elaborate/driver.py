@@ -282,7 +282,8 @@ TENSOR_STEPS = (on_mesh, stored_keys, loop_axes, dims, placement, dtype, naming,
 
 # ---- the public doors -------------------------------------------------------------------------
 
-def _finish(el: Elaboration, path: str, unknown_args: str) -> Layout:
+def finish(el: Elaboration, path: str, unknown_args: str) -> Layout:
+    """The Layout an elaboration that ran every statement (`run_file`) describes; every override named an arg."""
     el.scope.check_overrides(unknown_args)
     arg_values = el.scope.arg_values
     return Layout(path, el.header, tuple(el.meshes.values()), tuple(el.tensors), tuple(arg_values),
@@ -293,7 +294,7 @@ def _elaborate(source: Source, args: dict[str, int] | None, unknown_args: str) -
     el = Elaboration(args or {})
     with gc_paused():
         run_file(el, source)
-        return _finish(el, source.path, unknown_args)
+        return finish(el, source.path, unknown_args)
 
 
 def loads(text: str | bytes, path: str = "<string>", args: dict[str, int] | None = None,

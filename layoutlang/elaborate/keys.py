@@ -23,9 +23,8 @@ from ..diagnostics import ElaborationError, Note, Span
 from ..ir import DimIR, KeyRegion
 from ..modes import part_range
 from . import limits
-from .loops import LoopFrame
 from .names import render
-from .scope import Scope
+from .scope import LoopFrame, Scope
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,37 +13,12 @@ body says which iteration it was raised in, when it depends on it (`name_iterati
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
-
 from .. import ast
 from ..diagnostics import ElaborationError, LayoutError, Note, Span
 from ..ir import Mesh
 from . import limits
 from .meshes import AxisClaims
-from .scope import Scope
-
-
-@dataclass
-class LoopFrame:
-    """One enclosing `for`: its variable's current value and, with `over`, its blocks."""
-
-    node: ast.ForLoop
-    start: int
-    stop: int
-    value: int = 0
-    axis_size: int | None = None  # fixed by the first tensor it governs
-    axis_mesh: str | None = None
-    block_starts: list[int] = field(default_factory=list)
-    read_at: int = -1  # the `Scope.statement` that last read the variable's value
-
-    def block(self) -> tuple[int, int]:
-        """(coordinate owning the current value, that block's first value)."""
-        starts = self.block_starts
-        c = bisect.bisect_right(starts, self.value) - 1
-        while c + 1 < len(starts) and starts[c + 1] == self.value:
-            c += 1  # skip empty blocks that start at the same value
-        return c, starts[c]
+from .scope import LoopFrame, Scope
 
 
 def enter(stmt: ast.ForLoop, scope: Scope, made: int) -> LoopFrame:

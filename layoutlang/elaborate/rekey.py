@@ -32,7 +32,7 @@ import hashlib
 from dataclasses import dataclass
 
 from ..ir import KeyRegion, Layout, TensorIR
-from .driver import Elaboration, _finish, run_file
+from .driver import Elaboration, finish, run_file
 from .keys import NOT_REKEYABLE
 from .scope import Table, table_value
 from .limits import INT64_MAX
@@ -52,7 +52,7 @@ def watch(source: Source, args: dict | None, table: str, unknown_args: str = "er
     el.scope.watch = table
     with gc_paused():
         run_file(el, source)
-        layout = _finish(el, source.path, unknown_args)
+        layout = finish(el, source.path, unknown_args)
     return layout, TableKeys(layout, table, el.recipes, el.scope.watch_reads)
 
 

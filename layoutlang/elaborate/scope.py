@@ -8,14 +8,14 @@ or a wrong argument count, `x.local` outside a tensor name. A name is defined
 once; an arg takes its override (`--set`), and every override must name an arg
 (`check_overrides`).
 
-Names resolve innermost first: loop variables, then args and consts, then the
-size of a mesh axis.
+Names resolve innermost first: loop variables (the enclosing `for`s' `LoopFrame`s,
+which loops.py checks and pushes), then args and consts, then the size of a mesh axis.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import bisect
+from dataclasses import dataclass, field
 
 from .. import ast
 from ..diagnostics import ElaborationError, Note, Span, UsageError, did_you_mean
@@ -23,11 +23,30 @@ from ..ir import Mesh
 from ..vocabulary import FUNCTIONS
 from . import limits
 
-if TYPE_CHECKING:
-    from .loops import LoopFrame
-
 
 Table = tuple  # a table's value: nested tuples of ints (docs/language.md 14.8)
+
+
+@dataclass
+class LoopFrame:
+    """One enclosing `for`: its variable's current value and, with `over`, its blocks."""
+
+    node: ast.ForLoop
+    start: int
+    stop: int
+    value: int = 0
+    axis_size: int | None = None  # fixed by the first tensor it governs
+    axis_mesh: str | None = None
+    block_starts: list[int] = field(default_factory=list)
+    read_at: int = -1  # the `Scope.statement` that last read the variable's value
+
+    def block(self) -> tuple[int, int]:
+        """(coordinate owning the current value, that block's first value)."""
+        starts = self.block_starts
+        c = bisect.bisect_right(starts, self.value) - 1
+        while c + 1 < len(starts) and starts[c + 1] == self.value:
+            c += 1  # skip empty blocks that start at the same value
+        return c, starts[c]
 
 
 @dataclass(slots=True)
