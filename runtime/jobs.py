@@ -819,6 +819,9 @@ class EngineJob:
                     fail = "verification failed: destination contents differ from the source: " + "; ".join(mismatches)
             except Exception as exc:  # noqa: BLE001 - any failure loses this replica's step
                 fail = failure_text(exc)
+            except BaseException:  # (SystemExit, KeyboardInterrupt: the engine shuts down, maybe slowly)
+                sever(group)  # its trainer ranks must not wait for it while it does
+                raise
         if fail is not None:  # this rank leaves the walk: every trainer rank must learn it now (jobgroups.sever)
             sever(group)
         self.kv.set(f"refit/{n}/done/{self.replica}/{self.rank}", "ok" if fail is None else "fail\n" + fail[:2000])

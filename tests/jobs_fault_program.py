@@ -17,7 +17,10 @@ Engine rank: receives until the trainer job closes, one JSON line per receive in
 DIR/engine-<replica>-<rank>-<pid>.jsonl (version and every element checked against it, or
 the error). The test's fault: DIR/kill-<replica>-<rank>.json = {"refit": n, "bucket": b,
 "after": s} SIGKILLs this process s seconds after bucket b of refit n starts (RefitHooks, a
-test seam: nothing in the runtime is patched). `idle`: joins the job and never receives.
+test seam: nothing in the runtime is patched); with "stop": true it sends itself SIGTERM
+instead, as a launcher stopping a replica's other ranks does, and its handler shuts the rank
+down gracefully: SystemExit out of `receive`, then `shutdown` seconds alive (an engine
+draining its requests) before it exits. `idle`: joins the job and never receives.
 Nothing is printed: the test reads stderr, which a healthy job leaves empty.
 """
 
@@ -65,6 +68,9 @@ class Faults(RefitHooks):
             return
         kill = json.loads(path.read_text())
         if kill["refit"] == step and kill["bucket"] == bucket:
+            if kill.get("stop"):  # its launcher stops it (SIGTERM) as it starts this bucket
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             if kill["after"] <= 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             threading.Timer(kill["after"], os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -103,6 +109,19 @@ def engine(where: Path, cfg: dict, rid: str, rank: int, mode: str) -> int:
     eng = EngineJob(cfg["infer"], address=cfg["address"], replica=rid, rank=rank, world_size=2,
                     timeout=timedelta(seconds=cfg["timeout"]), hooks=Faults(where, f"{rid}-{rank}"),
                     connect_timeout=timedelta(seconds=60))
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _receive(where, cfg, rid, rank, mode, layout, tensors, eng)
+    except SystemExit:  # stopped: a graceful shutdown, which takes a while (the process lives on)
+        time.sleep(cfg["shutdown"])
+        raise
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _receive(where: Path, cfg: dict, rid: str, rank: int, mode: str, layout, tensors, eng) -> int:
     if mode == "idle":  # alive, never in `receive`
         while not (where / "stop").exists():
             time.sleep(0.05)
