@@ -40,472 +40,69 @@ Conventions (`CONVENTIONS`):
 from __future__ import annotations
 
 import dataclasses
-
-import re
-from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Mapping
 
-from ..diagnostics import LayoutError, UsageError
+from ..diagnostics import UsageError
+from .megatron_layout import megatron_document
 from .megatron_split import SPLIT_ARGS
+from .model import (FAMILIES, GQA, MLA, BridgeError, ConfigError, Document, Loop, Model, MoE, Stmt, Tensor,  # noqa: F401
+                    const_lines, header_lines, layer_key, model_from_config, parts_text, render_document,
+                    rotary_rows, statement_at, with_dtypes)
+from .torchtitan_layout import torchtitan_document
 
 CONVENTIONS = ("megatron", "hf", "hf-memory", "vllm", "sglang")
 # Trainers whose convention lives in a module of its own (torchtitan_layout.py), for some families
 # only (`layoutc new torchtitan` refuses the others): kept apart from CONVENTIONS, which every family
-# has. Its Meta-order Llama3 pairs with every convention (they write the rotary halves: _rotary_rows).
+# has. Its Meta-order Llama3 pairs with every convention (they write the rotary halves: rotary_rows).
 TRAINER_CONVENTIONS = ("torchtitan",)
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
-DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # config `dtype` -> layout dtype
-
-
-class ConfigError(UsageError):
-    """config.json lacks a field a family needs, or holds a value this module cannot describe."""
-
-
-class BridgeError(LayoutError):
-    """A live model cannot be described: a parameter the layout does not cover, a wrong shape."""
-
-
-# ---- what a config says ---------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GQA:
-    """Grouped-query attention: q_proj [Q*D, H], k_proj / v_proj [KV*D, H], o_proj [H, Q*D]."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: bool = False     # Qwen3: q_norm / k_norm [D]
-    sinks: bool = False       # gpt-oss: one learned sink logit per head [Q]
-
-
-@dataclass(frozen=True)
-class MLA:
-    """DeepSeek multi-head latent attention (q_lora None: a plain q_proj)."""
-
-    heads: int
-    q_lora: int | None
-    kv_lora: int
-    qk_nope: int
-    qk_rope: int
-    v_head: int
-
-
-@dataclass(frozen=True)
-class MoE:
-    """Routed experts (gate|up [I, H] each, down [H, I]) and what surrounds them.
-
-    `block`, `router` and the expert weight names are the checkpoint's
-    (Mixtral: `block_sparse_moe`, `w1`/`w3`/`w2`).
-    """
-
-    experts: int
-    inter: int
-    block: str = "mlp"
-    router: str = "gate"
-    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    shared: int | None = None     # intermediate size of the shared expert MLP
-    shared_name: str = "shared_experts"
-    shared_gate: bool = False     # Qwen2-MoE: sigmoid gate on the shared expert [1, H]
-    score_bias: bool = False      # DeepSeek-V3: router e_score_correction_bias [E] fp32
-    router_bias: bool = False     # gpt-oss
-    expert_bias: bool = False     # gpt-oss: biases on every expert weight
-    interleaved: bool = False     # gpt-oss: gate/up interleaved where stacked
-
-
-@dataclass(frozen=True)
-class Model:
-    """The weights of one model, as its config.json says. `moe_layers[l]`: layer l routes."""
-
-    model_type: str
-    layers: int
-    hidden: int
-    vocab: int
-    tied: bool
-    dtype: str
-    attention: GQA | MLA
-    dense: int | None              # intermediate size of the dense MLP layers (None: there are none)
-    moe: MoE | None
-    moe_layers: tuple[bool, ...]
-
-    @property
-    def runs(self) -> tuple[tuple[int, int, bool], ...]:
-        """Maximal runs of layers of one kind: (start, stop, routed)."""
-        out: list[tuple[int, int, bool]] = []
-        for l, routed in enumerate(self.moe_layers):
-            if out and out[-1][2] == routed:
-                out[-1] = (out[-1][0], l + 1, routed)
-            else:
-                out.append((l, l + 1, routed))
-        return tuple(out)
-
-
-def _read_field(config: Mapping, name: str, *, default=None, kind=int, alias: tuple[str, ...] = (),
-                source: str = "config.json"):
-    """config[name] (or an alias), checked: a missing field without a default is a ConfigError."""
-    for key in (name, *alias):
-        if key in config and config[key] is not None:
-            value = config[key]
-            break
-    else:
-        if default is not None:
-            return default
-        mt = config.get("model_type")
-        raise ConfigError(f"{source}: missing field `{name}`" + (f" (model_type {mt} needs it)" if mt else ""),
-                          help=f"add \"{name}\": ... to {source}" + (f" (or {', '.join(alias)})" if alias else ""))
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ConfigError(f"{source}: field `{key}` is {value!r}, expected a positive integer")
-    if kind is bool and not isinstance(value, bool):
-        raise ConfigError(f"{source}: field `{key}` is {value!r}, expected true or false")
-    return value
-
-
-def _count(config: Mapping, name: str, source: str) -> int:
-    """A non-negative integer field that defaults to 0 (first_k_dense_replace)."""
-    value = config.get(name) or 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{source}: field `{name}` is {value!r}, expected an integer >= 0")
-    return value
-
-
-def model_from_config(config: Mapping, *, source: str = "config.json") -> Model:
-    """Read a HF config dict (config.json, or `model.config.to_dict()`) into a Model.
-
-    Fields transformers itself defaults are defaulted the same way
-    (num_key_value_heads = num_attention_heads, head_dim = hidden_size //
-    num_attention_heads, tie_word_embeddings false, dtype bf16); any other
-    missing field is a ConfigError naming it (and `source`, the file it came from).
-    """
-    need = partial(_read_field, config, source=source)  # every field of this config, read from `source`
-    flag = lambda name, default: need(name, default=default, kind=bool)  # noqa: E731
-    if "model_type" not in config:
-        raise ConfigError(f"{source}: missing field `model_type`", help=f"known families: {', '.join(FAMILIES)}")
-    mt = config["model_type"]
-    if mt not in FAMILIES:
-        raise ConfigError(f"{source}: model_type `{mt}` is not a family `layoutc new` knows",
-                          help=f"known families: {', '.join(FAMILIES)}")
-    hidden = need("hidden_size")
-    layers = need("num_hidden_layers")
-    vocab = need("vocab_size")
-    heads = need("num_attention_heads")
-    tied = need("tie_word_embeddings", default=False, kind=bool)
-    raw_dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    if raw_dtype not in DTYPES:
-        raise ConfigError(f"{source}: dtype `{raw_dtype}` has no layout dtype",
-                          help=f"use one of {', '.join(DTYPES)}")
-    if config.get("mlp_bias"):
-        raise ConfigError(f"{source}: `mlp_bias: true` is not described by `layoutc new`",
-                          help="biases on the MLP weights are not written for any family yet")
-    moe: MoE | None = None
-    dense: int | None = None
-    routed = [False] * layers
-    if mt == "deepseek_v3":
-        q_lora = config.get("q_lora_rank")
-        if q_lora is not None:
-            q_lora = need("q_lora_rank")
-        attention: GQA | MLA = MLA(heads, q_lora, need("kv_lora_rank"), need("qk_nope_head_dim"),
-                                   need("qk_rope_head_dim"), need("v_head_dim"))
-    else:
-        kv = need("num_key_value_heads", default=heads)
-        head_dim = need("head_dim", default=hidden // heads)
-        # as transformers builds them: Qwen2 always has q/k/v biases (no o bias), Qwen2-MoE by `qkv_bias`,
-        # the others by `attention_bias` (on q/k/v and o), which gpt-oss defaults to true
-        if mt == "qwen2":
-            bias = True
-        elif mt == "qwen2_moe":
-            bias = flag("qkv_bias", True)
-        else:
-            bias = flag("attention_bias", mt == "gpt_oss")
-        attention = GQA(heads, kv, head_dim, qkv_bias=bias,
-                        o_bias=bias and mt not in ("qwen2", "qwen2_moe"),
-                        qk_norm=mt in ("qwen3", "qwen3_moe"), sinks=mt == "gpt_oss")
-    if mt in ("llama", "mistral", "qwen2", "qwen3"):
-        dense = need("intermediate_size")
-    elif mt in ("mixtral", "gpt_oss"):
-        experts = need("num_local_experts", alias=("num_experts",))
-        inter = need("intermediate_size")
-        moe = (MoE(experts, inter, block="block_sparse_moe", names=("w1", "w3", "w2")) if mt == "mixtral" else
-               MoE(experts, inter, router="router", router_bias=True, expert_bias=True, interleaved=True))
-        routed = [True] * layers
-    elif mt in ("qwen2_moe", "qwen3_moe"):
-        experts = need("num_experts", alias=("num_local_experts",))
-        step = need("decoder_sparse_step", default=1)
-        only = config.get("mlp_only_layers") or []
-        routed = [l not in only and (l + 1) % step == 0 for l in range(layers)]
-        dense = need("intermediate_size") if not all(routed) else None
-        shared = need("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
-        moe = MoE(experts, need("moe_intermediate_size"), shared=shared, shared_name="shared_expert",
-                  shared_gate=mt == "qwen2_moe")
-    else:  # deepseek_v3
-        first = _count(config, "first_k_dense_replace", source)
-        routed = [l >= first for l in range(layers)]
-        dense = need("intermediate_size") if first else None
-        inter = need("moe_intermediate_size")
-        moe = MoE(need("n_routed_experts"), inter, shared=inter * need("n_shared_experts"),
-                  score_bias=True)
-    if moe is None or not any(routed):
-        moe, routed = None, [False] * layers
-    return Model(mt, layers, hidden, vocab, tied, DTYPES[raw_dtype], attention, dense, moe, tuple(routed))
-
-
-# ---- the text: statements with a line each ---------------------------------------------------
-
-@dataclass(frozen=True)
-class Tensor:
-    """One `tensor` statement: NAME, optional KEY, dims as text (canonical style)."""
-
-    name: str
-    dims: tuple[str, ...]
-    key: str | None = None
-    dtype: str | None = None
-    transposed: bool = False
-    mesh: str | None = None
-    at: str | None = None
-
-    def text(self, default_dtype: str) -> str:
-        out = f"tensor {self.name}"
-        if self.key is not None and self.key != self.name:
-            out += f" as {self.key}"
-        out += f" [{', '.join(self.dims)}]"
-        if self.dtype is not None and self.dtype != default_dtype:
-            out += f" {self.dtype}"
-        if self.transposed:
-            out += " transposed"
-        if self.mesh is not None:
-            out += f" on {self.mesh}"
-        if self.at is not None:
-            out += f" at {self.at}"
-        return out
-
-
-@dataclass(frozen=True)
-class Loop:
-    """`for VAR in START..STOP [over AXIS [sizes [...]]] { body }`; `comment` goes on the line before it."""
-
-    var: str
-    start: str
-    stop: str
-    body: tuple[Stmt, ...]
-    over: str | None = None
-    comment: str | None = None
-    sizes: tuple[str, ...] | None = None   # with `over`: one block per coordinate (uneven pipeline stages)
-
-
-Stmt = Tensor | Loop
-
-
-@dataclass(frozen=True)
-class Document:
-    """A whole generated `.layout`: header comments, args, consts, meshes, statements."""
-
-    name: str
-    comments: tuple[str, ...]
-    args: tuple[tuple[str, int], ...]
-    consts: tuple[str, ...]           # each `A = 1, B = 2` (one `const` line)
-    meshes: tuple[str, ...]           # each `NAME (axes) at AT`
-    dtype: str
-    body: tuple[Stmt, ...]
-    notes: tuple[str, ...] = field(default=())  # comment lines before the body
-
-
-def render_document(doc: Document) -> tuple[str, dict[int, tuple[int, ...]]]:
-    """The canonical text of `doc` and, per 1-based line, the path of the tensor statement on it.
-
-    A path indexes `doc.body`, then a loop's body, and so on: `(3, 0)` is the
-    first statement of the fourth top-level statement.
-    """
-    lines: list[str] = [f"# {c}" if c else "#" for c in doc.comments]
-    lines.append(f"layout {doc.name}")
-    lines.append("")
-    lines += [f"arg {name} = {value}" for name, value in doc.args]
-    lines += [f"const {c}" for c in doc.consts]
-    lines.append("")
-    lines += [f"mesh {m}" for m in doc.meshes]
-    if doc.dtype != "bf16":
-        lines.append(f"default dtype {doc.dtype}")
-    where: dict[int, tuple[int, ...]] = {}
-    if doc.notes:
-        lines.append("")
-        lines += [f"# {n}" if n else "#" for n in doc.notes]
-    else:
-        lines.append("")
-
-    def block(stmts: tuple[Stmt, ...], depth: int, path: tuple[int, ...]) -> None:
-        pad = "  " * depth
-        for i, stmt in enumerate(stmts):
-            if isinstance(stmt, Tensor):
-                lines.append(pad + stmt.text(doc.dtype))
-                where[len(lines)] = (*path, i)
-                continue
-            if depth == 0 and lines[-1] != "" and not lines[-1].startswith("#"):
-                lines.append("")
-            if stmt.comment:
-                lines.append(f"{pad}# {stmt.comment}")
-            over = f" over {stmt.over}" if stmt.over else ""
-            if stmt.sizes is not None:
-                over += f" sizes [{', '.join(stmt.sizes)}]"
-            lines.append(f"{pad}for {stmt.var} in {stmt.start}..{stmt.stop}{over} {{")
-            block(stmt.body, depth + 1, (*path, i))
-            lines.append(pad + "}")
-
-    block(doc.body, 0, ())
-    return "\n".join(lines) + "\n", where
-
-
-def statement_at(doc: Document, path: tuple[int, ...]) -> Tensor:
-    stmt: Stmt = doc.body[path[0]]
-    for i in path[1:]:
-        assert isinstance(stmt, Loop)
-        stmt = stmt.body[i]
-    assert isinstance(stmt, Tensor)
-    return stmt
-
-
-def with_dtypes(doc: Document, dtypes: Mapping[tuple[int, ...], str]) -> Document:
-    """`doc` with the tensor statements at the given paths set to other dtypes."""
-
-    def block(stmts: tuple[Stmt, ...], path: tuple[int, ...]) -> tuple[Stmt, ...]:
-        out = []
-        for i, stmt in enumerate(stmts):
-            here = (*path, i)
-            if isinstance(stmt, Tensor):
-                out.append(replace(stmt, dtype=dtypes[here]) if here in dtypes else stmt)
-            else:
-                out.append(replace(stmt, body=block(stmt.body, here)))
-        return tuple(out)
-
-    return replace(doc, body=block(doc.body, ()))
-
-
-# ---- names and dims shared by the conventions -------------------------------------------------
-
-def _hf(rest: str) -> str:
-    """A per-layer HF checkpoint key (the `{l}` of the enclosing layer loop)."""
-    return f"model.layers.{{l}}.{rest}"
-
-
-def _parts(*parts: tuple[str, str, str]) -> str:
-    """`(name: extent as KEY | ...)` from (name, extent, key)."""
-    return "(" + " | ".join(f"{n}: {e} as {k}" for n, e, k in parts) + ")"
-
-
-ROTARY_HALVES = "(re: D/2 | im: D/2)"  # one head's q/k rows under rotary, as HF stores them
-
-
-def _rotary_rows(heads: str | None) -> str:
-    """q/k rows of `heads` heads (None: one head) as HF, vLLM, SGLang and Megatron store them:
-    each head's rotary halves, `rotate_half`'s re rows then im rows (LANGUAGE.md 3).
-
-    Every GQA family here rotates q and k, and a Meta-order source (torchtitan's Llama3,
-    Meta's checkpoints: `(NH, D/2, (re: 1 | im: 1))`) names those parts; two matched dims need
-    the same parts on both sides, so the conventions write them. Pairs between these
-    conventions plan as the plain rows did (compiler/pieces.py: storage continues on both).
-    >>> _rotary_rows("Q"), _rotary_rows(None)
-    ('(Q, (re: D/2 | im: D/2))', '(re: D/2 | im: D/2)')
-    """
-    return ROTARY_HALVES if heads is None else f"({heads}, {ROTARY_HALVES})"
-
-
-ROTARY_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k)_proj\.(?:weight|bias)")
-
-
-def rotary_heads(m: Model) -> dict[str, tuple[int, int]]:
-    """{"q": (Q, D), "k": (KV, D)}: the heads and head dim of the checkpoint keys that every
-    convention writes as rotary halves (`_rotary_rows`); empty for MLA (its rope rows are parts of
-    their own). What a checkpoint read from headers (layoutlang.checkpoint.describe) needs to
-    write its `q_proj` / `k_proj` rows as the conventions do: keys matching `ROTARY_KEY`.
-    >>> cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-    ...        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 500}
-    >>> rotary_heads(model_from_config(cfg))
-    {'q': (4, 16), 'k': (2, 16)}
-    """
-    a = m.attention
-    if not isinstance(a, GQA) or a.head_dim % 2:
-        return {}
-    return {"q": (a.heads, a.head_dim), "k": (a.kv_heads, a.head_dim)}
-
-
-def _consts(m: Model, *, megatron: bool = False) -> tuple[str, ...]:
-    out = [f"L = {m.layers}, H = {m.hidden}, V = {_int(m.vocab)}"]
-    a = m.attention
-    if isinstance(a, GQA):
-        out.append(f"Q = {a.heads}, KV = {a.kv_heads}, D = {a.head_dim}" + (", QG = Q/KV" if megatron else ""))
-    else:
-        out.append(f"NH = {a.heads}, " + (f"Q_LORA = {a.q_lora}, " if a.q_lora else "")
-                   + f"KV_LORA = {a.kv_lora}, QK_NOPE = {a.qk_nope}, QK_ROPE = {a.qk_rope}, V_HEAD = {a.v_head}")
-    sizes = []
-    if m.dense is not None:
-        sizes.append(f"F = {_int(m.dense)}")
-    if m.moe is not None:
-        sizes += [f"E = {m.moe.experts}", f"I = {_int(m.moe.inter)}"]
-        if m.moe.shared:
-            sizes.append(f"S = {_int(m.moe.shared)}")
-    if sizes:
-        out.append(", ".join(sizes))
-    return tuple(out)
-
-
-def _int(n: int) -> str:
-    """Large integers with `_` separators, as the examples write them (128_256)."""
-    return f"{n:_}" if n >= 100_000 else str(n)
-
-
-def _header(m: Model, convention: str, lines: list[str]) -> tuple[str, ...]:
-    kind = ("MoE " if m.moe else "") + ("MLA " if isinstance(m.attention, MLA) else "")
-    first = f"{m.model_type} ({kind}{m.layers} layers, hidden {m.hidden}) in the {convention} convention,"
-    return (first, "written by `layoutc new` from its config.json. Keys are the HF checkpoint names",
-            "of the unfused, per-expert weights (LANGUAGE.md 8): any two layouts written",
-            "to this convention pair without edits.", "", *lines)
 
 
 # ---- HF: the checkpoint, and a transformers model in memory ------------------------------------
 
 def _hf_attention(m: Model) -> list[Tensor]:
     a = m.attention
-    out = [Tensor(_hf("input_layernorm.weight"), ("H",))]
+    out = [Tensor(layer_key("input_layernorm.weight"), ("H",))]
     if isinstance(a, GQA):
-        for proj, rows in (("q_proj", _rotary_rows("Q")), ("k_proj", _rotary_rows("KV")), ("v_proj", "KV*D")):
-            out.append(Tensor(_hf(f"self_attn.{proj}.weight"), (rows, "H")))
+        for proj, rows in (("q_proj", rotary_rows("Q")), ("k_proj", rotary_rows("KV")), ("v_proj", "KV*D")):
+            out.append(Tensor(layer_key(f"self_attn.{proj}.weight"), (rows, "H")))
             if a.qkv_bias:
-                out.append(Tensor(_hf(f"self_attn.{proj}.bias"), (rows,)))
-        out.append(Tensor(_hf("self_attn.o_proj.weight"), ("H", "Q*D")))
+                out.append(Tensor(layer_key(f"self_attn.{proj}.bias"), (rows,)))
+        out.append(Tensor(layer_key("self_attn.o_proj.weight"), ("H", "Q*D")))
         if a.o_bias:
-            out.append(Tensor(_hf("self_attn.o_proj.bias"), ("H",)))
+            out.append(Tensor(layer_key("self_attn.o_proj.bias"), ("H",)))
         if a.qk_norm:
-            out += [Tensor(_hf("self_attn.q_norm.weight"), ("D",)), Tensor(_hf("self_attn.k_norm.weight"), ("D",))]
+            out += [Tensor(layer_key("self_attn.q_norm.weight"), ("D",)), Tensor(layer_key("self_attn.k_norm.weight"), ("D",))]
         if a.sinks:
-            out.append(Tensor(_hf("self_attn.sinks"), ("Q",)))
+            out.append(Tensor(layer_key("self_attn.sinks"), ("Q",)))
     else:
         if a.q_lora:
-            out += [Tensor(_hf("self_attn.q_a_proj.weight"), ("Q_LORA", "H")),
-                    Tensor(_hf("self_attn.q_a_layernorm.weight"), ("Q_LORA",)),
-                    Tensor(_hf("self_attn.q_b_proj.weight"), ("NH*(QK_NOPE + QK_ROPE)", "Q_LORA"))]
+            out += [Tensor(layer_key("self_attn.q_a_proj.weight"), ("Q_LORA", "H")),
+                    Tensor(layer_key("self_attn.q_a_layernorm.weight"), ("Q_LORA",)),
+                    Tensor(layer_key("self_attn.q_b_proj.weight"), ("NH*(QK_NOPE + QK_ROPE)", "Q_LORA"))]
         else:
-            out.append(Tensor(_hf("self_attn.q_proj.weight"), ("NH*(QK_NOPE + QK_ROPE)", "H")))
-        out += [Tensor(_hf("self_attn.kv_a_proj_with_mqa.weight"), ("KV_LORA + QK_ROPE", "H")),
-                Tensor(_hf("self_attn.kv_a_layernorm.weight"), ("KV_LORA",)),
-                Tensor(_hf("self_attn.kv_b_proj.weight"), ("NH*(QK_NOPE + V_HEAD)", "KV_LORA")),
-                Tensor(_hf("self_attn.o_proj.weight"), ("H", "NH*V_HEAD"))]
-    out.append(Tensor(_hf("post_attention_layernorm.weight"), ("H",)))
+            out.append(Tensor(layer_key("self_attn.q_proj.weight"), ("NH*(QK_NOPE + QK_ROPE)", "H")))
+        out += [Tensor(layer_key("self_attn.kv_a_proj_with_mqa.weight"), ("KV_LORA + QK_ROPE", "H")),
+                Tensor(layer_key("self_attn.kv_a_layernorm.weight"), ("KV_LORA",)),
+                Tensor(layer_key("self_attn.kv_b_proj.weight"), ("NH*(QK_NOPE + V_HEAD)", "KV_LORA")),
+                Tensor(layer_key("self_attn.o_proj.weight"), ("H", "NH*V_HEAD"))]
+    out.append(Tensor(layer_key("post_attention_layernorm.weight"), ("H",)))
     return out
 
 
 def _hf_dense(prefix: str, inter: str) -> list[Tensor]:
-    return [Tensor(_hf(f"{prefix}.gate_proj.weight"), (inter, "H")),
-            Tensor(_hf(f"{prefix}.up_proj.weight"), (inter, "H")),
-            Tensor(_hf(f"{prefix}.down_proj.weight"), ("H", inter))]
+    return [Tensor(layer_key(f"{prefix}.gate_proj.weight"), (inter, "H")),
+            Tensor(layer_key(f"{prefix}.up_proj.weight"), (inter, "H")),
+            Tensor(layer_key(f"{prefix}.down_proj.weight"), ("H", inter))]
 
 
 def _expert_key(moe: MoE, which: int, suffix: str = "weight") -> str:
-    return _hf(f"{moe.block}.experts.{{e}}.{moe.names[which]}.{suffix}")
+    return layer_key(f"{moe.block}.experts.{{e}}.{moe.names[which]}.{suffix}")
 
 
 def _router(m: Model, name: str) -> list[Tensor]:
     """The router weight (and bias) stored under the prefix `name`."""
     moe = m.moe
-    key = _hf(f"{moe.block}.{moe.router}")
+    key = layer_key(f"{moe.block}.{moe.router}")
     out = [Tensor(name + ".weight", ("E", "H"), key=key + ".weight")]
     if moe.router_bias:
         out.append(Tensor(name + ".bias", ("E",), key=key + ".bias"))
@@ -516,7 +113,7 @@ def _shared_hf(m: Model) -> list[Tensor]:
     moe = m.moe
     out = _hf_dense(f"mlp.{moe.shared_name}", "S") if moe.shared else []
     if moe.shared_gate:
-        out.append(Tensor(_hf("mlp.shared_expert_gate.weight"), ("1", "H")))
+        out.append(Tensor(layer_key("mlp.shared_expert_gate.weight"), ("1", "H")))
     return out
 
 
@@ -529,7 +126,7 @@ def _stacked_hf(moe: MoE, prefix: str, ep: str = "", etp: str = "", names=("gate
         up_down = lambda s: (f"(I, (gate: 1 as {_expert_key(moe, 0, s)} | up: 1 as {_expert_key(moe, 1, s)}))"  # noqa: E731
                              + etp)
     else:
-        up_down = lambda s: _parts(("gate", "I", _expert_key(moe, 0, s)), ("up", "I", _expert_key(moe, 1, s))) + etp  # noqa: E731
+        up_down = lambda s: parts_text(("gate", "I", _expert_key(moe, 0, s)), ("up", "I", _expert_key(moe, 1, s))) + etp  # noqa: E731
     transposed = moe.interleaved and hf_layout  # gpt-oss in HF stores [E, H, 2I] and [E, I, H]
     if transposed:
         out = [Tensor(f"{prefix}.{names[0]}", (stack, "H", up_down("weight")), transposed=True, mesh=mesh),
@@ -558,9 +155,9 @@ def _hf_doc(m: Model, sizes: Mapping[str, int], memory: bool) -> Document:
             name = f"model.layers.{{l}}.{'mlp' if memory else moe.block}.{moe.router}"
             layer += _router(m, name)
             if moe.score_bias:
-                layer.append(Tensor(_hf("mlp.gate.e_score_correction_bias"), ("E",), dtype="fp32"))
+                layer.append(Tensor(layer_key("mlp.gate.e_score_correction_bias"), ("E",), dtype="fp32"))
             if memory or stacked_ckpt:
-                layer += _stacked_hf(moe, _hf("mlp.experts"))
+                layer += _stacked_hf(moe, layer_key("mlp.experts"))
             else:
                 experts = [Tensor(_expert_key(moe, 0), ("I", "H")), Tensor(_expert_key(moe, 1), ("I", "H")),
                            Tensor(_expert_key(moe, 2), ("H", "I"))]
@@ -589,8 +186,8 @@ def _hf_doc(m: Model, sizes: Mapping[str, int], memory: bool) -> Document:
     if m.tied:
         notes.append("Tied embeddings: one tensor, model.embed_tokens.weight (lm_head is the same).")
     args = (("DP", sizes["DP"]), ("AT", sizes["AT"]))
-    return Document(f"{m.model_type}_{'hf_memory' if memory else 'hf'}", _header(m, _conv(memory), notes),
-                    args, _consts(m), ("hf (dp=DP) at AT",), m.dtype, tuple(body))
+    return Document(f"{m.model_type}_{'hf_memory' if memory else 'hf'}", header_lines(m, _conv(memory), notes),
+                    args, const_lines(m), ("hf (dp=DP) at AT",), m.dtype, tuple(body))
 
 
 def _conv(memory: bool) -> str:
@@ -603,45 +200,45 @@ def _engine_attention(m: Model, engine: str) -> list[Tensor]:
     a = m.attention
     attn = "attn" if engine == "vllm" and m.model_type == "gpt_oss" else "self_attn"
     p = f"model.layers.{{l}}.{attn}"
-    out = [Tensor(_hf("input_layernorm.weight"), ("H",))]
+    out = [Tensor(layer_key("input_layernorm.weight"), ("H",))]
     if isinstance(a, GQA):
-        qkv = lambda s: _parts(("q", _rotary_rows("Q"), _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
-                               ("k", _rotary_rows("KV"), _hf(f"self_attn.k_proj.{s}")),
-                               ("v", "(KV, D)", _hf(f"self_attn.v_proj.{s}"))) + " over tp"
+        qkv = lambda s: parts_text(("q", rotary_rows("Q"), layer_key(f"self_attn.q_proj.{s}")),  # noqa: E731
+                               ("k", rotary_rows("KV"), layer_key(f"self_attn.k_proj.{s}")),
+                               ("v", "(KV, D)", layer_key(f"self_attn.v_proj.{s}"))) + " over tp"
         out.append(Tensor(f"{p}.qkv_proj.weight", (qkv("weight"), "H")))
         if a.qkv_bias:
             out.append(Tensor(f"{p}.qkv_proj.bias", (qkv("bias"),)))
-        out.append(Tensor(f"{p}.o_proj.weight", ("H", "Q*D over tp"), key=_hf("self_attn.o_proj.weight")))
+        out.append(Tensor(f"{p}.o_proj.weight", ("H", "Q*D over tp"), key=layer_key("self_attn.o_proj.weight")))
         if a.o_bias:
-            out.append(Tensor(f"{p}.o_proj.bias", ("H",), key=_hf("self_attn.o_proj.bias")))
+            out.append(Tensor(f"{p}.o_proj.bias", ("H",), key=layer_key("self_attn.o_proj.bias")))
         if a.qk_norm:
-            out += [Tensor(_hf("self_attn.q_norm.weight"), ("D",)), Tensor(_hf("self_attn.k_norm.weight"), ("D",))]
+            out += [Tensor(layer_key("self_attn.q_norm.weight"), ("D",)), Tensor(layer_key("self_attn.k_norm.weight"), ("D",))]
         if a.sinks:
-            out.append(Tensor(f"{p}.sinks", ("Q over tp",), key=_hf("self_attn.sinks")))
+            out.append(Tensor(f"{p}.sinks", ("Q over tp",), key=layer_key("self_attn.sinks")))
     else:
         if a.q_lora:
             fused = "fused_qkv_a_proj" if engine == "vllm" else "fused_qkv_a_proj_with_mqa"
-            out += [Tensor(_hf(f"self_attn.{fused}.weight"),
-                           (_parts(("q_a", "Q_LORA", _hf("self_attn.q_a_proj.weight")),
-                                   ("kv_a", "KV_LORA + QK_ROPE", _hf("self_attn.kv_a_proj_with_mqa.weight"))), "H")),
-                    Tensor(_hf("self_attn.q_a_layernorm.weight"), ("Q_LORA",)),
-                    Tensor(_hf("self_attn.q_b_proj.weight"), ("(NH, QK_NOPE + QK_ROPE) over tp", "Q_LORA"))]
+            out += [Tensor(layer_key(f"self_attn.{fused}.weight"),
+                           (parts_text(("q_a", "Q_LORA", layer_key("self_attn.q_a_proj.weight")),
+                                   ("kv_a", "KV_LORA + QK_ROPE", layer_key("self_attn.kv_a_proj_with_mqa.weight"))), "H")),
+                    Tensor(layer_key("self_attn.q_a_layernorm.weight"), ("Q_LORA",)),
+                    Tensor(layer_key("self_attn.q_b_proj.weight"), ("(NH, QK_NOPE + QK_ROPE) over tp", "Q_LORA"))]
         else:
-            out += [Tensor(_hf("self_attn.q_proj.weight"), ("(NH, QK_NOPE + QK_ROPE) over tp", "H")),
-                    Tensor(_hf("self_attn.kv_a_proj_with_mqa.weight"), ("KV_LORA + QK_ROPE", "H"))]
-        out += [Tensor(_hf("self_attn.kv_a_layernorm.weight"), ("KV_LORA",)),
-                Tensor(_hf("self_attn.kv_b_proj.weight"), ("(NH, QK_NOPE + V_HEAD) over tp", "KV_LORA")),
-                Tensor(_hf("self_attn.o_proj.weight"), ("H", "NH*V_HEAD over tp"))]
-    out.append(Tensor(_hf("post_attention_layernorm.weight"), ("H",)))
+            out += [Tensor(layer_key("self_attn.q_proj.weight"), ("(NH, QK_NOPE + QK_ROPE) over tp", "H")),
+                    Tensor(layer_key("self_attn.kv_a_proj_with_mqa.weight"), ("KV_LORA + QK_ROPE", "H"))]
+        out += [Tensor(layer_key("self_attn.kv_a_layernorm.weight"), ("KV_LORA",)),
+                Tensor(layer_key("self_attn.kv_b_proj.weight"), ("(NH, QK_NOPE + V_HEAD) over tp", "KV_LORA")),
+                Tensor(layer_key("self_attn.o_proj.weight"), ("H", "NH*V_HEAD over tp"))]
+    out.append(Tensor(layer_key("post_attention_layernorm.weight"), ("H",)))
     return out
 
 
 def _engine_dense(prefix: str, inter: str, key_prefix: str | None = None) -> list[Tensor]:
     kp = key_prefix or prefix
-    return [Tensor(_hf(f"{prefix}.gate_up_proj.weight"),
-                   (_parts(("gate", inter, _hf(f"{kp}.gate_proj.weight")), ("up", inter, _hf(f"{kp}.up_proj.weight")))
+    return [Tensor(layer_key(f"{prefix}.gate_up_proj.weight"),
+                   (parts_text(("gate", inter, layer_key(f"{kp}.gate_proj.weight")), ("up", inter, layer_key(f"{kp}.up_proj.weight")))
                     + " over tp", "H")),
-            Tensor(_hf(f"{prefix}.down_proj.weight"), ("H", f"{inter} over tp"), key=_hf(f"{kp}.down_proj.weight"))]
+            Tensor(layer_key(f"{prefix}.down_proj.weight"), ("H", f"{inter} over tp"), key=layer_key(f"{kp}.down_proj.weight"))]
 
 
 # vLLM's `expert_placement_strategy` -> the placement word of its stacked experts' `over ep`
@@ -664,14 +261,14 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
         else:
             layer += _router(m, f"model.layers.{{l}}.{moe.block}.{moe.router}")
             if moe.score_bias:
-                layer.append(Tensor(_hf("mlp.gate.e_score_correction_bias"), ("E",), dtype="fp32"))
+                layer.append(Tensor(layer_key("mlp.gate.e_score_correction_bias"), ("E",), dtype="fp32"))
             biases = ("w13_bias", "w2_bias") if engine == "vllm" else ("w13_weight_bias", "w2_weight_bias")
             # vLLM 0.33: FusedMoE keeps its weights in a `routed_experts` submodule
             experts = f"{moe.block}.experts" + (".routed_experts" if engine == "vllm" else "")
             # vLLM's expert map (docs/language.md 14.8): `linear` gives the first E mod EP ranks one
             # more expert (balanced), `round_robin` deals them out (cyclic)
             placed = f" over ep {VLLM_EXPERT_PLACEMENTS[placement]}" if engine == "vllm" else " over ep"
-            stacked = _stacked_hf(moe, _hf(experts), placed, " over etp",
+            stacked = _stacked_hf(moe, layer_key(experts), placed, " over etp",
                                   names=("w13_weight", "w2_weight"), bias_names=biases, mesh="experts",
                                   hf_layout=False)
             if redundant:  # EPLB: physical slots, each the logical expert the table names
@@ -680,7 +277,7 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
             if moe.shared:
                 layer += _engine_dense(f"mlp.{moe.shared_name}", "S")
             if moe.shared_gate:
-                layer.append(Tensor(_hf("mlp.shared_expert_gate.weight"), ("1", "H")))
+                layer.append(Tensor(layer_key("mlp.shared_expert_gate.weight"), ("1", "H")))
         body.append(Loop("l", str(start), "L" if stop == m.layers else str(stop), tuple(layer),
                          comment=None if len(m.runs) == 1 else ("routed experts" if routed else "dense MLP")))
     if len(m.runs) > 1:
@@ -699,7 +296,7 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
         notes += [f"replicated `{fused}` (q_a_proj rows, then kv_a_proj_with_mqa rows); q_b_proj and",
                   "kv_b_proj split by head over tp; the vocabulary padded to a multiple of 64.",
                   "The engine derives its absorbed MLA matrices from kv_b_proj after loading."]
-    consts = _consts(m)
+    consts = const_lines(m)
     if moe is not None:
         args.append(("EP", sizes["EP"]))
         if redundant:
@@ -738,7 +335,7 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
         notes.append("SGLang stores this family exactly as vLLM does (names and sharding).")
     if m.tied:
         notes.append("Tied embeddings: the engine ties lm_head to model.embed_tokens.weight (one tensor).")
-    return Document(f"{m.model_type}_{engine}", _header(m, engine, notes), tuple(args), consts,
+    return Document(f"{m.model_type}_{engine}", header_lines(m, engine, notes), tuple(args), consts,
                     tuple(meshes), m.dtype, tuple(body))
 
 
@@ -813,13 +410,9 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
             raise UsageError(f"--set {name}={value}: expected " + ("an integer >= 0" if name == "AT" else
                                                                      "a positive integer"))
     full = {**SIZE_DEFAULTS, "ETP": given.get("TP", 1), **given}  # Megatron's default expert TP is TP
-    if convention == "megatron":  # its module imports this one
-        from .megatron_layout import megatron_document
-
+    if convention == "megatron":
         return megatron_document(model, full, split)
-    if convention == "torchtitan":  # its module imports this one
-        from .torchtitan_layout import torchtitan_document
-
+    if convention == "torchtitan":
         return torchtitan_document(model, full)
     if convention in ("hf", "hf-memory"):
         return _hf_doc(model, full, memory=convention == "hf-memory")

@@ -43,6 +43,7 @@ from dataclasses import replace
 from ..modes import PlainM
 from .families import (BridgeError, ConfigError, document, model_from_config, render_document, statement_at,
                        with_dtypes)
+from .model import layer_of
 
 TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch.<name> -> layout dtype
 
@@ -217,7 +218,7 @@ def _describe_dtensors(model) -> str:
             keys[pname] = t.key
             continue
         stmt = statement_at(doc, where[t.span.line])
-        layer = _layer_of(stmt.name, name)
+        layer = layer_of(stmt.name, name)
         dims = tuple(_concrete(d, consts, layer) if (structured[i] or " in " in d) else str(p.shape[i])
                      for i, d in enumerate(stmt.dims))
         if t.regions is None:
@@ -253,15 +254,6 @@ def _concrete(text: str, consts: dict[str, str], layer: int | None) -> str:
     if layer is not None:
         text = text.replace("{l}", str(layer))
     return re.sub(r"\b[A-Z][A-Z0-9_]*\b", lambda m: consts.get(m.group(), m.group()), text)
-
-
-def _layer_of(template: str, name: str) -> int | None:
-    """The layer number `{l}` takes in `template` to give `name`."""
-    if "{l}" not in template:
-        return None
-    match = re.fullmatch(re.escape(template).replace(re.escape("{l}"), r"(\d+)"), name)
-    assert match is not None, (template, name)
-    return int(match.group(1))
 
 
 __all__ = ["describe", "tensors", "BridgeError"]

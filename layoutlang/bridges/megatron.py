@@ -258,7 +258,7 @@ _NORM = re.compile(r"(?:(input_layernorm\.|self_attention\.linear_qkv\.layer_nor
                    r"|(pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_))(weight|bias)")
 
 
-# One head's q/k rows (families.py `_rotary_rows`, LANGUAGE.md 3): Megatron's rotary rotates
+# One head's q/k rows (model.py `rotary_rows`, LANGUAGE.md 3): Megatron's rotary rotates
 # halves as HF does (re rows, then im rows), or, with `rotary_interleaved`, adjacent pairs as Meta.
 ROTARY_HEAD = {False: "(re: D/2 | im: D/2)", True: "(D/2, (re: 1 | im: 1))"}
 

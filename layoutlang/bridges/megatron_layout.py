@@ -26,54 +26,55 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
-from .families import GQA, MLA, Document, Loop, Model, Stmt, Tensor, _consts, _header, _hf, _parts, _rotary_rows
 from .megatron_split import LAYOUT, PipelineSplit, pipeline_split
+from .model import (GQA, MLA, Document, Loop, Model, Stmt, Tensor, const_lines, header_lines, layer_key,
+                    parts_text, rotary_rows)
 
 def _megatron_attention(m: Model, n: str) -> list[Tensor]:
     """Attention of layer `n` (its stage-local number as written in a NAME)."""
     a = m.attention
     p = f"decoder.layers.{{{n}}}.self_attention"
-    out = [Tensor(f"decoder.layers.{{{n}}}.input_layernorm.weight", ("H",), key=_hf("input_layernorm.weight"))]
+    out = [Tensor(f"decoder.layers.{{{n}}}.input_layernorm.weight", ("H",), key=layer_key("input_layernorm.weight"))]
     if isinstance(a, GQA):
-        qkv = lambda s: ("(KV, " + _parts(("q", _rotary_rows("QG"), _hf(f"self_attn.q_proj.{s}")),  # noqa: E731
-                                          ("k", _rotary_rows(None), _hf(f"self_attn.k_proj.{s}")),
-                                          ("v", "D", _hf(f"self_attn.v_proj.{s}"))) + ") over tp")
+        qkv = lambda s: ("(KV, " + parts_text(("q", rotary_rows("QG"), layer_key(f"self_attn.q_proj.{s}")),  # noqa: E731
+                                          ("k", rotary_rows(None), layer_key(f"self_attn.k_proj.{s}")),
+                                          ("v", "D", layer_key(f"self_attn.v_proj.{s}"))) + ") over tp")
         out.append(Tensor(f"{p}.linear_qkv.weight", (qkv("weight"), "H")))
         if a.qkv_bias:
             out.append(Tensor(f"{p}.linear_qkv.bias", (qkv("bias"),)))
-        out.append(Tensor(f"{p}.linear_proj.weight", ("H", "Q*D over tp"), key=_hf("self_attn.o_proj.weight")))
+        out.append(Tensor(f"{p}.linear_proj.weight", ("H", "Q*D over tp"), key=layer_key("self_attn.o_proj.weight")))
         if a.o_bias:
-            out.append(Tensor(f"{p}.linear_proj.bias", ("H",), key=_hf("self_attn.o_proj.bias")))
+            out.append(Tensor(f"{p}.linear_proj.bias", ("H",), key=layer_key("self_attn.o_proj.bias")))
         if a.qk_norm:
-            out += [Tensor(f"{p}.q_layernorm.weight", ("D",), key=_hf("self_attn.q_norm.weight")),
-                    Tensor(f"{p}.k_layernorm.weight", ("D",), key=_hf("self_attn.k_norm.weight"))]
+            out += [Tensor(f"{p}.q_layernorm.weight", ("D",), key=layer_key("self_attn.q_norm.weight")),
+                    Tensor(f"{p}.k_layernorm.weight", ("D",), key=layer_key("self_attn.k_norm.weight"))]
         if a.sinks:
-            out.append(Tensor(f"{p}.core_attention.softmax_offset", ("Q over tp",), key=_hf("self_attn.sinks")))
+            out.append(Tensor(f"{p}.core_attention.softmax_offset", ("Q over tp",), key=layer_key("self_attn.sinks")))
     else:
         if a.q_lora:
             out += [Tensor(f"{p}.linear_q_down_proj.weight", ("Q_LORA over tp", "H"),
-                           key=_hf("self_attn.q_a_proj.weight")),
-                    Tensor(f"{p}.q_layernorm.weight", ("Q_LORA",), key=_hf("self_attn.q_a_layernorm.weight")),
+                           key=layer_key("self_attn.q_a_proj.weight")),
+                    Tensor(f"{p}.q_layernorm.weight", ("Q_LORA",), key=layer_key("self_attn.q_a_layernorm.weight")),
                     Tensor(f"{p}.linear_q_up_proj.weight", ("(NH, QK_NOPE + QK_ROPE) over tp", "Q_LORA"),
-                           key=_hf("self_attn.q_b_proj.weight"))]
+                           key=layer_key("self_attn.q_b_proj.weight"))]
         else:
             out.append(Tensor(f"{p}.linear_q_proj.weight", ("(NH, QK_NOPE + QK_ROPE) over tp", "H"),
-                              key=_hf("self_attn.q_proj.weight")))
+                              key=layer_key("self_attn.q_proj.weight")))
         out += [Tensor(f"{p}.linear_kv_down_proj.weight", ("KV_LORA + QK_ROPE over tp", "H"),
-                       key=_hf("self_attn.kv_a_proj_with_mqa.weight")),
-                Tensor(f"{p}.kv_layernorm.weight", ("KV_LORA",), key=_hf("self_attn.kv_a_layernorm.weight")),
+                       key=layer_key("self_attn.kv_a_proj_with_mqa.weight")),
+                Tensor(f"{p}.kv_layernorm.weight", ("KV_LORA",), key=layer_key("self_attn.kv_a_layernorm.weight")),
                 Tensor(f"{p}.linear_kv_up_proj.weight", ("(NH, QK_NOPE + V_HEAD) over tp", "KV_LORA"),
-                       key=_hf("self_attn.kv_b_proj.weight")),
-                Tensor(f"{p}.linear_proj.weight", ("H", "NH*V_HEAD over tp"), key=_hf("self_attn.o_proj.weight"))]
+                       key=layer_key("self_attn.kv_b_proj.weight")),
+                Tensor(f"{p}.linear_proj.weight", ("H", "NH*V_HEAD over tp"), key=layer_key("self_attn.o_proj.weight"))]
     out.append(Tensor(f"decoder.layers.{{{n}}}.pre_mlp_layernorm.weight", ("H",),
-                      key=_hf("post_attention_layernorm.weight")))
+                      key=layer_key("post_attention_layernorm.weight")))
     return out
 
 
 def _megatron_fc(prefix: str, inter: str, key_prefix: str, etp: str = "tp", mesh: str | None = None,
                  names=("gate_proj", "up_proj", "down_proj"), bias: bool = False) -> list[Tensor]:
     k = lambda i, s="weight": f"{key_prefix}.{names[i]}.{s}"  # noqa: E731
-    fc1 = lambda s: _parts(("gate", inter, k(0, s)), ("up", inter, k(1, s))) + f" over {etp}"  # noqa: E731
+    fc1 = lambda s: parts_text(("gate", inter, k(0, s)), ("up", inter, k(1, s))) + f" over {etp}"  # noqa: E731
     out = [Tensor(f"{prefix}.linear_fc1.weight", (fc1("weight"), "H"), mesh=mesh)]
     if bias:
         out.append(Tensor(f"{prefix}.linear_fc1.bias", (fc1("bias"),), mesh=mesh))
@@ -87,20 +88,20 @@ def _megatron_mlp(m: Model, n: str, routed: bool) -> list[Stmt]:
     moe = m.moe
     p = f"decoder.layers.{{{n}}}.mlp"
     if not routed:
-        return list(_megatron_fc(p, "F", _hf("mlp")))
-    out: list[Stmt] = [Tensor(f"{p}.router.weight", ("E", "H"), key=_hf(f"{moe.block}.{moe.router}.weight"))]
+        return list(_megatron_fc(p, "F", layer_key("mlp")))
+    out: list[Stmt] = [Tensor(f"{p}.router.weight", ("E", "H"), key=layer_key(f"{moe.block}.{moe.router}.weight"))]
     if moe.router_bias:
-        out.append(Tensor(f"{p}.router.bias", ("E",), key=_hf(f"{moe.block}.{moe.router}.bias")))
+        out.append(Tensor(f"{p}.router.bias", ("E",), key=layer_key(f"{moe.block}.{moe.router}.bias")))
     if moe.score_bias:
-        out.append(Tensor(f"{p}.router.expert_bias", ("E",), key=_hf("mlp.gate.e_score_correction_bias"),
+        out.append(Tensor(f"{p}.router.expert_bias", ("E",), key=layer_key("mlp.gate.e_score_correction_bias"),
                           dtype="fp32"))
-    experts = _megatron_fc(f"{p}.experts.local_experts.{{e.local}}", "I", _hf(f"{moe.block}.experts.{{e}}"),
+    experts = _megatron_fc(f"{p}.experts.local_experts.{{e.local}}", "I", layer_key(f"{moe.block}.experts.{{e}}"),
                            etp="etp", mesh="experts", names=moe.names, bias=moe.expert_bias)
     out.append(Loop("e", "0", "E", tuple(experts), over="ep"))
     if moe.shared:
-        out += _megatron_fc(f"{p}.shared_experts", "S", _hf(f"mlp.{moe.shared_name}"))
+        out += _megatron_fc(f"{p}.shared_experts", "S", layer_key(f"mlp.{moe.shared_name}"))
     if moe.shared_gate:
-        out.append(Tensor(f"{p}.shared_experts.gate_weight", ("1", "H"), key=_hf("mlp.shared_expert_gate.weight")))
+        out.append(Tensor(f"{p}.shared_experts.gate_weight", ("1", "H"), key=layer_key("mlp.shared_expert_gate.weight")))
     return out
 
 
@@ -124,7 +125,7 @@ def megatron_document(m: Model, sizes: Mapping[str, int], options: Mapping[str, 
         body.append(Tensor("output_layer.weight", (padded, "H"), key="lm_head.weight", at="pp=pp - 1"))
     elif sizes["PP"] > 1:
         body.append(Tensor("output_layer.weight", (padded, "H"), key="model.embed_tokens.weight", at="pp=pp - 1"))
-    consts = list(_consts(m, megatron=True))
+    consts = list(const_lines(m, megatron=True))
     if split.even:
         body += _even_layers(m, consts)
     else:
@@ -156,7 +157,7 @@ def megatron_document(m: Model, sizes: Mapping[str, int], options: Mapping[str, 
                      if sizes["PP"] > 1 else "Tied embeddings: no output_layer.weight at PP=1")
         notes.append("(regenerate this file when PP changes between 1 and more).")
     args.append(("AT", sizes["AT"]))
-    return Document(f"{m.model_type}_megatron", _header(m, "megatron", notes), tuple(args), tuple(consts),
+    return Document(f"{m.model_type}_megatron", header_lines(m, "megatron", notes), tuple(args), tuple(consts),
                     tuple(meshes), m.dtype, tuple(body))
 
 

@@ -30,7 +30,7 @@ import re
 
 from ..modes import PlainM
 from .families import GQA, MLA, BridgeError, Model, MoE, render_document, statement_at
-from .hf import _layer_of
+from .model import layer_of
 from .torchtitan_layout import INTERLEAVED, torchtitan_document
 
 _CLASSES = {"Llama3Model": "llama", "Qwen3Model": "qwen3", "DeepSeekV3Model": "deepseek_v3"}
@@ -102,7 +102,7 @@ def describe(model, *, at: int = 0, name: str | None = None) -> str:
     for pname, p in stored.items():
         t = described[pname]
         stmt = statement_at(doc, where[t.span.line])
-        layer = _layer_of(stmt.name, pname)
+        layer = layer_of(stmt.name, pname)
         dims = tuple(_concrete(d, consts, layer) if (not isinstance(t.dims[i].mode, PlainM) or " in " in d)
                      else str(p.shape[i]) for i, d in enumerate(stmt.dims))
         key = t.key if t.regions is None else (_concrete(stmt.key, consts, layer) if stmt.key else None)

@@ -13,7 +13,7 @@ feed_forward.py and each model's state_dict_adapter.py):
   interleaved (Meta's order, undone by `Llama3StateDictAdapter._permute`):
   `(QG, D/2, (re: 1 | im: 1))`; Qwen3 (CosSinRoPE) keeps HF's order, each head's
   halves `(QG, (re: D/2 | im: D/2))` as every HF-order convention writes them
-  (families.py `_rotary_rows`); DeepSeek-V3 keeps interleaved rope dims exactly as
+  (families.py `rotary_rows`); DeepSeek-V3 keeps interleaved rope dims exactly as
   HF does, plain rows;
 - dense MLPs are `feed_forward.w1` / `w3` / `w2` (gate / up / down), MoE experts
   stacked `moe.routed_experts.inner_experts.w1_EFD [E, I, H]`, `w3_EFD`,
@@ -39,8 +39,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
-from .families import (GQA, ConfigError, Document, Loop, Model, Stmt, Tensor, _consts, _header, _hf, _parts,
-                       _rotary_rows)
+from .model import (GQA, ConfigError, Document, Loop, Model, Stmt, Tensor, const_lines, header_lines, layer_key,
+                    parts_text, rotary_rows)
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")  # torchtitan 0.3.0's Llama3, Qwen3, DeepSeek-V3
 INTERLEAVED = ("llama",)  # ComplexRoPE on GQA rows: Meta's order (DeepSeek-V3's MLA rows are HF's own)
@@ -60,7 +60,7 @@ def torchtitan_document(m: Model, sizes: Mapping[str, int]) -> Document:
         body.append(Tensor("lm_head.weight", ("V", "H")))
     for start, stop, routed in m.runs:
         layer = _attention(m) if len(m.runs) == 1 else []
-        layer += _moe(m) if routed else _ffn("feed_forward", "F", _hf("mlp"))
+        layer += _moe(m) if routed else _ffn("feed_forward", "F", layer_key("mlp"))
         body.append(Loop("l", str(start), "L" if stop == m.layers else str(stop), tuple(layer),
                          comment=None if len(m.runs) == 1 else ("routed experts" if routed else "dense MLP")))
     if len(m.runs) > 1:
@@ -79,39 +79,39 @@ def torchtitan_document(m: Model, sizes: Mapping[str, int]) -> Document:
     elif m.moe is not None:
         notes.append("moe.expert_bias_E (load balancing) has no HF tensor: not described.")
     args = (("DP", sizes["DP"]), ("AT", sizes["AT"]))
-    return Document(f"{m.model_type}_torchtitan", _header(m, "torchtitan", notes), args,
-                    _consts(m, megatron=True), ("train (dp=DP) at AT",), m.dtype, tuple(body))
+    return Document(f"{m.model_type}_torchtitan", header_lines(m, "torchtitan", notes), args,
+                    const_lines(m, megatron=True), ("train (dp=DP) at AT",), m.dtype, tuple(body))
 
 
 def _attention(m: Model) -> list[Tensor]:
     a = m.attention
     p = "layers.{l}.attention"
-    out = [Tensor("layers.{l}.attention_norm.weight", ("H",), key=_hf("input_layernorm.weight"))]
+    out = [Tensor("layers.{l}.attention_norm.weight", ("H",), key=layer_key("input_layernorm.weight"))]
     if isinstance(a, GQA):
         meta = m.model_type in INTERLEAVED
         q, k = (("(QG, D/2, (re: 1 | im: 1))", "(D/2, (re: 1 | im: 1))") if meta
-                else (_rotary_rows("QG"), _rotary_rows(None)))
-        qkv = _parts(("q", q, _hf("self_attn.q_proj.weight")), ("k", k, _hf("self_attn.k_proj.weight")),
-                     ("v", "D", _hf("self_attn.v_proj.weight")))
+                else (rotary_rows("QG"), rotary_rows(None)))
+        qkv = parts_text(("q", q, layer_key("self_attn.q_proj.weight")), ("k", k, layer_key("self_attn.k_proj.weight")),
+                     ("v", "D", layer_key("self_attn.v_proj.weight")))
         out += [Tensor(f"{p}.qkv_linear.wqkv.weight", (f"(KV, {qkv})", "H")),
-                Tensor(f"{p}.wo.weight", ("H", "Q*D"), key=_hf("self_attn.o_proj.weight"))]
+                Tensor(f"{p}.wo.weight", ("H", "Q*D"), key=layer_key("self_attn.o_proj.weight"))]
         if a.qk_norm:
-            out += [Tensor(f"{p}.q_norm.weight", ("D",), key=_hf("self_attn.q_norm.weight")),
-                    Tensor(f"{p}.k_norm.weight", ("D",), key=_hf("self_attn.k_norm.weight"))]
+            out += [Tensor(f"{p}.q_norm.weight", ("D",), key=layer_key("self_attn.q_norm.weight")),
+                    Tensor(f"{p}.k_norm.weight", ("D",), key=layer_key("self_attn.k_norm.weight"))]
     else:
         if a.q_lora:
-            out += [Tensor(f"{p}.wq_a.weight", ("Q_LORA", "H"), key=_hf("self_attn.q_a_proj.weight")),
-                    Tensor(f"{p}.q_norm.weight", ("Q_LORA",), key=_hf("self_attn.q_a_layernorm.weight")),
+            out += [Tensor(f"{p}.wq_a.weight", ("Q_LORA", "H"), key=layer_key("self_attn.q_a_proj.weight")),
+                    Tensor(f"{p}.q_norm.weight", ("Q_LORA",), key=layer_key("self_attn.q_a_layernorm.weight")),
                     Tensor(f"{p}.wq_b.weight", ("NH*(QK_NOPE + QK_ROPE)", "Q_LORA"),
-                           key=_hf("self_attn.q_b_proj.weight"))]
+                           key=layer_key("self_attn.q_b_proj.weight"))]
         else:
-            out.append(Tensor(f"{p}.wq.weight", ("NH*(QK_NOPE + QK_ROPE)", "H"), key=_hf("self_attn.q_proj.weight")))
-        out += [Tensor(f"{p}.wkv_a.weight", ("KV_LORA + QK_ROPE", "H"), key=_hf("self_attn.kv_a_proj_with_mqa.weight")),
-                Tensor(f"{p}.kv_norm.weight", ("KV_LORA",), key=_hf("self_attn.kv_a_layernorm.weight")),
+            out.append(Tensor(f"{p}.wq.weight", ("NH*(QK_NOPE + QK_ROPE)", "H"), key=layer_key("self_attn.q_proj.weight")))
+        out += [Tensor(f"{p}.wkv_a.weight", ("KV_LORA + QK_ROPE", "H"), key=layer_key("self_attn.kv_a_proj_with_mqa.weight")),
+                Tensor(f"{p}.kv_norm.weight", ("KV_LORA",), key=layer_key("self_attn.kv_a_layernorm.weight")),
                 Tensor(f"{p}.wkv_b.weight", ("NH*(QK_NOPE + V_HEAD)", "KV_LORA"),
-                       key=_hf("self_attn.kv_b_proj.weight")),
-                Tensor(f"{p}.wo.weight", ("H", "NH*V_HEAD"), key=_hf("self_attn.o_proj.weight"))]
-    out.append(Tensor("layers.{l}.ffn_norm.weight", ("H",), key=_hf("post_attention_layernorm.weight")))
+                       key=layer_key("self_attn.kv_b_proj.weight")),
+                Tensor(f"{p}.wo.weight", ("H", "NH*V_HEAD"), key=layer_key("self_attn.o_proj.weight"))]
+    out.append(Tensor("layers.{l}.ffn_norm.weight", ("H",), key=layer_key("post_attention_layernorm.weight")))
     return out
 
 
@@ -126,16 +126,16 @@ def _ffn(prefix: str, inter: str, key_prefix: str) -> list[Tensor]:
 def _moe(m: Model) -> list[Tensor]:
     moe = m.moe
     p = "layers.{l}.moe"
-    expert = lambda name: _hf(f"mlp.experts.{{e}}.{name}.weight")  # noqa: E731
-    out = [Tensor(f"{p}.router.gate.weight", ("E", "H"), key=_hf("mlp.gate.weight"))]
+    expert = lambda name: layer_key(f"mlp.experts.{{e}}.{name}.weight")  # noqa: E731
+    out = [Tensor(f"{p}.router.gate.weight", ("E", "H"), key=layer_key("mlp.gate.weight"))]
     if moe.score_bias:
-        out.append(Tensor(f"{p}.expert_bias_E", ("E",), key=_hf("mlp.gate.e_score_correction_bias"), dtype="fp32"))
+        out.append(Tensor(f"{p}.expert_bias_E", ("E",), key=layer_key("mlp.gate.e_score_correction_bias"), dtype="fp32"))
     inner = f"{p}.routed_experts.inner_experts"
     out += [Tensor(f"{inner}.w1_EFD", ("e in 0..E", "I", "H"), key=expert("gate_proj")),
             Tensor(f"{inner}.w2_EDF", ("e in 0..E", "H", "I"), key=expert("down_proj")),
             Tensor(f"{inner}.w3_EFD", ("e in 0..E", "I", "H"), key=expert("up_proj"))]
     if moe.shared:
-        out += _ffn("moe.shared_experts", "S", _hf(f"mlp.{moe.shared_name}"))
+        out += _ffn("moe.shared_experts", "S", layer_key(f"mlp.{moe.shared_name}"))
     return out
 
 
@@ -144,7 +144,7 @@ def with_rotary_halves(doc: Document) -> Document:
     HF stores them under rotary: each head's halves, `(Q, (re: D/2 | im: D/2))`.
 
     The hf and hf-memory conventions write them themselves now (families.py
-    `_rotary_rows`, issue 29), so this returns such a Document unchanged; kept for
+    `rotary_rows`, issue 29), so this returns such a Document unchanged; kept for
     callers that built a partner for a Meta-order source (torchtitan's Llama3) by hand.
     """
     rows = {"self_attn.q_proj.weight": "(Q, (re: D/2 | im: D/2))",

@@ -244,11 +244,11 @@ def _config(path: str, config) -> tuple[Mapping | None, str | None]:
 
 
 def _rotary(config: Mapping | None, source: str | None) -> tuple[dict[str, tuple[int, int]], str | None]:
-    """{"q": (Q, D), "k": (KV, D)} from the config (families.rotary_heads), or {} with the reason
+    """{"q": (Q, D), "k": (KV, D)} from the config (bridges/model.py: rotary_heads), or {} with the reason
     none is written (None when there is no config)."""
     if config is None:
         return {}, None
-    from ..bridges.families import ConfigError, model_from_config, rotary_heads
+    from ..bridges.model import ConfigError, model_from_config, rotary_heads
 
     try:
         heads = rotary_heads(model_from_config(config, source=source or "config"))
@@ -259,7 +259,7 @@ def _rotary(config: Mapping | None, source: str | None) -> tuple[dict[str, tuple
 
 
 def _rows(key: str, shape: tuple[int, ...], heads: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:
-    from ..bridges.families import ROTARY_KEY
+    from ..bridges.model import ROTARY_KEY
 
     m = ROTARY_KEY.fullmatch(key) if heads else None
     if m is None or not shape:

@@ -34,7 +34,8 @@ def replica_text(hf_config, convention: str, *, engine: str, dtype: str, tp: int
     """The layout text of one engine replica of TP `tp` ranks (`layoutc new CONVENTION`) from the
     config.json the engine read, in the engine's storage dtype (a torch dtype name);
     `redundant_experts` > 0: an EPLB engine's (its physical expert map the table arg `EPLB`)."""
-    from layoutlang.bridges.families import DTYPES, model_from_config, render
+    from layoutlang.bridges.families import model_from_config, render
+    from layoutlang.bridges.model import DTYPES
 
     if dtype not in DTYPES:
         raise EngineRefused(f"{engine} runs this model in {dtype}, which no layout dtype describes")
