@@ -148,20 +148,20 @@ def match_collecting(src: Layout, dst: Layout, one_sided: list | None) -> tuple[
             key = region.key if region is not None else t.key
             items = by_key.get(key)
             if items is None:
-                raise _missing(key, t, region, src, by_key)
+                raise missing_key_error(key, t, region, src, by_key)
             sources, src_regions = zip(*items)
             if src_regions[0] is None and src_regions.count(None) == len(src_regions):  # v1 sources
                 src_regions = ()
             m = Match(t, sources, region, src_regions)
             if key not in checked:
                 checked.add(key)
-                _check_same_key(m, compared, one_sided)
+                check_same_key(m, compared, one_sided)
             matches.append(m)
     unused = [k for k in by_key if k not in checked]
     return matches, unused
 
 
-def _missing(key: str, t: TensorIR, region: KeyRegion | None, src: Layout, by_key) -> PlanError:
+def missing_key_error(key: str, t: TensorIR, region: KeyRegion | None, src: Layout, by_key) -> PlanError:
     """A destination key the source lacks (LANGUAGE.md 8.4): say which stored tensor declares
     it, and point at the line to edit. A fused tensor whose parts have no keys, on either
     side, is the usual cause (HF keeps q/k/v apart, Megatron and vLLM fuse them): part
@@ -251,7 +251,7 @@ def _key_template(t: TensorIR) -> str | None:
     return found.group(1) if found else None
 
 
-def _region_sig(r: KeyRegion | None) -> tuple | None:
+def region_signature(r: KeyRegion | None) -> tuple | None:
     return None if r is None else (r.box, r.stacked, r.transposed, r.part_dim)
 
 
@@ -270,13 +270,13 @@ def one_sided_only(a: PartTree, b: PartTree) -> bool:
                for (an, at), (bn, bt) in zip(a.parts, b.parts))
 
 
-def _check_same_key(m: Match, compared: set, one_sided: list | None = None) -> None:
+def check_same_key(m: Match, compared: set, one_sided: list | None = None) -> None:
     """Same logical shape and the same hoisted part trees for a key on both sides; with a list
     `one_sided`, trees that differ only where one side is plain put the match there instead."""
     first, first_region = m.src[0], m.src_region(0)
     # the same dims and regions (box, stacked dims, transposition, part dim) give the same shapes and
     # part trees (`key_trees`): each such pair is compared once
-    sig = (id(m.dst.dims), _region_sig(m.region), id(first.dims), _region_sig(first_region))
+    sig = (id(m.dst.dims), region_signature(m.region), id(first.dims), region_signature(first_region))
     if sig in compared:
         return
     compared.add(sig)

@@ -46,11 +46,12 @@ from layoutlang.gcpause import gc_paused
 from layoutlang.ir import Axis, Layout, Mesh
 
 from .refine import pair
-from .plan import (Geometry, Plan, PlanCache, Request, Template, check_options, group_templates, load_pair,
-                   select_stage, split_stage)
+from .plan import Plan, PlanCache, check_options, group_templates, load_pair, select_stage
 from .ranks import RankSet
+from .records import Geometry, Request, Template
 from .relay import relay_stage
 from .select import SELECTORS, Balanced
+from .split import split_stage
 from .shards import Placement
 
 REPLICA_AXIS = "replica"

@@ -33,167 +33,22 @@ from layoutlang.elaborate import load
 from layoutlang.gcpause import gc_paused
 from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout, TensorIR
 from layoutlang.modes import Run, cached_property
+from layoutlang.version import __version__
 
 from .match import Match, PlanError
 from .pieces import Piece, Slice, Source, pieces
 from .ranks import RankSet
+from .records import RELAYED, Box, Geometry, Op, Template, TensorEntry, Transfer, op_offsets
 from .refine import pair
 from .relay import needed_recv, relay_stage
 from . import strides
-from .select import SELECTORS
+from .select import SELECTORS, select_senders
 from .shards import Placement, Shard, placement_of, shards
 from .split import split_stage
 from .verify import check_tiling
-from .wire import WIRE_MODES, op_wire, wire_dtype
+from .wire import WIRE_MODES, wire_dtype
 
 FORMAT = "layoutlang.plan/1"
-
-
-@dataclass(frozen=True)
-class Op:
-    """Copy src_slice of src_name on src_rank into dst_slice of dst_name on dst_rank."""
-
-    id: int
-    key: str
-    src_rank: int
-    dst_rank: int
-    src_name: str
-    dst_name: str
-    src_slice: Slice  # per dim (start, stop), or strided: (start, stop, step[, block]) (strides.py)
-    dst_slice: Slice
-    bytes: int
-    # a key stored transposed on one side only (LANGUAGE.md 8.3): the source block is (p, q) in
-    # its storage order (stacked dims left out) and the destination stores its transpose (q, p)
-    transpose: tuple[int, int] | None = None
-    # the destination's quantized format when the op carries data and scales (compiler/wire.py);
-    # None: the bf16-path wire dtype (`wire_dtype`)
-    wire: str | None = None
-    # a relay (LANGUAGE.md 5): src_rank forwards what these ops delivered to it, reading its own
-    # destination tensor (src_name is then a destination tensor, src_slice its local slice)
-    after: tuple[int, ...] = ()
-
-    @property
-    def local(self) -> bool:
-        return self.src_rank == self.dst_rank
-
-    def __str__(self) -> str:
-        sl = strides.slice_text  # a strided dim reads start:stop:step[:block]
-        wire = f" {self.wire}" if self.wire else ""
-        waits = f" after {', '.join(map(str, self.after))}" if self.after else ""
-        return (f"op {self.id} {self.key}: rank {self.src_rank} {self.src_name}{sl(self.src_slice)} -> "
-                f"rank {self.dst_rank} {self.dst_name}{sl(self.dst_slice)} ({self.bytes} B{wire}){waits}")
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    key: str
-    shape: tuple[int, ...]
-    src_dtype: str
-    dst_dtype: str
-
-
-# A key's view of its stored tensor: (logical box, stacked dims, transposed); None: the whole tensor.
-Box = tuple[tuple[tuple[int, int], ...], tuple[int, ...], bool] | None
-
-
-@dataclass(frozen=True)
-class Request:
-    """One destination rank's need for one piece, and every rank that can feed it."""
-
-    rank: int            # the destination rank
-    piece: int           # index into Geometry.pieces
-    bytes: int           # on the wire, per instance
-    senders: RankSet     # shared by every request for this piece
-    wire: str | None = None  # quantized wire format (compiler/wire.py), None: the bf16 path
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What every destination instance that cuts and places alike shares: computed once, frozen.
-
-    `requests` are in canonical order (destination rank, then piece);
-    `alternatives[k]` are piece k's sources, each with the ranks that hold it.
-    A split geometry (split.py `split_geometry`) appends the parts of its split pieces
-    after the pieces that tile the shards; a split request becomes requests for
-    its parts, in place.
-    """
-
-    dst: Placement
-    src: tuple[Placement, ...]
-    wire_bytes: int
-    pieces: tuple[Piece, ...]
-    requests: tuple[Request, ...]
-    alternatives: tuple[tuple[tuple[Source, RankSet], ...], ...]
-    dst_box: Box = None                 # the key's region in the stored tensor (v2 part keys), or None
-    src_boxes: tuple[Box, ...] = ()
-    tiling: int | None = None           # pieces[tiling:] are parts of split pieces (None: nothing split)
-    dst_dtype: str = "bf16"
-    wire_mode: str = "auto"
-    dst_local: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (rank, local shape) of every destination rank
-
-    @cached_property
-    def _local_of(self) -> dict[int, tuple[int, ...]]:
-        return dict(self.dst_local)
-
-    @cached_property
-    def request_ranks(self) -> tuple[int, ...]:
-        """Each request's destination rank: what one rank's ops test (compiler/tables.py's moved
-        geometries answer it without making their requests)."""
-        return tuple(q.rank for q in self.requests)
-
-    def request(self, rank: int, k: int, piece: Piece, senders: RankSet, wires: dict | None = None) -> Request:
-        """The request of `rank` for piece k, with its wire format and bytes (compiler/wire.py);
-        `wires` memoizes `op_wire` (a pure function of its arguments) for one compilation."""
-        local = self._local_of.get(rank)  # None: a plain destination (a 0-dim one's shape is ())
-        if local is None:
-            return Request(rank, k, piece.elements * self.wire_bytes, senders, None)
-        key = (piece.dst_slice, local, self.dst_dtype, self.wire_mode)
-        found = wires.get(key) if wires is not None else None
-        if found is None:
-            found = op_wire(*key)
-            if wires is not None:
-                wires[key] = found
-        wire, nbytes = found
-        return Request(rank, k, nbytes, senders, wire)
-
-    def is_part(self, request: Request) -> bool:
-        """Whether the request is for a part of a split piece."""
-        return self.tiling is not None and request.piece >= self.tiling
-
-    def source_for(self, k: int, rank: int) -> Source:
-        """The alternative of piece k that `rank` holds (the first one wins)."""
-        for src, holders in self.alternatives[k]:
-            if rank in holders.members:
-                return src
-        raise AssertionError((k, rank))
-
-
-@dataclass(frozen=True)
-class Template:
-    """A geometry and the destination instances (indexes into Plan.matches) that share it."""
-
-    geometry: Geometry
-    members: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One op before it is named: what `Plan.transfers` yields and every consumer reads."""
-
-    op_id: int
-    instance: int        # index into Plan.matches
-    dst_rank: int
-    piece: Piece
-    sender: int
-    source: Source       # the alternative the sender holds
-    bytes: int
-    senders: RankSet     # every rank that could have sent it
-    wire: str | None = None  # the op's quantized wire format, None: the bf16 path
-    after: tuple[int, ...] = ()  # a relay: the op that delivered the piece to `sender` (source: RELAYED)
-
-
-# A relay's source (Transfer.source): the sender's own destination tensor, at the piece's dst_slice.
-RELAYED = -1
 
 
 class PlanCache:
@@ -430,7 +285,7 @@ class Plan:
         self.relays = 0  # ops that are relays (`relay_stage`)
         self.splits = 0  # whole requests (instances x template requests) cut into parts by `split_stage`
         self.world = max(src.ranks, dst.ranks)
-        self._progress = progress or (lambda stage, done, total: None)
+        self.progress = progress or (lambda stage, done, total: None)
         self._cache = PlanCache()
         # `pipeline`: the stages to run, PIPELINE unless a planner that knows more runs its own
         # versions of them (compiler/members.py: the same plan, what the replica count does not
@@ -658,8 +513,6 @@ class Plan:
         """Identifies the plan: it is a pure function of these inputs (DESIGN.md)."""
         import hashlib
 
-        from layoutlang import __version__
-
         inputs = (FORMAT, __version__, self.src.digest, self.dst.digest, self.ranks_per_node,
                   self.selector_name)
         if not self.split:  # named only when off: the default plan keeps the inputs it always had
@@ -696,8 +549,8 @@ def match_stage(plan: Plan) -> None:
 
 def template_stage(plan: Plan) -> None:
     """Instances that cut and place alike share one geometry: pieces, proof, requests, senders."""
-    plan.templates, plan._instance = group_templates(plan.matches, plan._cache, plan.wire, plan._progress)
-    plan._offsets = _offsets(plan._instance, plan.templates)
+    plan.templates, plan._instance = group_templates(plan.matches, plan._cache, plan.wire, plan.progress)
+    plan._offsets = op_offsets(plan._instance, plan.templates)
 
 
 def group_templates(matches: list[Match], cache: PlanCache, wire_mode: str = "auto",
@@ -742,47 +595,15 @@ def select_stage(plan: Plan) -> None:
     The order is a pure function of the plan (bytes, then template and
     request order), so every rank makes the same choices.
     """
-    plan._picks, plan._selector = _select(plan, plan.templates)
+    plan._picks, plan._selector = select_senders(plan, plan.templates)
     plan.send_load = plan._selector.load
-
-
-def _select(plan: Plan, templates: tuple[Template, ...]):
-    """(picks per template request, the selector with its final load) for these templates.
-
-    Whole requests go first, largest first; then the parts of split requests,
-    largest first: parts fill the gaps the whole ones leave (they were cut for
-    that), so placing them last keeps them off senders that still await whole
-    requests only they can send.
-    """
-    selector = SELECTORS[plan.selector_name](plan.world, plan.ranks_per_node)
-    order = sorted(((t.geometry.is_part(req), -req.bytes, i, j) for i, t in enumerate(templates)
-                    for j, req in enumerate(t.geometry.requests)))
-    picks: list[list] = [[None] * len(t.geometry.requests) for t in templates]
-    for step, (_, neg_bytes, i, j) in enumerate(order):
-        if step % 4096 == 0:
-            plan._progress("senders", step, len(order))
-        t = templates[i]
-        req = t.geometry.requests[j]
-        picks[i][j] = tuple(selector.pick(req.rank, req.senders, len(t.members), -neg_bytes, j))
-    plan._progress("senders", len(order), len(order))
-    return picks, selector
-
-
-def _offsets(instances: list[tuple[int, int]], templates: tuple[Template, ...]) -> list[int]:
-    """The first op id of every destination instance, and the op count last."""
-    offsets, acc = [], 0
-    for ti, _ in instances:
-        offsets.append(acc)
-        acc += len(templates[ti].geometry.requests)
-    offsets.append(acc)
-    return offsets
 
 
 PIPELINE = (("match", match_stage), ("templates", template_stage), ("senders", select_stage),
             ("split", split_stage), ("relay", relay_stage))
 
 
-def _as_layout(x, args) -> Layout:
+def as_layout(x, args) -> Layout:
     if isinstance(x, Layout):
         return x
     return load(os.fspath(x), args, unknown_args="ignore")
@@ -835,10 +656,10 @@ def load_pair(src, dst, *, args: dict[str, int] | None = None, src_args: dict[st
     d_args = {**common, **(dst_args or {})}
     if progress:
         progress("layouts", 0, 2)
-    src_layout = _as_layout(src, s_args)
+    src_layout = as_layout(src, s_args)
     if progress:
         progress("layouts", 1, 2)
-    dst_layout = _as_layout(dst, d_args)
+    dst_layout = as_layout(dst, d_args)
     declared = {n for n, _ in src_layout.args} | {n for n, _ in dst_layout.args}
     for name in common:
         if not isinstance(src, Layout) and not isinstance(dst, Layout) and name not in declared:

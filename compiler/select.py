@@ -210,3 +210,25 @@ class RoundRobin:
 
 
 SELECTORS = {"balanced": Balanced, "round_robin": RoundRobin}
+
+
+def select_senders(plan, templates: tuple) -> tuple[list[list], object]:
+    """(picks per template request, the selector with its final load) for these templates.
+
+    Whole requests go first, largest first; then the parts of split requests,
+    largest first: parts fill the gaps the whole ones leave (they were cut for
+    that), so placing them last keeps them off senders that still await whole
+    requests only they can send.
+    """
+    selector = SELECTORS[plan.selector_name](plan.world, plan.ranks_per_node)
+    order = sorted(((t.geometry.is_part(req), -req.bytes, i, j) for i, t in enumerate(templates)
+                    for j, req in enumerate(t.geometry.requests)))
+    picks: list[list] = [[None] * len(t.geometry.requests) for t in templates]
+    for step, (_, neg_bytes, i, j) in enumerate(order):
+        if step % 4096 == 0:
+            plan.progress("senders", step, len(order))
+        t = templates[i]
+        req = t.geometry.requests[j]
+        picks[i][j] = tuple(selector.pick(req.rank, req.senders, len(t.members), -neg_bytes, j))
+    plan.progress("senders", len(order), len(order))
+    return picks, selector

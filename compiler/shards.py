@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 
 from layoutlang.ir import DimIR, Mesh
-from layoutlang.modes import RunLike, _cached_hash
+from layoutlang.modes import RunLike, cached_hash
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Shard:
 class Placement:
     """What makes two instances cut and place identically: a template key."""
 
-    __hash__ = _cached_hash
+    __hash__ = cached_hash
 
     mesh: Mesh
     dims: tuple[DimIR, ...]

@@ -12,21 +12,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from layoutlang.vocabulary import DTYPE
 
 from . import strides
 from .pieces import Piece, split_piece
 from .ranks import RankSet
-from .select import SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER
+from .records import Box, Geometry, Template, op_offsets
+from .select import SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER, select_senders
 from .verify import check_split
 
-if TYPE_CHECKING:
-    from .plan import Box, Geometry, Plan, Template
 
-
-def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select=None) -> None:
+def split_stage(plan, *, floor: float | None = None, cuttable=None, select=None) -> None:
     """Cut the requests that overload the busiest senders into parts along their outer dim.
 
     When usable senders outnumber the pieces, each piece goes whole to one
@@ -51,13 +48,11 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
     all, in any order: two or more candidate senders and at least two
     SPLIT_MIN_BYTES; `Balanced.parts` keeps every other one whole), so that the
     first round looks at those only (compiler/members.py); the plan is the same.
-    `select(plan, templates)` -> (picks, selector): a selector of the same picks as plan.py's
-    `_select` (compiler/tables.py's), used for the rounds.
+    `select(plan, templates)` -> (picks, selector): a selector of the same picks as select.py's
+    `select_senders` (compiler/tables.py's), used for the rounds.
     """
     if not plan.split or plan.selector_name != "balanced" or not plan.templates:
         return
-    from .plan import Template, _offsets, _select  # (plan.py runs this stage: imported when it runs)
-
     base = plan.templates
     floor = _send_floor(base) if floor is None else floor
     line = SPLIT_TRIGGER * floor
@@ -89,7 +84,7 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
             g, cut_origin[i] = split_geometry(base[i].geometry, marks[i], quanta(i))
             cut[i] = Template(g, base[i].members)
         templates, origin = Cut(base, cut), Cut(_Whole(base), cut_origin)
-        picks, selector = (select or _select)(plan, templates)
+        picks, selector = (select or select_senders)(plan, templates)
         busiest = max(selector.load)
         if busiest < best[0] * SPLIT_GAIN:
             best = (busiest, templates, picks, selector.load, origin)
@@ -101,7 +96,7 @@ def split_stage(plan: Plan, *, floor: float | None = None, cuttable=None, select
     plan.templates = tuple(templates)  # (every consumer indexes them: a tuple, not a Cut over the base)
     plan.splits = sum(len(t.members) * (len(t.geometry.requests) - sum(k is not None for k in origin[i]))
                       for i, t in enumerate(base))
-    plan._offsets = _offsets(plan._instance, plan.templates)
+    plan._offsets = op_offsets(plan._instance, plan.templates)
 
 
 class Cut(Sequence):
@@ -183,7 +178,7 @@ def _mark(base, picks, selector, origin, marks, quanta, line: float, grain: floa
     return fresh
 
 
-def _split_quanta(plan: Plan, t: Template) -> tuple[int, ...]:
+def _split_quanta(plan, t: Template) -> tuple[int, ...]:
     """Per destination storage dim, the multiple a cut must sit on: the scale block along that
     dim of every member's destination dtype (LANGUAGE.md 4.1; 1 for plain dtypes), so that a
     part never shares a scale block with another."""

@@ -50,16 +50,16 @@ from layoutlang.elaborate.rekey import watch
 from layoutlang.elaborate.sources import Source, read_source
 from layoutlang.elaborate import loads
 from layoutlang.gcpause import gc_paused
-from layoutlang.ir import ELEMENT_BYTES, QUANTIZED, Layout
+from layoutlang.ir import ELEMENT_BYTES, QUANTIZED
 from layoutlang.modes import cached_property
 
 from .members import digest_suffix, replicate
-from .match import Match, _check_same_key, _missing, _region_sig
-from .plan import (Geometry, Plan, PlanCache, Request, Template, _as_layout, _offsets, _select, build_geometry,
-                   check_options, compile_plan)
+from .match import Match, check_same_key, missing_key_error, region_signature
+from .plan import Plan, PlanCache, as_layout, build_geometry, check_options, compile_plan
 from .ranks import RankSet
+from .records import Geometry, Request, Template
 from .relay import relay_stage
-from .select import Balanced
+from .select import Balanced, select_senders
 from .shards import placement_of
 from .split import Cut, split_stage
 from .wire import wire_dtype
@@ -108,7 +108,7 @@ class TablePlanner:
         self._options.update(compile_kwargs)
         opts = self._options
         check_options(selector=opts["selector"], wire=opts["wire"], ranks_per_node=opts["ranks_per_node"])
-        self.src = _as_layout(src, src_args)
+        self.src = as_layout(src, src_args)
         source = Source(dst_path, dst) if dst_path is not None else read_source(os.fspath(dst))
         self._source, self._dst_args, self.table = source, dst_args, table
         self.first, self._keys = watch(source, dst_args, table, unknown_args="ignore")
@@ -122,7 +122,7 @@ class TablePlanner:
         self.reason = self._keys.reason
         self._cache = PlanCache()
         self._compared: set = set()
-        self._checked: set = set()         # (dst kind, src kind) ids _check_same_key passed
+        self._checked: set = set()         # (dst kind, src kind) ids check_same_key passed
         self._src_keys: dict[str, _SrcKey] = {}
         self._interned: dict = {}          # signature parts, one object per value
         self._numbers: dict = {}           # id of an interned part -> its number (`_number`)
@@ -169,7 +169,7 @@ class TablePlanner:
             return hit
         items = self.src.key_index.get(key)
         if items is None:
-            raise _missing(key, t, region, self.src, self.src.key_index)
+            raise missing_key_error(key, t, region, self.src, self.src.key_index)
         sources, regions = zip(*items)
         if regions[0] is None and regions.count(None) == len(regions):  # v1 sources
             regions = ()
@@ -183,7 +183,7 @@ class TablePlanner:
         hit.sig = intern.setdefault(sig, sig)
         hit.cls = intern.setdefault(cls, cls)
         hit.sig_n, hit.cls_n = self._number(hit.sig), self._number(hit.cls)
-        hit.check = self._number(self._intern((id(sources[0].dims), _region_sig(regions[0] if regions else None))))
+        hit.check = self._number(self._intern((id(sources[0].dims), region_signature(regions[0] if regions else None))))
         offsets = {self._offset(placement_of(s)) for s in sources}
         hit.offset = offsets.pop() if len(offsets) == 1 else None
         self._src_keys[key] = hit
@@ -223,7 +223,7 @@ class TablePlanner:
             regions = t.regions or (None,)
             parts = [self._dst_part(t, r) for r in regions]
             dps = self._dst_parts[pos] = (t.dims, [self._number(dp) << 32 for dp in parts],
-                                          [self._number(self._intern((id(t.dims), _region_sig(r)))) << 32
+                                          [self._number(self._intern((id(t.dims), region_signature(r)))) << 32
                                            for r in regions])
         src_keys, checked = self._src_keys, self._checked
         regions = (None,) if t.regions is None else t.regions
@@ -232,9 +232,9 @@ class TablePlanner:
         for region, key, check in zip(regions, keys, dps[2]):
             sk = src_keys.get(key) or self._src_key(key, t, region)
             sks.append(sk)
-            pair = check | sk.check  # what _check_same_key compares: once per pair of kinds
+            pair = check | sk.check  # what check_same_key compares: once per pair of kinds
             if pair not in checked:
-                _check_same_key(Match(t, sk.sources, region, sk.regions), self._compared)
+                check_same_key(Match(t, sk.sources, region, sk.regions), self._compared)
                 checked.add(pair)
         return t, dps[1], sks, keys
 
@@ -365,7 +365,7 @@ class TablePlanner:
         """select_stage's picks: one-candidate requests add their load at their place in its order
         (what Balanced.pick does with them whatever the loads); the others are picked in it."""
         if plan.selector_name != "balanced":
-            plan._picks, plan._selector = _select(plan, plan.templates)
+            plan._picks, plan._selector = select_senders(plan, plan.templates)
             plan.send_load = plan._selector.load
             return
         plan._picks, plan._selector, self._floor = self._pick(plan, plan.templates)

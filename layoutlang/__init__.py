@@ -9,6 +9,7 @@
 from .diagnostics import LayoutError, ParseError, ElaborationError, UsageError
 from .elaborate import load, loads
 from .ir import Layout, Mesh, Axis, TensorIR, DimIR, Run, PadRun
+from .version import __version__
 
 
 def compile_plan(src, dst, **kwargs):
@@ -17,8 +18,6 @@ def compile_plan(src, dst, **kwargs):
 
     return compile_(src, dst, **kwargs)
 
-
-__version__ = "0.1.0"
 
 __all__ = ["load", "loads", "compile_plan", "Layout", "Mesh", "Axis", "TensorIR", "DimIR", "Run", "PadRun",
            "LayoutError", "ParseError", "ElaborationError", "UsageError", "__version__"]

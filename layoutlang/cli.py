@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
+from .version import __version__
 from .diagnostics import LayoutError, Note, UsageError
 from .elaborate import load, read_source
 from .report.units import human_bytes

@@ -23,7 +23,7 @@ from math import prod
 from typing import ClassVar
 
 from .diagnostics import Source, Span
-from .modes import (RAGGED, ModeIR, PadRun, PartTree, Run, RunLike, _cached_hash, cached_property, chunk_intervals,
+from .modes import (RAGGED, ModeIR, PadRun, PartTree, Run, RunLike, cached_hash, cached_property, chunk_intervals,
                     runs, select, select_uneven)
 from .vocabulary import DTYPE, DTYPES, ELEMENT_BYTES, MXFP8_BLOCK, QUANTIZED
 
@@ -42,7 +42,7 @@ class Mesh:
     (1, 1)
     """
 
-    __hash__ = _cached_hash
+    __hash__ = cached_hash
 
     name: str
     axes: tuple[Axis, ...]
@@ -121,7 +121,7 @@ class DimIR:
     runs each coordinate holds are computed once per layout and kept here.
     """
 
-    __hash__ = _cached_hash
+    __hash__ = cached_hash
     mode: ModeIR
     over: Split | None
     chunk: ChunkSplit | None

@@ -98,7 +98,7 @@ def _compared_fields(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls) if f.compare)
 
 
-def _cached_hash(self) -> int:
+def cached_hash(self) -> int:
     """Hash of a frozen dataclass's compared fields, computed once per object."""
     h = self.__dict__.get("_hash")
     if h is None:
@@ -109,7 +109,7 @@ def _cached_hash(self) -> int:
 
 @dataclass(frozen=True)
 class PlainM:
-    __hash__ = _cached_hash  # structural, computed once: modes key templates
+    __hash__ = cached_hash  # structural, computed once: modes key templates
     extent: int
     origin: object = field(default=None, compare=False, repr=False)
 
@@ -136,7 +136,7 @@ class PlainM:
 
 @dataclass(frozen=True)
 class ProductM:
-    __hash__ = _cached_hash  # structural, computed once: modes key templates
+    __hash__ = cached_hash  # structural, computed once: modes key templates
     count: int
     inner: "ModeIR"
     origin: object = field(default=None, compare=False, repr=False)
@@ -170,7 +170,7 @@ class PartM:
 
 @dataclass(frozen=True)
 class ConcatM:
-    __hash__ = _cached_hash  # structural, computed once: modes key templates
+    __hash__ = cached_hash  # structural, computed once: modes key templates
     parts: tuple[PartM, ...]
     origin: object = field(default=None, compare=False, repr=False)
 
@@ -197,7 +197,7 @@ class ConcatM:
 
 @dataclass(frozen=True)
 class PadM:
-    __hash__ = _cached_hash  # structural, computed once: modes key templates
+    __hash__ = cached_hash  # structural, computed once: modes key templates
     inner: "ModeIR"
     multiple: int
     origin: object = field(default=None, compare=False, repr=False)

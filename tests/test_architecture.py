@@ -212,7 +212,6 @@ def import_cycles(g: nx.DiGraph) -> list[list[str]]:
 
 # circles not yet taken apart (this list only shrinks).
 CYCLES_LEFT = [
-    ["layoutlang", "layoutlang.compiler", "layoutlang.compiler.plan", "layoutlang.compiler.split"],
     ["layoutlang.checkpoint.describe", "layoutlang.checkpoint.exchange", "layoutlang.checkpoint.files",
      "layoutlang.checkpoint.load", "layoutlang.checkpoint.ranked", "layoutlang.checkpoint.save",
      "layoutlang.checkpoint.write"],
@@ -270,22 +269,10 @@ RUNTIME_PRIVATE = {
     ("runtime/loopback.py", "layoutlang.runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
 }
 RUNTIME_PRIVATE |= {  # not yet made public (this list only shrinks)
-    ('compiler/shards.py', 'layoutlang.modes:_cached_hash'),
-    ('compiler/split.py', 'layoutlang.compiler.plan:_offsets'),
-    ('compiler/split.py', 'layoutlang.compiler.plan:_select'),
-    ('compiler/tables.py', 'layoutlang.compiler.match:_check_same_key'),
-    ('compiler/tables.py', 'layoutlang.compiler.match:_missing'),
-    ('compiler/tables.py', 'layoutlang.compiler.match:_region_sig'),
-    ('compiler/tables.py', 'layoutlang.compiler.plan:_as_layout'),
-    ('compiler/tables.py', 'layoutlang.compiler.plan:_offsets'),
-    ('compiler/tables.py', 'layoutlang.compiler.plan:_select'),
     ('layoutlang/checkpoint/exchange.py', 'layoutlang.checkpoint.write:_Writer'),
-    ('layoutlang/checkpoint/load.py', 'layoutlang.compiler.plan:_as_layout'),
     ('layoutlang/checkpoint/ranked.py', 'layoutlang.checkpoint.save:_entries'),
     ('layoutlang/checkpoint/ranked.py', 'layoutlang.checkpoint.write:_Writer'),
     ('layoutlang/checkpoint/save.py', 'layoutlang.checkpoint.load:_rank_of'),
-    ('layoutlang/checkpoint/save.py', 'layoutlang.compiler.plan:_as_layout'),
-    ('layoutlang/ir.py', 'layoutlang.modes:_cached_hash'),
 }
 
 

@@ -42,8 +42,8 @@ CASES_DIR = Path("tests") / "diagnostics" / "v2_plan"  # relative to ROOT: rende
 REGEN = bool(os.environ.get("REGEN_GOLDEN"))
 CASES = sorted(p.name.removesuffix(".src.layout") for p in (ROOT / CASES_DIR).glob("*.src.layout"))
 
-# compiler/match.py `_missing`: cases where it prints something else than the rule, with what is wrong.
-REPORTED: dict[str, str] = {}  # none today: compiler/match.py `_missing` follows the rule
+# compiler/match.py `missing_key_error`: cases where it prints something else than the rule, with what is wrong.
+REPORTED: dict[str, str] = {}  # none today: compiler/match.py `missing_key_error` follows the rule
 
 
 def _xfail_if_reported(name: str) -> list:

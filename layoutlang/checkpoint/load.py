@@ -99,10 +99,10 @@ def _rank_of(rank: int | None, group, ranks: int) -> int:
 
 def plan_load(path, layout, *, args: dict[str, int] | None = None, exchange: bool = False):
     """The plan of a load (what `layoutc plan DIR LAYOUT` shows): checkpoint -> `layout`."""
-    from ..compiler.plan import _as_layout, compile_plan
+    from ..compiler.plan import as_layout, compile_plan
 
     ckpt = path if isinstance(path, Checkpoint) else describe(path)
-    dst = _as_layout(layout, args or {})
+    dst = as_layout(layout, args or {})
     if ckpt.per_rank:  # ranked.py: every op a copy out of its source rank's file
         return ckpt, compile_plan(ckpt.layout, dst, wire="bf16", relay=False)
     return ckpt, compile_plan(reader_layout(ckpt, dst.ranks, exchange=exchange), dst)
@@ -154,11 +154,11 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
 
 
 def _load_ranked(ckpt: Checkpoint, layout, tensors, rank, group, args, device, timeout) -> LoadReport:
-    from ..compiler.plan import _as_layout
+    from ..compiler.plan import as_layout
     from .headers import CheckpointFiles
     from .ranked import load_ranked
 
-    dst = _as_layout(layout, args or {})
+    dst = as_layout(layout, args or {})
     me = _rank_of(rank, group, dst.ranks)
     ok = False
     try:

@@ -282,13 +282,13 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     A save that fails leaves nothing at `path` that was not there before (the directory too,
     when the save created it).
     """
-    from ..compiler.plan import _as_layout
+    from ..compiler.plan import as_layout
     from .describe import describe
     from .exchange import exchange_keys
     from .meet import as_timedelta, failures
     from .write import write_pieces
 
-    src = _as_layout(layout, args or {})
+    src = as_layout(layout, args or {})
     if group is None and src.ranks > 1:
         import torch.distributed as dist
 
