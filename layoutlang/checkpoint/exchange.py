@@ -162,14 +162,14 @@ def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict
     from ..runtime.loopback import _Rank
     from .layouts import cached_plan, text_digest
     from ..runtime.refit import _as_given
-    from .write import _Writer
+    from .write import Writer
 
     cap = cap or ROUND_BYTES
     writers = src.ranks
     plan = cached_plan("writers", src, text_digest(writer_text(ckpt, keys, writers)),
                        lambda: compile_plan(src, writer_layout(ckpt, keys, writers, path)))
     rank = _Rank(plan, me)
-    run = _Writer(rank, [], _as_given(tensors or {}, rank.src_held), {}, torch.device("cpu"))
+    run = Writer(rank, [], _as_given(tensors or {}, rank.src_held), {}, torch.device("cpu"))
     files = {f.name: i for i, f in enumerate(ckpt.files)}
     dealt = rounds(ckpt, across_files(ckpt, keys), writers, cap)
     attached = _attached(plan, me, ckpt, run, group, timeout) if MEMORY and group is not None else None

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..diagnostics import LayoutError, UsageError
+from ..vocabulary import DTYPE
 
 # Every dtype of the format (safetensors 0.6+ `Dtype`), with its width in bits.
 DTYPE_BITS = {
@@ -323,5 +324,28 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFiles:
     return CheckpointFiles(str(root), files, INDEX_NAME, ignored)
 
 
+
+ST_PLAIN = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}  # a plain layout dtype -> its safetensors dtype
+
+
+def key_entries(key: str, dtype: str, shape: tuple[int, ...]) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """The entries a key of `dtype` is stored as (name, safetensors dtype, shape): describe's pairing rules,
+    read backwards; what a save and per-rank shard files write."""
+    if dtype in ST_PLAIN:
+        return ((key, ST_PLAIN[dtype], shape),)
+    grid = DTYPE[dtype].scales[0].shape(shape) if DTYPE[dtype].scales else ()
+    if dtype == "fp8_b128":
+        return ((key, "F8_E4M3", shape), (key + "_scale_inv", "F32", grid))
+    if dtype == "mxfp8":
+        return ((key, "F8_E4M3", shape), (key + "_scale", "U8", grid))
+    if dtype in ("fp8_e4m3", "fp8_e5m2"):
+        return ((key, "F8_E4M3" if dtype == "fp8_e4m3" else "F8_E5M2", shape), (key + "_scale", "F32", ()))
+    if dtype == "mxfp4":
+        data = DTYPE[dtype].data_shape(shape)
+        return ((key + "_blocks", "U8", (*data[:-1], data[-1] // 16, 16)), (key + "_scales", "U8", grid))
+    raise UsageError(f"key `{key}`: {dtype} has no checkpoint format here (bf16, fp16, fp32, fp8_e4m3, "
+                     "fp8_e5m2, fp8_b128, mxfp8, mxfp4)")
+
+
 __all__ = ["DTYPE_BITS", "MAX_HEADER_BYTES", "INDEX_NAME", "CheckpointError", "Entry", "FileHeader",
-           "CheckpointFiles", "byte_size", "read_header", "read_checkpoint"]
+           "CheckpointFiles", "byte_size", "read_header", "read_checkpoint", "ST_PLAIN", "key_entries"]

@@ -26,9 +26,15 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
+
 from ..diagnostics import UsageError
-from .describe import MESH, Checkpoint, describe
+from ..ir import QUANTIZED, Layout
+from .describe import MESH, Checkpoint, Stored, describe
 from .files import mapped
+from .headers import CheckpointFiles, FileHeader, key_entries
+from .meet import rank_of
+from .ranked import ranked_source
 
 
 @dataclass(frozen=True)
@@ -76,34 +82,13 @@ def reader_layout(ckpt: Checkpoint, readers: int, *, exchange: bool = False):
                         _deal(ckpt, readers) if exchange else None, rows=ckpt.rows)
 
 
-def _rank_of(rank: int | None, group, ranks: int) -> int:
-    if group is not None:
-        import torch.distributed as dist
-
-        got = dist.get_rank(group)
-        if rank is not None and rank != got:
-            raise UsageError(f"rank {rank}: the group says this rank is {got}")
-        return got
-    if rank is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-        if ranks == 1:
-            return 0
-        raise UsageError(f"the layout has {ranks} ranks: pass rank= (or a group)")
-    if not 0 <= rank < ranks:
-        raise UsageError(f"rank {rank}: the layout has ranks 0..{ranks - 1}")
-    return rank
-
-
 def plan_load(path, layout, *, args: dict[str, int] | None = None, exchange: bool = False):
     """The plan of a load (what `layoutc plan DIR LAYOUT` shows): checkpoint -> `layout`."""
     from ..compiler.plan import as_layout, compile_plan
 
     ckpt = path if isinstance(path, Checkpoint) else describe(path)
     dst = as_layout(layout, args or {})
-    if ckpt.per_rank:  # ranked.py: every op a copy out of its source rank's file
+    if ckpt.per_rank:  # per-rank shard files (ranked.py): every op a copy out of its source rank's file
         return ckpt, compile_plan(ckpt.layout, dst, wire="bf16", relay=False)
     return ckpt, compile_plan(reader_layout(ckpt, dst.ranks, exchange=exchange), dst)
 
@@ -126,7 +111,7 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
     if ckpt.per_rank:
         return _load_ranked(ckpt, layout, tensors, rank, group, args, device, timeout)
     ckpt, plan = plan_load(ckpt, layout, args=args, exchange=exchange)
-    me = _rank_of(rank, group, plan.dst.ranks)
+    me = rank_of(rank, group, plan.dst.ranks)
     ops = plan.ops_for_rank(me)
     if not exchange:
         names = {op.src_name for op in ops}
@@ -155,11 +140,9 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
 
 def _load_ranked(ckpt: Checkpoint, layout, tensors, rank, group, args, device, timeout) -> LoadReport:
     from ..compiler.plan import as_layout
-    from .headers import CheckpointFiles
-    from .ranked import load_ranked
 
     dst = as_layout(layout, args or {})
-    me = _rank_of(rank, group, dst.ranks)
+    me = rank_of(rank, group, dst.ranks)
     ok = False
     try:
         plan, read = load_ranked(CheckpointFiles(ckpt.path, ckpt.files, None), dst, me, tensors, device)
@@ -168,6 +151,72 @@ def _load_ranked(ckpt: Checkpoint, layout, tensors, rank, group, args, device, t
         if group is not None:
             _together(ok, group, me, timeout)
     return LoadReport(plan, me, read)
+
+
+def _ranked_stored(layout: Layout, rank: int, f: FileHeader) -> dict:
+    """{tensor NAME: Stored} of rank `rank`'s file (its entries as `key_entries` names them)."""
+    by_key = {e.key: e for e in f.entries}
+    out = {}
+    for t in layout.tensors:
+        if t.holds(rank):
+            local = tuple(t.local_shape_at(rank))
+            entries = [by_key[name] for name, _, _ in key_entries(t.name, t.dtype, local)]
+            out[t.name] = Stored(t.name, t.dtype, local, entries[0], tuple(entries[1:]))
+    return out
+
+
+def load_ranked(files: CheckpointFiles, dst: Layout, me: int, tensors: dict, device=None):
+    """This rank's destinations from per-rank shard files: the plan from the saved layout, the
+    ops this rank receives, each block read out of its source rank's file (returns the plan
+    and the bytes read)."""
+    from ..compiler.plan import compile_plan
+    from ..runtime.bucket import padding
+    from ..runtime.loopback import _Rank
+    from ..runtime.quant import quantize_into
+    from ..runtime.refit import _as_given, _shape_problem
+    from ..runtime.views import shape as view_shape
+    from ..runtime.views import view
+    from .files import Mapped
+    from .write import Writer
+
+    saved, by_rank = ranked_source(files)
+    plan = compile_plan(saved, dst, wire="bf16", relay=False)
+    ops = [op for op in plan.ops_for_rank(me) if op.dst_rank == me]
+    held = {t.name: t for t in dst.tensors if me < dst.ranks and t.holds(me)}
+    given = _as_given(tensors, held)
+    problems = [f"`{n}` is missing" if n not in given else f"`{n}`: {p}" for n, t in held.items()
+                if n not in given or (p := _shape_problem(t, given[n], me))]
+    if problems:
+        from ..runtime.errors import RefitError
+
+        raise RefitError.at(me, 0, "setup", "local tensors do not match the layouts, nothing was written: "
+                            + "; ".join(problems[:8]), reusable=True)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    sources = sorted({op.src_rank for op in ops})
+    maps = {s: Mapped({by_rank[s].name: by_rank[s].path}) for s in sources}
+    try:
+        readers = {}
+        for s in sources:
+            stored = _ranked_stored(saved, s, by_rank[s])
+            views = {n: maps[s].stored(st) for n, st in stored.items()}
+            readers[s] = Writer(_Rank(plan, s), (), views, {}, device)
+        assembly = {}
+        for name, t in held.items():  # padding is zero: a quantized tensor is assembled from zeros
+            if t.dtype in QUANTIZED:
+                assembly[name] = torch.zeros(tuple(t.local_shape_at(me)), dtype=torch.bfloat16, device=device)
+            else:
+                for pad in padding(given[name], t, me):
+                    pad.zero_()
+        for op in ops:
+            block = readers[op.src_rank].source_view(op)
+            target = assembly.get(op.dst_name, given.get(op.dst_name))
+            view(target, op.dst_slice).copy_(block.reshape(view_shape(op.dst_slice)))
+        for name, a in assembly.items():
+            quantize_into(a, given[name], held[name].dtype)
+    finally:
+        for m in maps.values():
+            m.close()
+    return plan, sum(op.bytes for op in ops)
 
 
 def _together(ok: bool, group, rank: int, timeout) -> None:

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 
+from ..diagnostics import UsageError
 from ..runtime.errors import RefitError
 
 
@@ -50,4 +51,28 @@ def as_timedelta(timeout: timedelta | float) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
 
-__all__ = ["failures", "summed", "as_timedelta"]
+
+def rank_of(rank: int | None, group, ranks: int) -> int:
+    """This process's rank in a load or save of a `ranks`-rank layout: the group's, checked against
+    `rank=` when both are given; without a group, the default group's, or 0 alone."""
+    if group is not None:
+        import torch.distributed as dist
+
+        got = dist.get_rank(group)
+        if rank is not None and rank != got:
+            raise UsageError(f"rank {rank}: the group says this rank is {got}")
+        return got
+    if rank is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        if ranks == 1:
+            return 0
+        raise UsageError(f"the layout has {ranks} ranks: pass rank= (or a group)")
+    if not 0 <= rank < ranks:
+        raise UsageError(f"rank {rank}: the layout has ranks 0..{ranks - 1}")
+    return rank
+
+
+__all__ = ["failures", "summed", "as_timedelta", "rank_of"]

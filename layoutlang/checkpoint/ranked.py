@@ -4,13 +4,13 @@
 
 Rank r of an N-rank layout writes `rank-0000r-of-0000N.safetensors` alone: its tensors by
 NAME, in their local shapes (padding and all), quantized ones as data and scales entries as
-a save writes a key (save.py `_entries`). Every file's `__metadata__` carries the layout:
+a save writes a key (headers.py `key_entries`). Every file's `__metadata__` carries the layout:
 `layoutlang.layout` (its text), `layoutlang.args` (JSON), `layoutlang.rank`,
 `layoutlang.ranks` and `layoutlang.digest` (the layout's digest: text and args). The files
 appear together (temporary directory, rename by rank 0 once every rank has written, as a save).
 
 Such a directory is a checkpoint whose layout is the saved one and whose rank r is file r
-(`ranked_source`), so it is a source for ANY layout: a load compiles the plan from the saved
+(`ranked_source`), so it is a source for ANY layout: a load (load.py `load_ranked`) compiles the plan from the saved
 layout to the destination (bf16 wire, no relays: every op is a copy out of some file) and
 each rank runs the ops it receives, reading the source rank's file. The same layout again
 (same digest, same rank) is the fast restart: every op is a whole local tensor out of this
@@ -27,7 +27,7 @@ import torch
 
 from ..diagnostics import UsageError
 from ..ir import QUANTIZED, Layout
-from .headers import DTYPE_BITS, CheckpointError, CheckpointFiles, FileHeader
+from .headers import DTYPE_BITS, CheckpointError, CheckpointFiles, FileHeader, key_entries
 
 META = "layoutlang.layout"
 FILE = "rank-{rank:05d}-of-{ranks:05d}.safetensors"
@@ -51,8 +51,6 @@ def ranked_source(files: CheckpointFiles) -> tuple[Layout, dict[int, FileHeader]
     """The saved layout and each rank's file, checked: one layout, every rank once, and each
     file holding exactly its rank's tensors (names, local shapes, dtypes)."""
     from ..elaborate import loads
-    from .save import _entries
-
     first = files.files[0]
     try:
         args = json.loads(first.metadata.get("layoutlang.args", "{}"))
@@ -78,7 +76,7 @@ def ranked_source(files: CheckpointFiles) -> tuple[Layout, dict[int, FileHeader]
         raise CheckpointError(f"{first.name}: the layout has {layout.ranks} ranks, the metadata says {ranks}")
     for r, f in by_rank.items():
         want = {name: (st, list(shape)) for t in layout.tensors if t.holds(r)
-                for name, st, shape in _entries(t.name, t.dtype, tuple(t.local_shape_at(r)))}
+                for name, st, shape in key_entries(t.name, t.dtype, tuple(t.local_shape_at(r)))}
         have = {e.key: (e.dtype, list(e.shape)) for e in f.entries}
         if want != have:
             diff = next(k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k))
@@ -93,10 +91,8 @@ def _says(entry) -> str:
 
 def header(layout: Layout, rank: int) -> tuple[bytes, int, list]:
     """Rank `rank`'s file: its header, its size and [(tensor name, entry key, offset)] in data order."""
-    from .save import _entries
-
     entries = [(t.name, name, st, shape) for t in layout.tensors if t.holds(rank)
-               for name, st, shape in _entries(t.name, t.dtype, tuple(t.local_shape_at(rank)))]
+               for name, st, shape in key_entries(t.name, t.dtype, tuple(t.local_shape_at(rank)))]
     order = sorted(range(len(entries)), key=lambda i: (-max(1, DTYPE_BITS[entries[i][2]] // 8), i))
     head: dict[str, object] = {"__metadata__": rank_metadata(layout, rank)}
     at, placed = 0, []
@@ -113,7 +109,7 @@ def header(layout: Layout, rank: int) -> tuple[bytes, int, list]:
 
 
 def _parts(value, dtype: str) -> dict[str, torch.Tensor]:
-    """{entry key suffix: tensor} of a local tensor as `_entries` names them."""
+    """{entry key suffix: tensor} of a local tensor as `key_entries` names them."""
     from ..runtime.quant import as_quantized
 
     if dtype not in QUANTIZED:
@@ -170,73 +166,4 @@ def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
         done += os.pwrite(fd, mem[done:], offset + done)
 
 
-def _stored(layout: Layout, rank: int, f: FileHeader) -> dict:
-    """{tensor NAME: Stored} of rank `rank`'s file (its entries as `_entries` names them)."""
-    from .describe import Stored
-    from .save import _entries
-
-    by_key = {e.key: e for e in f.entries}
-    out = {}
-    for t in layout.tensors:
-        if t.holds(rank):
-            local = tuple(t.local_shape_at(rank))
-            entries = [by_key[name] for name, _, _ in _entries(t.name, t.dtype, local)]
-            out[t.name] = Stored(t.name, t.dtype, local, entries[0], tuple(entries[1:]))
-    return out
-
-
-def load_ranked(files: CheckpointFiles, dst: Layout, me: int, tensors: dict, device=None):
-    """This rank's destinations from per-rank shard files: the plan from the saved layout, the
-    ops this rank receives, each block read out of its source rank's file (returns the plan
-    and the bytes read)."""
-    from ..compiler.plan import compile_plan
-    from ..runtime.bucket import padding
-    from ..runtime.loopback import _Rank
-    from ..runtime.quant import quantize_into
-    from ..runtime.refit import _as_given, _shape_problem
-    from ..runtime.views import shape as view_shape
-    from ..runtime.views import view
-    from .files import Mapped
-    from .write import _Writer
-
-    saved, by_rank = ranked_source(files)
-    plan = compile_plan(saved, dst, wire="bf16", relay=False)
-    ops = [op for op in plan.ops_for_rank(me) if op.dst_rank == me]
-    held = {t.name: t for t in dst.tensors if me < dst.ranks and t.holds(me)}
-    given = _as_given(tensors, held)
-    problems = [f"`{n}` is missing" if n not in given else f"`{n}`: {p}" for n, t in held.items()
-                if n not in given or (p := _shape_problem(t, given[n], me))]
-    if problems:
-        from ..runtime.errors import RefitError
-
-        raise RefitError.at(me, 0, "setup", "local tensors do not match the layouts, nothing was written: "
-                            + "; ".join(problems[:8]), reusable=True)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    sources = sorted({op.src_rank for op in ops})
-    maps = {s: Mapped({by_rank[s].name: by_rank[s].path}) for s in sources}
-    try:
-        readers = {}
-        for s in sources:
-            stored = _stored(saved, s, by_rank[s])
-            views = {n: maps[s].stored(st) for n, st in stored.items()}
-            readers[s] = _Writer(_Rank(plan, s), (), views, {}, device)
-        assembly = {}
-        for name, t in held.items():  # padding is zero: a quantized tensor is assembled from zeros
-            if t.dtype in QUANTIZED:
-                assembly[name] = torch.zeros(tuple(t.local_shape_at(me)), dtype=torch.bfloat16, device=device)
-            else:
-                for pad in padding(given[name], t, me):
-                    pad.zero_()
-        for op in ops:
-            block = readers[op.src_rank].source_view(op)
-            target = assembly.get(op.dst_name, given.get(op.dst_name))
-            view(target, op.dst_slice).copy_(block.reshape(view_shape(op.dst_slice)))
-        for name, a in assembly.items():
-            quantize_into(a, given[name], held[name].dtype)
-    finally:
-        for m in maps.values():
-            m.close()
-    return plan, sum(op.bytes for op in ops)
-
-
-__all__ = ["load_ranked", "is_ranked", "ranked_source", "write_rank", "header", "FILE", "META"]
+__all__ = ["is_ranked", "ranked_source", "write_rank", "header", "FILE", "META"]

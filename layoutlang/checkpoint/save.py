@@ -38,13 +38,12 @@ from datetime import timedelta
 from ..diagnostics import UsageError
 from ..ir import Layout
 from ..vocabulary import DTYPE
-from .headers import DTYPE_BITS, INDEX_NAME
-from .load import _rank_of
+from .headers import DTYPE_BITS, INDEX_NAME, key_entries
+from .meet import rank_of
 from .ranked import FILE, rank_metadata, write_rank
 
 WEIGHTS = "model.safetensors"
 PARTIAL = ".layoutlang-partial-"
-ST_PLAIN = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -90,24 +89,6 @@ class FileLayout:
     keys: tuple[KeyFile, ...]
 
 
-def _entries(key: str, dtype: str, shape: tuple[int, ...]) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-    """The entries a key of `dtype` is stored as: describe's pairing rules, read backwards."""
-    if dtype in ST_PLAIN:
-        return ((key, ST_PLAIN[dtype], shape),)
-    grid = DTYPE[dtype].scales[0].shape(shape) if DTYPE[dtype].scales else ()
-    if dtype == "fp8_b128":
-        return ((key, "F8_E4M3", shape), (key + "_scale_inv", "F32", grid))
-    if dtype == "mxfp8":
-        return ((key, "F8_E4M3", shape), (key + "_scale", "U8", grid))
-    if dtype in ("fp8_e4m3", "fp8_e5m2"):
-        return ((key, "F8_E4M3" if dtype == "fp8_e4m3" else "F8_E5M2", shape), (key + "_scale", "F32", ()))
-    if dtype == "mxfp4":
-        data = DTYPE[dtype].data_shape(shape)
-        return ((key + "_blocks", "U8", (*data[:-1], data[-1] // 16, 16)), (key + "_scales", "U8", grid))
-    raise UsageError(f"key `{key}`: {dtype} has no checkpoint format here (bf16, fp16, fp32, fp8_e4m3, "
-                     "fp8_e5m2, fp8_b128, mxfp8, mxfp4)")
-
-
 def _holds(dtype: str, shape: tuple[int, ...]) -> bool:
     """Whether a key of `shape` can be stored in `dtype` (LANGUAGE.md 4: mxfp8's last dim a multiple
     of 32, fp8_b128's two dims, ...)."""
@@ -125,7 +106,7 @@ def layout_keys(layout: Layout, dtype: str | None = None) -> tuple[KeyFile, ...]
         for key, shape in regions:
             if key not in seen:
                 d = dtype if dtype is not None and _holds(dtype, tuple(shape)) else t.dtype
-                seen[key] = KeyFile(key, d, tuple(shape), _entries(key, d, tuple(shape)))
+                seen[key] = KeyFile(key, d, tuple(shape), key_entries(key, d, tuple(shape)))
     return tuple(seen.values())
 
 
@@ -295,7 +276,7 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         if not (dist.is_available() and dist.is_initialized()):
             raise UsageError(f"the layout has {src.ranks} ranks: pass the group that joins them")
         group = dist.group.WORLD
-    me = _rank_of(rank, group, src.ranks)
+    me = rank_of(rank, group, src.ranks)
     wait = as_timedelta(timeout)
 
     def _barrier_ok(ok: bool, group, phase: str = "save") -> int:

@@ -30,7 +30,7 @@ from .describe import Checkpoint
 from .files import TORCH, Mapped
 
 
-class _Writer(BucketRun):
+class Writer(BucketRun):
     """A sender's half of the save's ops: source blocks as a refit reads them."""
 
     def source_view(self, op) -> torch.Tensor:
@@ -79,7 +79,7 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, ski
     if problems:
         raise UsageError(f"rank {me}: local tensors do not match the layout, nothing was written: "
                          + "; ".join(problems[:8]))
-    run = _Writer(rank, mine, given, {}, torch.device("cpu"))
+    run = Writer(rank, mine, given, {}, torch.device("cpu"))
     agreed = _agree_amax(plan, run, mine, every, group)
     files = {e.file for op in mine for e in ckpt.by_name[op.dst_name].entries}
     m = Mapped({f.name: f.path for f in ckpt.files if f.name in files}, write=True)
@@ -209,7 +209,7 @@ class _Pwriter:
         self.fds.clear()
 
 
-def _agree_amax(plan, run: _Writer, mine, every, group) -> dict[str, torch.Tensor]:
+def _agree_amax(plan, run: Writer, mine, every, group) -> dict[str, torch.Tensor]:
     """The amax of each key with one scale per tensor, over every rank's pieces of it."""
     dtypes = {t.name: t.dtype for t in plan.dst.tensors}
     names = sorted({op.dst_name for op in every if has_tensor_scale(dtypes[op.dst_name])})
