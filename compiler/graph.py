@@ -9,8 +9,8 @@ rank computes the same buckets, so every rank walks them in the same order
 and batched point-to-point exchanges pair up.
 
 Staging a rank needs (what the budget limits), as compiler/steps.py decides
-it (compiler/staging.py's rule, which both read): a quantized destination that receives bf16 somewhere is assembled whole
-in bf16; a quantized source is dequantized whole to bf16; a transfer whose
+it (compiler/staging.py's rule, which both read): a quantized destination
+that receives bf16 somewhere is assembled whole in bf16; a quantized source is dequantized whole to bf16; a transfer whose
 slice is not contiguous in local storage, or whose dtype changes on the wire,
 goes through a buffer of its own size; a quantized-wire transfer through a
 buffer of its bytes on both ends.

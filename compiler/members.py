@@ -294,7 +294,7 @@ class MemberPlanner:
             offsets.append(acc)
             acc += len(templates[ti].geometry.requests)
         self._offsets = tuple(offsets) + (acc,)
-        # the send floor's parts (plan._send_floor): all bytes of one replica, every rank that can send
+        # the send floor's parts (split.py `_send_floor`): all bytes of one replica, every rank that can send
         self._bytes = sum(q.bytes * len(t.members) for t in templates for q in t.geometry.requests)
         self._usable = len({r for rs in {id(q.senders): q.senders for t in templates
                                          for q in t.geometry.requests}.values() for r in rs})
@@ -366,7 +366,7 @@ class MemberPlanner:
         """One replica's matches (their keys, sources and regions are every K's) and where each
         instance's stored tensor is: `plan.matches` itself is built only if someone reads it."""
         plan.key_matches, plan.unused_keys = self._matches, list(self._unused)
-        plan._stored = list(map(plan.dst.tensors.__getitem__, self._positions))
+        plan.record_stored(list(map(plan.dst.tensors.__getitem__, self._positions)))
 
     def _template_stage(self, plan: Plan, copies: int) -> None:
         first, new, setd, cls = self.first, _new, _set, Request
@@ -404,8 +404,7 @@ class MemberPlanner:
             template = new(Template)
             setd(template, "__dict__", {"geometry": g, "members": t.members})
             out.append(template)
-        plan.templates, plan._instance = tuple(out), self._instance
-        plan._offsets = list(map(copies.__mul__, self._offsets))
+        plan.record_templates(tuple(out), self._instance, list(map(copies.__mul__, self._offsets)))
 
     def _select_stage(self, plan: Plan, copies: int) -> None:
         if self._steps is None:
@@ -436,8 +435,7 @@ class MemberPlanner:
             got = tuple(selector.pick(receiver, pick.senders, n * len(at), pick.bytes, at[0]))
             for k, j in enumerate(at):
                 row[j] = got[k * n:(k + 1) * n]
-        plan._picks, plan._selector = picks, selector
-        plan.send_load = selector.load
+        plan.record_picks(picks, selector.load, selector)
 
     def _split_stage(self, plan: Plan, copies: int) -> None:
         total = self._bytes * copies  # ints: the very floor `_send_floor` sums

@@ -295,6 +295,45 @@ class Plan:
         # the memos and the selector served compilation; the plan keeps only what it needs
         self._cache = self._selector = None
 
+    # ---- what the stages record (PIPELINE's, or a planner's own versions of them) ------------
+    def record_stored(self, stored: Sequence[TensorIR]) -> None:
+        """The stored destination tensor of every instance (a planner that matched keys itself)."""
+        self._stored = stored
+
+    def record_templates(self, templates: Sequence[Template], instance: Sequence[tuple[int, int]] | None = None,
+                         offsets: Sequence[int] | None = None) -> None:
+        """The templates (a sequence: a planner's may be made when read, compiler/tables.py), each
+        instance's (template, member) (None: as recorded before, a stage that re-cut the templates),
+        and the first op id of every instance (None: `op_offsets` of these; a planner that knows
+        them passes its own)."""
+        if instance is not None:
+            self._instance = instance
+        self.templates = templates
+        self._offsets = op_offsets(self._instance, templates) if offsets is None else offsets
+
+    def record_picks(self, picks: list, load: list[int], selector=None) -> None:
+        """The chosen senders (per template request, per member) and every rank's send load; with
+        `selector`, the one that chose them (a later stage selects again from its state)."""
+        self._picks, self.send_load = picks, load
+        if selector is not None:
+            self._selector = selector
+
+    def record_relays(self, after: tuple, copied: dict[int, tuple[int, Slice]], relays: int) -> None:
+        """Relays (relay.py): per template None or per request the request each member waits for;
+        copy relays, op id -> (the op it waits for, that op's destination slice); their count."""
+        self._after = after if any(w is not None for w in after) else None
+        self._copied, self.relays = copied, relays
+
+    @property
+    def selection(self) -> tuple[list, object]:
+        """(picks per template request, the selector that made them): what a stage that selects
+        again starts from, during compilation only (the selector is dropped after it)."""
+        return self._picks, self._selector
+
+    def instance_of(self, op_id: int) -> int:
+        """The destination instance whose ops hold `op_id` (`op_range` read backwards)."""
+        return bisect.bisect_right(self._offsets, op_id) - 1
+
     # ---- the grouped model ------------------------------------------------------
     def picks(self, template: int, request: int) -> tuple[int, ...]:
         """The chosen sender of one template request, per member (in member order)."""
@@ -549,8 +588,7 @@ def match_stage(plan: Plan) -> None:
 
 def template_stage(plan: Plan) -> None:
     """Instances that cut and place alike share one geometry: pieces, proof, requests, senders."""
-    plan.templates, plan._instance = group_templates(plan.matches, plan._cache, plan.wire, plan.progress)
-    plan._offsets = op_offsets(plan._instance, plan.templates)
+    plan.record_templates(*group_templates(plan.matches, plan._cache, plan.wire, plan.progress))
 
 
 def group_templates(matches: list[Match], cache: PlanCache, wire_mode: str = "auto",
@@ -595,8 +633,8 @@ def select_stage(plan: Plan) -> None:
     The order is a pure function of the plan (bytes, then template and
     request order), so every rank makes the same choices.
     """
-    plan._picks, plan._selector = select_senders(plan, plan.templates)
-    plan.send_load = plan._selector.load
+    picks, selector = select_senders(plan, plan.templates)
+    plan.record_picks(picks, selector.load, selector)
 
 
 PIPELINE = (("match", match_stage), ("templates", template_stage), ("senders", select_stage),

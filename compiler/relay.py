@@ -49,8 +49,6 @@ the plan is kept.
 
 from __future__ import annotations
 
-import bisect
-
 from .select import SELECTORS
 from .wire import tensor_scaled
 
@@ -109,10 +107,8 @@ def relay_stage(plan) -> None:
     if link >= direct * RELAY_GAIN:
         return
     relays = _prove(plan.templates, after, picks) + _prove_copies(plan, after, copied, picks)
-    plan.relays = relays
-    plan._after = after if any(w is not None for w in after) else None
-    plan._copied = {op: (src_op, slice_) for op, (src_op, slice_, *_) in copied.items()}
-    plan._picks, plan.send_load = picks, load
+    plan.record_relays(after, {op: (src_op, slice_) for op, (src_op, slice_, *_) in copied.items()}, relays)
+    plan.record_picks(picks, load)
 
 
 def _received(plan) -> list[int]:
@@ -121,7 +117,7 @@ def _received(plan) -> list[int]:
     recv = [0] * plan.world
     for ti, t in enumerate(plan.templates):
         for j, req in enumerate(t.geometry.requests):
-            for s in plan._picks[ti][j]:
+            for s in plan.picks(ti, j):
                 if s != req.rank:
                     recv[req.rank] += req.bytes
     return recv
@@ -296,7 +292,6 @@ def _copy_trees(plan, copies, after, load: list[int]):
     """(copied, load): per copy relay's op id (the op it waits for, that op's destination slice,
     the forwarding rank, its template, request and member), the forwarding load added. Groups
     in a template the trees relay are left to them."""
-    offsets = plan._offsets
     copied: dict[int, tuple] = {}
     for nbytes, nodes in copies:
         nodes = [x for x in nodes if after[plan.template_of(x[0])[0]] is None]
@@ -318,7 +313,8 @@ def _copy_trees(plan, copies, after, load: list[int]):
                 ti, g = _geometry(plan, h[0])
                 slice_ = g.pieces[g.requests[h[1]].piece].dst_slice
                 wti, member = plan.template_of(w[0])
-                copied[offsets[w[0]] + w[1]] = (offsets[h[0]] + h[1], slice_, h[2], wti, w[1], member)
+                copied[plan.op_range(w[0]).start + w[1]] = (plan.op_range(h[0]).start + h[1], slice_, h[2], wti, w[1],
+                                                             member)
                 load[h[2]] += nbytes
                 fed_now.append(w)
             if not fed_now:
@@ -338,11 +334,10 @@ def _prove_copies(plan, after, copied: dict, picks) -> int:
     the same key's same logical elements into a block of the same shape, received by the
     forwarding rank (not the relay's receiver), outside any template the trees relay, and the
     chain of waits ends at an op fed by a source rank. Returns the copy relay count."""
-    offsets = plan._offsets
     for op, (src_op, slice_, forwarder, ti, j, member) in copied.items():
-        i, k = bisect.bisect_right(offsets, op) - 1, bisect.bisect_right(offsets, src_op) - 1
+        i, k = plan.instance_of(op), plan.instance_of(src_op)
         g, h = _geometry(plan, i)[1], _geometry(plan, k)[1]
-        req, held = g.requests[j], h.requests[src_op - plan._offsets[k]]
+        req, held = g.requests[j], h.requests[src_op - plan.op_range(k).start]
         mine, theirs = g.pieces[req.piece], h.pieces[held.piece]
         fault = None
         if plan.stored(i) is not plan.stored(k) or plan.key_matches[i].key != plan.key_matches[k].key:

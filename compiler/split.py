@@ -18,7 +18,7 @@ from layoutlang.vocabulary import DTYPE
 from . import strides
 from .pieces import Piece, split_piece
 from .ranks import RankSet
-from .records import Box, Geometry, Template, op_offsets
+from .records import Box, Geometry, Template
 from .select import SPLIT_GAIN, SPLIT_GRAIN, SPLIT_ROUNDS, SPLIT_TRIGGER, select_senders
 from .verify import check_split
 
@@ -71,7 +71,7 @@ def split_stage(plan, *, floor: float | None = None, cuttable=None, select=None)
     # per template, the request of `base` each current request is (None: a part of a split one;
     # a range while the template is whole)
     origin: Sequence[range | tuple[int | None, ...]] = _Whole(base)
-    templates, picks, selector = base, plan._picks, plan._selector
+    templates, (picks, selector) = base, plan.selection
     best = (max(selector.load), templates, picks, selector.load, origin)
     for _ in range(SPLIT_ROUNDS):
         fresh = _mark(base, picks, selector, origin, marks, quanta, line, grain,
@@ -92,11 +92,12 @@ def split_stage(plan, *, floor: float | None = None, cuttable=None, select=None)
             break
     if best[1] is base:
         return
-    _, templates, plan._picks, plan.send_load, origin = best
-    plan.templates = tuple(templates)  # (every consumer indexes them: a tuple, not a Cut over the base)
+    _, templates, picks, load, origin = best
+    plan.record_picks(picks, load)
+    # (every consumer indexes them: a tuple, not a Cut over the base; each instance keeps its template)
+    plan.record_templates(tuple(templates))
     plan.splits = sum(len(t.members) * (len(t.geometry.requests) - sum(k is not None for k in origin[i]))
                       for i, t in enumerate(base))
-    plan._offsets = op_offsets(plan._instance, plan.templates)
 
 
 class Cut(Sequence):

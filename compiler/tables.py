@@ -212,7 +212,7 @@ class TablePlanner:
             used.update(hit[3])
         self._kept, self._parts = kept, (dparts, sparts)
         plan.matches = _Matches(tensors, starts, sparts)
-        plan._stored = plan.matches.stored
+        plan.record_stored(plan.matches.stored)
         plan.unused_keys = [k for k in self.src.key_index if k not in used]
 
     def _matched(self, pos: int, t, used: set[str]) -> tuple:
@@ -301,9 +301,7 @@ class TablePlanner:
             members.append((i,))
             instance.append((ti, 0))
         offsets.append(acc)
-        plan.templates = _Templates(specs, members, self)
-        plan._instance = instance
-        plan._offsets = offsets
+        plan.record_templates(_Templates(specs, members, self), instance, offsets)
         self._shapes = (plan.templates, shapes, members)
 
     def _geometry(self, m: Match, dn: int, sk: _SrcKey) -> Geometry:
@@ -365,11 +363,11 @@ class TablePlanner:
         """select_stage's picks: one-candidate requests add their load at their place in its order
         (what Balanced.pick does with them whatever the loads); the others are picked in it."""
         if plan.selector_name != "balanced":
-            plan._picks, plan._selector = select_senders(plan, plan.templates)
-            plan.send_load = plan._selector.load
+            picks, selector = select_senders(plan, plan.templates)
+            plan.record_picks(picks, selector.load, selector)
             return
-        plan._picks, plan._selector, self._floor = self._pick(plan, plan.templates)
-        plan.send_load = plan._selector.load
+        picks, selector, self._floor = self._pick(plan, plan.templates)
+        plan.record_picks(picks, selector.load, selector)
 
     def _pick(self, plan: Plan, templates) -> tuple:
         """(picks, the selector, (the send floor, per template its cuttable requests)).

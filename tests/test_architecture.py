@@ -280,3 +280,32 @@ def test_the_import_scans_see_the_sources():
             "layoutlang.elaborate.scope", "layoutlang.bridges.families"} <= set(g)
     assert g.has_edge("layoutlang.runtime.refit", "layoutlang.compiler.steps")  # from layoutlang.compiler.steps import
     assert g.has_edge("layoutlang.compiler.plan", "layoutlang.ir")
+
+
+PLAN_FIELDS = {"_picks", "_selector", "_offsets", "_instance", "_stored", "_after", "_copied", "_cache", "_progress"}
+
+
+def private_writes(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of every assignment to `x.NAME` (x not `self`) with NAME one of Plan's private fields.
+
+    >>> private_writes(ast.parse("plan._picks, plan.send_load = p, l\\nself._offsets = {}\\nplan.record_picks(p, l)"))
+    [(1, '_picks')]
+    """
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in ast.walk(target):
+                if (isinstance(t, ast.Attribute) and t.attr in PLAN_FIELDS
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                    out.append((node.lineno, t.attr))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("path", [p for p in _sources(*PACKAGES) if p != ROOT / "compiler" / "plan.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_stages_record_through_the_plans_methods(path):
+    found = private_writes(_tree(path))
+    assert not found, "\n".join(f"{path.relative_to(ROOT)}:{line}: writes Plan.{name}; record it through Plan's "
+                                 "record_stored / record_templates / record_picks / record_relays" for line, name in found)

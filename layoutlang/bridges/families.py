@@ -45,9 +45,9 @@ from typing import Mapping
 from ..diagnostics import UsageError
 from .megatron_layout import megatron_document
 from .megatron_split import SPLIT_ARGS
-from .model import (FAMILIES, GQA, MLA, BridgeError, ConfigError, Document, Loop, Model, MoE, Stmt, Tensor,  # noqa: F401
-                    const_lines, header_lines, layer_key, model_from_config, parts_text, render_document,
-                    rotary_rows, statement_at, with_dtypes)
+from .model import (  # noqa: F401 (this module's API, as before bridges/model.py)
+    FAMILIES, GQA, MLA, BridgeError, ConfigError, Document, Loop, Model, MoE, Stmt, Tensor, const_lines, header_lines,
+    layer_key, model_from_config, parts_text, render_document, rotary_rows, statement_at, with_dtypes)
 from .torchtitan_layout import torchtitan_document
 
 CONVENTIONS = ("megatron", "hf", "hf-memory", "vllm", "sglang")
