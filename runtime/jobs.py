@@ -756,8 +756,10 @@ class EngineJob:
             if not written or written[-1] != value:
                 self.kv.set(mine, value)
                 written.append(value)
-            if n is None:
-                n = max(int(self.kv.get("refit/latest")) if self.kv.has("refit/latest") else 0, 1)
+            latest = int(self.kv.get("refit/latest")) if self.kv.has("refit/latest") else 0
+            n = max(latest, 1) if n is None else n
+            while n < latest and not self.kv.has(f"refit/{n}"):
+                n += 1  # (forgotten two refits later: one that listed this wait would have been read)
             while self.kv.has(f"refit/{n}"):
                 ann = json.loads(self.kv.get(f"refit/{n}"))
                 refused = ann["refused"].get(self.replica)
