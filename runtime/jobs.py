@@ -201,7 +201,8 @@ class TrainerJob:
     0 (or pass `store=`). `timeout` bounds one refit: the start (every trainer rank present),
     then everything from go to the verdict, so set it above one refit's transfer time.
     `budget_bytes`, `overlap`, `verify`, `keep_staging`, `device` as for Refitter; the engines
-    take the first three from the trainer.
+    take the first three from the trainer. `expect_wait`: how long rank 0 waits for the replicas
+    a refit `expect`s (half the timeout by default), before the refit's own timeout starts.
     """
 
     def __init__(self, train, infer, *, address: str | None = None, rank: int, world_size: int, store=None,
