@@ -9,6 +9,20 @@
   (the names below are compiler/plan.py's internals); everything goes through
   `Plan.transfers()`, `templates`, `picks()`, `template_of()`, `op_range()`,
   `ops`, `ops_for_rank()`, `stats`, `send_load`, `recv_load`.
+- No import circle: the modules of layoutlang/ (every subpackage), compiler/ and
+  runtime/ import each other as a DAG. Every import counts, a lazy one inside a
+  function and a `TYPE_CHECKING` one too (a lazy import that breaks a circle at
+  run time is still the circle in the design: two modules that import each
+  other are missing a third).
+- No private name crosses a module: `from .x import _name` (or any absolute
+  spelling) imports another module's internals; the name is either that
+  module's real interface (then it loses its underscore) or belongs in a third
+  module both read. runtime/'s are listed in RUNTIME_PRIVATE until issue 50's
+  transport seam removes them; the list only shrinks (an entry that no longer
+  occurs fails too, so it stays exact).
+- Stages hand the Plan public records: no module but compiler/plan.py assigns a
+  Plan's private field (`plan._picks = ...`); a stage calls `record_stored`,
+  `record_templates`, `record_picks`, `record_relays`.
 """
 
 from __future__ import annotations
