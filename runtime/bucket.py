@@ -122,7 +122,7 @@ class BucketRun:
         from the op's receiver to its sender)."""
         op, r = step.op, self.r
         peer = op.src_rank if op.dst_rank == self.me else op.dst_rank
-        self.rounds.setdefault(step.round, []).append((r._p2p(sending, buf, peer), op))
+        self.rounds.setdefault(step.round, []).append((r.transport.message(sending, buf, peer), op))
 
     # ---- preparing ---------------------------------------------------------------
     def _zero(self, step: Step) -> None:
@@ -193,11 +193,11 @@ class BucketRun:
     def _post(self, step: Step) -> None:
         messages = [p for p, _ in self.rounds.get(step.round, [])]
         what = "transfers" if step.round == 0 else f"round {step.round} messages"
-        self.works[step.round] = self.r._post(messages, what)
+        self.works[step.round] = self.r.transport.post(messages, what)
         self.deadline[step.round] = time.monotonic() + self.r.timeout.total_seconds()
         if self.record is not None:
             self.posted[step.round] = len(self.record)
-            calls = self.r._resolved(messages) if messages else None
+            calls = self.r.transport.resolved(messages) if messages else None
             self.record.append(("post", len(self.record), (messages, what, calls)))
 
     def _await(self, round_: int, which: list[int]) -> None:
@@ -216,7 +216,7 @@ class BucketRun:
         deadline = self.deadline[round_]
         if self.record is not None:
             self.record.append(("wait", self.posted[round_], (which, ops, "transfer")))
-        self.r._wait([works[i] for i in which], ops, "transfer", deadline)
+        self.r.transport.wait([works[i] for i in which], ops, "transfer", deadline)
 
     def _wait(self, step: Step) -> None:
         self._await(step.round, list(range(len(self.rounds.get(step.round, ())))))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from layoutlang.diagnostics import LayoutError
 
 REUSABLE = "nothing is left in flight: this Refitter can be used again (call refit on every rank)"
@@ -36,3 +38,12 @@ class RefitError(LayoutError, RuntimeError):
         where = f"rank {rank}: step {step}, {phase}: " if step else f"rank {rank}: {phase}: "
         return cls(where + detail, rank=rank, step=step, phase=phase, peers=tuple(peers), reusable=reusable,
                    detail=detail, help=REUSABLE if reusable else NOT_REUSABLE)
+
+
+def first_line(exc: BaseException) -> str:
+    """The useful part of a torch/gloo error: its first line, without source paths and advice."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text.splitlines()[0])
+    return line.split(". This is typically caused", 1)[0].rstrip(".")

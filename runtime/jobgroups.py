@@ -17,12 +17,13 @@ connection the plan does not use and never waits for a rank that is not there
 yet; NCCL creates its point-to-point communicators per pair on first use too.
 Both are the one code path of `build_group`.
 
-`JobWalk` is a Refitter (runtime/refit.py) over such groups: the same steps,
-buckets, staging, quantizing and verification, walked once per refit, with
-three differences the job's protocol (runtime/jobs.py) relies on: no store
-meetings (the job meets), one deadline for the whole walk, and on a trainer
-rank a failed transfer drops the replica at its other end instead of failing
-the step (its later messages are not posted, the walk goes on for the others).
+`ReplicaTransport` is the transport (runtime/transport.py) of such groups, and `JobWalk`
+a Refitter (runtime/refit.py) on it: the same steps, buckets, staging, quantizing and
+verification, walked once per refit, with three differences the job's protocol
+(runtime/jobs.py) relies on: no store meetings (the job meets), one deadline for the
+whole walk, and on a trainer rank a failed transfer drops the replica at its other end
+instead of failing the step (its later messages are not posted, the walk goes on for the
+others).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ import torch.distributed as dist
 
 from layoutlang.compiler import Plan
 
-from .errors import RefitError
-from .refit import Refitter, StagingMeter, _as_given, _first_line, _strided
+from .errors import RefitError, first_line
+from .refit import Refitter, StagingMeter, _as_given, _strided
+from .transport import Transport
 
 
 _LAZY = threading.Lock()
@@ -132,7 +134,7 @@ def hello(group: ReplicaGroup, peers, sending: bool, device: torch.device, deadl
             if work.wait(left if left > 0.001 else 0.001) is False:
                 return "its ranks did not connect in time"
     except Exception as exc:  # noqa: BLE001 - a transport error: this replica cannot take part
-        return f"connecting failed: {_first_line(exc)}"
+        return f"connecting failed: {first_line(exc)}"
     group.connected.update(todo)
     return None
 
@@ -227,8 +229,8 @@ class ReplicaLost(Exception):
     """Raised inside an engine's walk: this replica cannot complete the refit."""
 
 
-class JobWalk(Refitter):
-    """One rank's steps of one membership plan, walked through the replicas' groups.
+class ReplicaTransport(Transport):
+    """Messages through the replicas' groups (`Membership.groups`), for one rank of a membership.
 
     On a trainer rank, `dropped` (slot -> reason) collects the replicas whose transfers
     failed in this walk; on an engine rank any failure raises (its replica is lost).
@@ -244,36 +246,38 @@ class JobWalk(Refitter):
     ever waits on it.
     """
 
-    def __init__(self, plan: Plan, *, rank: int, membership: Membership, device=None,
-                 budget_bytes: int | None = None, verify: bool = False, overlap: bool = False,
-                 keep_staging: bool | None = None, hooks=None, timeout: timedelta = timedelta(seconds=60)):
-        self._job_rank = rank
+    name = "replicas"
+
+    def __init__(self, rank: int, world: int, membership: Membership):
+        self.rank, self.world = rank, world
         self.membership = membership
         self.dropped: dict[int, str] = {}
         self.skip: set[int] = set()      # plan ranks this rank no longer posts to (gone, unreachable)
-        self.deadline = math.inf
-        super().__init__(plan, device=device, budget_bytes=budget_bytes, timeout=timeout, verify=verify,
-                         hooks=hooks, overlap=overlap, keep_staging=keep_staging)
-        self.trainer_side = rank < membership.trainer
+        self.deadline = math.inf         # the walk's one deadline (time.monotonic())
 
-    # ---- what a Refitter takes from its group, taken from the job ------------------
-    def _place(self, group) -> tuple[int, int]:
-        return self._job_rank, self.plan.world
+    @property
+    def trainer_side(self) -> bool:
+        return self.rank < self.membership.trainer
 
-    def _rendezvous(self):
+    def place(self) -> tuple[int, int]:
+        return self.rank, self.world
+
+    def meeting(self):
         return None  # the job meets (runtime/jobs.py); a walk has no store meeting
 
-    def _backend_device(self) -> torch.device:
+    def device(self) -> torch.device:
         return torch.device("cpu")  # no tensor said one: a walk's groups are built for the tensors' device
 
-    # ---- the walk ----------------------------------------------------------------
-    def connect(self, device: torch.device, deadline: float) -> None:
-        """Connect every pair this rank's ops use, before the refit's go (`hello`). A trainer rank
+    def _other_end(self, op) -> int:
+        return op.dst_rank if op.src_rank == self.rank else op.src_rank
+
+    def connect(self, ops, device: torch.device, deadline: float) -> None:
+        """Connect every pair these ops use, before the refit's go (`hello`). A trainer rank
         drops the replicas it cannot reach (one thread each: a dead one costs only its own);
         an engine rank raises ReplicaLost."""
         m = self.membership
         peers: dict[int, set[int]] = {}
-        for op in self.ops:
+        for op in ops:
             if op.src_rank != op.dst_rank:
                 other = self._other_end(op)
                 peers.setdefault(m.slot_of(other if self.trainer_side else self.rank), set()).add(m.group_rank(other))
@@ -294,18 +298,128 @@ class JobWalk(Refitter):
             t.start()
         for slot, t in threads.items():
             t.join(max(deadline - time.monotonic(), 0.0))
-            why = found.get(slot, f"its ranks did not connect within {self.timeout.total_seconds():g} s")
+            why = found.get(slot, f"its ranks did not connect within {self.host.timeout.total_seconds():g} s")
             if why:
                 self.dropped[slot] = f"replica {m.replicas[slot]}: {why}"
                 self.skip.update(m.plan_ranks(slot))
                 sever(m.groups[slot])
+
+    def message(self, sending: bool, buf: torch.Tensor, rank: int) -> _Message:
+        m = self.membership
+        slot = m.slot_of(rank if self.trainer_side else self.rank)
+        return _Message(sending, buf, slot, m.groups[slot].pg, m.group_rank(rank), rank)
+
+    def resolved(self, messages: list):
+        return None  # a walk is never recorded (no steady steps between jobs)
+
+    def post(self, messages: list, what: str, calls=None) -> list:
+        """Each message in its replica's group; none to or from a rank in `skip` (a dropped
+        replica's ranks: its group is severed, so none of them waits for a message from this
+        rank, and none holds up this rank's walk). A backend that groups messages (NCCL) gets
+        each group's messages of the round as one group."""
+        p2p = messages
+        works: list = [DONE] * len(p2p)
+        by_group: dict[int, list[int]] = {}
+        for i, m in enumerate(p2p):
+            if m.rank not in self.skip:
+                by_group.setdefault(m.slot, []).append(i)
+        for slot, idx in by_group.items():
+            group = p2p[idx[0]].group
+            coalesce = bool(getattr(group, "supports_coalescing", False)) and p2p[idx[0]].tensor.is_cuda
+            try:
+                if coalesce:
+                    group._start_coalescing(p2p[idx[0]].tensor.device)
+                    for i in idx:
+                        (group.send if p2p[i].sending else group.recv)([p2p[i].tensor], p2p[i].peer, p2p[i].tag)
+                    work = group._end_coalescing(p2p[idx[0]].tensor.device)
+                    for i in idx:
+                        works[i] = work
+                    continue
+            except Exception as exc:  # noqa: BLE001 - the replica's group is broken
+                self._lost(slot, f"posting {len(idx)} {what} failed: {first_line(exc)}", None)
+                continue
+            for i in idx:
+                m = p2p[i]
+                if m.rank in self.skip:  # its replica was dropped while this round was posted
+                    continue
+                try:
+                    works[i] = (group.send if m.sending else group.recv)([m.tensor], m.peer, m.tag)
+                except Exception as exc:  # noqa: BLE001 - the pair is broken: its rank is gone
+                    self._lost(slot, f"posting {what} with {self._who(m.rank)} failed: {first_line(exc)}", m.rank)
+        return works
+
+    def wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
+        """Wait for these transfers by the walk's one deadline; a failure loses the replica at the
+        other end (trainer: dropped, the walk goes on; engine: raised)."""
+        deadline = min(deadline if deadline is not None else math.inf, self.deadline)
+        m = self.membership
+        for work, op in zip(works, ops):
+            if work is DONE:
+                continue
+            peer = self._other_end(op)
+            if peer in self.skip:
+                continue
+            slot = m.slot_of(peer if self.trainer_side else self.rank)
+            left = deadline - time.monotonic()
+            try:
+                ok = work.wait(left if left > 0.001 else 0.001)
+            except Exception as exc:  # noqa: BLE001 - every transport error loses the replica
+                text = first_line(exc)
+                if "timed out" in text.lower() or "timeout" in text.lower():
+                    ok = False
+                else:
+                    self._lost(slot, f"{what} of op {op.id} (`{op.key}`) with {self._who(peer)} failed: {text}", peer)
+                    continue
+            if ok is False:
+                self._lost(slot, f"{self._who(peer)} did not complete {what} of op {op.id} (`{op.key}`) "
+                                 f"within the refit's {self.host.timeout.total_seconds():g} s (stalled or dead)", peer)
+
+    def _who(self, plan_rank: int) -> str:
+        m = self.membership
+        if plan_rank < m.trainer:
+            return f"trainer rank {plan_rank}"
+        return f"replica {m.replicas[m.slot_of(plan_rank)]} rank {m.local_of(plan_rank)}"
+
+    def _lost(self, slot: int, reason: str, peer: int | None = None) -> None:
+        """A trainer rank drops the replica (the first reason stands): no message of the rest of
+        the walk goes to or comes from any of its ranks, and this rank's connections in its
+        group close (`sever`), so that each of its ranks, and through them every other trainer
+        rank, learns it at once. An engine rank's replica is lost (its job severs)."""
+        if not self.trainer_side:
+            raise ReplicaLost(reason)
+        self.dropped.setdefault(slot, reason)
+        self.skip.update(self.membership.plan_ranks(slot))
+        sever(self.membership.groups[slot])
+
+
+class JobWalk(Refitter):
+    """One rank's steps of one membership plan, walked through the replicas' groups
+    (`ReplicaTransport`: what a failure costs, and who learns it)."""
+
+    def __init__(self, plan: Plan, *, rank: int, membership: Membership, device=None,
+                 budget_bytes: int | None = None, verify: bool = False, overlap: bool = False,
+                 keep_staging: bool | None = None, hooks=None, timeout: timedelta = timedelta(seconds=60)):
+        super().__init__(plan, device=device, budget_bytes=budget_bytes, timeout=timeout, verify=verify,
+                         hooks=hooks, overlap=overlap, keep_staging=keep_staging,
+                         transport=ReplicaTransport(rank, plan.world, membership))
+
+    # the membership of the next walk (the job sets it), and what the last walk dropped
+    membership = property(lambda self: self.transport.membership,
+                          lambda self, m: setattr(self.transport, "membership", m))
+    dropped = property(lambda self: self.transport.dropped)
+    trainer_side = property(lambda self: self.transport.trainer_side)
+
+    # ---- the walk ----------------------------------------------------------------
+    def connect(self, device: torch.device, deadline: float) -> None:
+        """Connect every pair this rank's ops use, before the refit's go (`ReplicaTransport.connect`)."""
+        self.transport.connect(self.ops, device, deadline)
 
     def walk(self, refit: int, src_tensors, dst_tensors, deadline: float, *, cut_strided: bool = True) -> list[str]:
         """Every bucket's steps, each wait bounded by `deadline` (time.monotonic()); returns
         this rank's verification mismatches (engine ranks; `verify`). Replicas `connect` dropped
         stay dropped. `cut_strided`: some rank of the membership holds a non-contiguous tensor
         (the job's meeting says), so every rank cuts its buckets as if every transfer were staged."""
-        self._step, self.deadline = refit, deadline
+        self._step, self.transport.deadline = refit, deadline
         src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
         # Buckets must be cut alike on every rank of every job: the cut follows what the job's
@@ -327,93 +441,6 @@ class JobWalk(Refitter):
     def strided(self, src_tensors, dst_tensors) -> bool:
         return any(_strided(v) for v in list((src_tensors or {}).values()) + list((dst_tensors or {}).values()))
 
-    # ---- messages through the replicas' groups -----------------------------------
-    def _p2p(self, sending: bool, buf: torch.Tensor, rank: int) -> _Message:
-        m = self.membership
-        slot = m.slot_of(rank if self.trainer_side else self.rank)
-        return _Message(sending, buf, slot, m.groups[slot].pg, m.group_rank(rank), rank)
-
-    def _resolved(self, messages: list):
-        return None  # a walk is never recorded (no steady steps between jobs)
-
-    def _post(self, p2p: list, what: str, calls=None) -> list:
-        """Each message in its replica's group; none to or from a rank in `skip` (a dropped
-        replica's ranks: its group is severed, so none of them waits for a message from this
-        rank, and none holds up this rank's walk). A backend that groups messages (NCCL) gets
-        each group's messages of the round as one group."""
-        works: list = [DONE] * len(p2p)
-        by_group: dict[int, list[int]] = {}
-        for i, m in enumerate(p2p):
-            if m.rank not in self.skip:
-                by_group.setdefault(m.slot, []).append(i)
-        for slot, idx in by_group.items():
-            group = p2p[idx[0]].group
-            coalesce = bool(getattr(group, "supports_coalescing", False)) and p2p[idx[0]].tensor.is_cuda
-            try:
-                if coalesce:
-                    group._start_coalescing(p2p[idx[0]].tensor.device)
-                    for i in idx:
-                        (group.send if p2p[i].sending else group.recv)([p2p[i].tensor], p2p[i].peer, p2p[i].tag)
-                    work = group._end_coalescing(p2p[idx[0]].tensor.device)
-                    for i in idx:
-                        works[i] = work
-                    continue
-            except Exception as exc:  # noqa: BLE001 - the replica's group is broken
-                self._lost(slot, f"posting {len(idx)} {what} failed: {_first_line(exc)}", None)
-                continue
-            for i in idx:
-                m = p2p[i]
-                if m.rank in self.skip:  # its replica was dropped while this round was posted
-                    continue
-                try:
-                    works[i] = (group.send if m.sending else group.recv)([m.tensor], m.peer, m.tag)
-                except Exception as exc:  # noqa: BLE001 - the pair is broken: its rank is gone
-                    self._lost(slot, f"posting {what} with {self._who(m.rank)} failed: {_first_line(exc)}", m.rank)
-        return works
-
-    def _wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
-        """Wait for these transfers by the walk's one deadline; a failure loses the replica at the
-        other end (trainer: dropped, the walk goes on; engine: raised)."""
-        deadline = min(deadline if deadline is not None else math.inf, self.deadline)
-        m = self.membership
-        for work, op in zip(works, ops):
-            if work is DONE:
-                continue
-            peer = self._other_end(op)
-            if peer in self.skip:
-                continue
-            slot = m.slot_of(peer if self.trainer_side else self.rank)
-            left = deadline - time.monotonic()
-            try:
-                ok = work.wait(left if left > 0.001 else 0.001)
-            except Exception as exc:  # noqa: BLE001 - every transport error loses the replica
-                text = _first_line(exc)
-                if "timed out" in text.lower() or "timeout" in text.lower():
-                    ok = False
-                else:
-                    self._lost(slot, f"{what} of op {op.id} (`{op.key}`) with {self._who(peer)} failed: {text}", peer)
-                    continue
-            if ok is False:
-                self._lost(slot, f"{self._who(peer)} did not complete {what} of op {op.id} (`{op.key}`) "
-                                 f"within the refit's {self.timeout.total_seconds():g} s (stalled or dead)", peer)
-
-    def _who(self, plan_rank: int) -> str:
-        m = self.membership
-        if plan_rank < m.trainer:
-            return f"trainer rank {plan_rank}"
-        return f"replica {m.replicas[m.slot_of(plan_rank)]} rank {m.local_of(plan_rank)}"
-
-    def _lost(self, slot: int, reason: str, peer: int | None = None) -> None:
-        """A trainer rank drops the replica (the first reason stands): no message of the rest of
-        the walk goes to or comes from any of its ranks, and this rank's connections in its
-        group close (`sever`), so that each of its ranks, and through them every other trainer
-        rank, learns it at once. An engine rank's replica is lost (its job severs)."""
-        if not self.trainer_side:
-            raise ReplicaLost(reason)
-        self.dropped.setdefault(slot, reason)
-        self.skip.update(self.membership.plan_ranks(slot))
-        sever(self.membership.groups[slot])
-
 
 def failure_text(exc: BaseException) -> str:
     """What a walk's unexpected error says (a RefitError's detail, else its first line)."""
@@ -421,4 +448,4 @@ def failure_text(exc: BaseException) -> str:
         return exc.detail
     if isinstance(exc, ReplicaLost):
         return str(exc)
-    return f"{type(exc).__name__}: {_first_line(exc)}"
+    return f"{type(exc).__name__}: {first_line(exc)}"

@@ -5,7 +5,7 @@ order and, in each, the steps the compiler made for this rank
 (compiler/steps.py: which tensors are assembled, which transfers are staged
 or carry quantized bytes, which round of point-to-point messages each is
 posted in), one handler per step kind (`BucketRun`, runtime/bucket.py). A round's messages are
-posted at once (deadlock-free on gloo and NCCL: every rank posts its messages in
+posted at once through its transport (runtime/transport.py; deadlock-free: every rank posts its messages in
 canonical op order; one `batch_isend_irecv` group on NCCL); local copies run while the network works;
 then staged receives land, assemblies are quantized once and quantized
 blocks are unpacked. Before a byte moves, every rank checks that all ranks
@@ -21,25 +21,24 @@ rank is named instead of hanging everyone, and every failure is a
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from layoutlang.compiler import Plan
 from layoutlang.compiler.steps import Schedule, schedule
 from layoutlang.ir import QUANTIZED, TensorIR
 
-from .errors import RefitError
+from .errors import RefitError, first_line
 from .quant import PLAIN_DTYPES, as_quantized, storage_problem, tensors_of
 from .wire import landed
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable, parse_gate
-from .replay import Recording, replayable, resolved_posts, stages, tensor_key
+from .replay import Recording, replayable, stages, tensor_key
 from .bucket import BucketRun, wire_dtype
 from .staging import StagingArena
+from .transport import Transport, make_transport
 from .views import view as _view
 
 NOTE_CHARS = 4000   # what one rank tells the others about its tensors, at most
@@ -114,26 +113,7 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums)
 
 
-def _group_rank(global_rank: int, group) -> int | None:
-    """A message's peer (a global rank, as P2POp holds it) as a rank of the plan (its group's)."""
-    if group is None:
-        return global_rank
-    try:
-        return dist.get_group_rank(group, global_rank)
-    except Exception:  # noqa: BLE001 - unknown: the error names no peer
-        return None
-
-
-def _first_line(exc: BaseException) -> str:
-    """The useful part of a torch/gloo error: its first line, without source paths and advice."""
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__
-    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text.splitlines()[0])
-    return line.split(". This is typically caused", 1)[0].rstrip(".")
-
-
-CAUSE_GRACE = 0.5  # s a rank whose transfer broke looks for the reason of a rank that failed first
+_first_line = first_line  # (layoutlang/checkpoint/exchange.py imports it under this name)
 
 
 class Refitter:
@@ -147,6 +127,9 @@ class Refitter:
     bucket's transfers fly, and stages the next bucket (its sends packed and copied) while
     this one's fly, with buckets cut at half the budget (every rank must
     pass the same `budget_bytes` and `overlap`: they are part of the agreement).
+    `transport`: how messages move (runtime/transport.py): "group" (the default; "auto" is
+    "group" until a second transport exists) is `group`'s backend, gloo or NCCL; a name
+    registered with `transport.register`, or a `Transport` instance (the jobs' walk passes its own).
     `keep_staging`: carve staging buffers from arenas kept between steps (runtime/staging.py;
     they hold the largest bucket's staging, at most the budget, until `release_staging()`).
     By default only on CPU, where fresh buffers are fresh pages every step.
@@ -164,9 +147,11 @@ class Refitter:
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
                  timeout: timedelta | float = timedelta(seconds=60), verify: bool = False,
                  hooks: RefitHooks | None = None, overlap: bool = False, keep_staging: bool | None = None,
-                 steady: bool = False):
+                 steady: bool = False, transport: str | Transport = "group"):
         self.plan = plan
         self.group = group
+        self.transport = make_transport(transport, group)
+        self.transport.bind(self)
         self.device = device
         self.budget_bytes = budget_bytes
         # overlap: a bucket's last steps (land, quantize, unpack) run while the next bucket's
@@ -179,7 +164,7 @@ class Refitter:
         self.keep_staging = keep_staging
         self.steady = steady
         self._arenas: list[StagingArena] = []  # bucket b carves from arena b % len (2 with overlap)
-        self.rank, self.world = self._place(group)
+        self.rank, self.world = self.transport.place()
         if self.world < plan.world:
             raise RefitError.at(self.rank, 0, "setup", f"the plan spans {plan.world} ranks but the process group "
                                 f"has {self.world}", reusable=False)
@@ -210,11 +195,6 @@ class Refitter:
         self._last_key: tuple | None = None
         self.replayed = 0  # steady steps run from a record, passed or failed (runtime/replay.py)
         self._replayable: dict[int, tuple[bool, bool]] = {}  # id(schedule) -> (plain steps, stages)
-        self._coalescing: dict[torch.device, bool] = {}  # device -> backend groups messages (`_post`)
-
-    def _place(self, group) -> tuple[int, int]:
-        """(this rank, the ranks the plan runs on): the group's (runtime/jobs.py: the job's)."""
-        return dist.get_rank(group), dist.get_world_size(group)
 
     @property
     def staging_held(self) -> int:
@@ -253,18 +233,22 @@ class Refitter:
             self._schedules[key] = schedule(self.plan, self.rank, budget, strided, cut=key[1])
         return self._schedules[key]
 
-    def _rendezvous(self) -> Rendezvous:
-        """Meetings in the default store, under a namespace of this group and Refitter.
+    def _rendezvous(self) -> Rendezvous | None:
+        """Meetings in the transport's store (the default group's), under a namespace of the
+        group's members and this Refitter; None where the caller meets (`Transport.meeting`).
 
         The n-th Refitter created on a rank (for this group) meets the n-th on every other rank.
         The rank that is global rank 0 (under env:// init its process hosts the store) is the
         meetings' host: it leaves a step only after every other rank's last store request of it.
         """
-        store = _default_store()
+        meeting = self.transport.meeting()
+        if meeting is None:
+            return None  # (the jobs' walk: the job meets, runtime/jobs.py)
+        store, ranks = meeting
         if store is None:
             raise RefitError.at(self.rank, 0, "setup", "the process group has no store to meet in "
                                 "(initialize it with torch.distributed.init_process_group)", reusable=False)
-        ranks = list(dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world))
+        ranks = list(ranks)
         members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:8]
         base = f"layoutlang/{members}"  # not the plan's digest: ranks with different plans must meet
         rv = Rendezvous(store, self.rank, self.world, base, host=ranks.index(0) if 0 in ranks else None)
@@ -385,7 +369,7 @@ class Refitter:
     def _bucket_failed(self, step: int, fence: str, exc: Exception) -> RefitError:
         """A fault in a bucket as the RefitError to raise; its reason is left at the fence."""
         err = exc if isinstance(exc, RefitError) else RefitError.at(
-            self.rank, step, self._phase, f"{type(exc).__name__}: {_first_line(exc)}", reusable=False)
+            self.rank, step, self._phase, f"{type(exc).__name__}: {first_line(exc)}", reusable=False)
         self._rv.give_up(fence, f"rank {self.rank} failed in {self._phase}: {err.detail}", err.peers or (self.rank,))
         return err
 
@@ -431,14 +415,14 @@ class Refitter:
                 if kind == "copy":
                     a.copy_(b)
                 elif kind == "post":
-                    works[a] = self._post(*b)
+                    works[a] = self.transport.post(*b)
                     deadlines[a] = time.monotonic() + self.timeout.total_seconds()
                     if self._stale:
                         self._delete_stale()
                 elif kind == "wait":
                     which, ops, what = b
                     posted = works[a]
-                    self._wait([posted[i] for i in which], ops, what, deadlines[a])
+                    self.transport.wait([posted[i] for i in which], ops, what, deadlines[a])
                 elif kind == "zero":
                     a.zero_()
                 elif kind == "reshape":  # (no view of one in the other's shape: `BucketRun.copy`)
@@ -521,13 +505,7 @@ class Refitter:
             data = t if isinstance(t, torch.Tensor) else getattr(t, "data", None)
             if isinstance(data, torch.Tensor):
                 return data.device
-        return self._backend_device()
-
-    def _backend_device(self) -> torch.device:
-        """Staging's device when no tensor says one: the process group's backend's."""
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return self.transport.device()
 
     def _agree(self, step: int, src_tensors, dst_tensors, strided: bool) -> bool:
         """Same plan everywhere, right tensors everywhere, every rank present in time.
@@ -663,73 +641,12 @@ class Refitter:
             run.arena.reset(device)  # every buffer of the bucket is dead: the next carves them again
         return mismatches
 
-    def _post(self, p2p: list, what: str, calls: list | None = None) -> list:
-        """A round's messages, one work each. NCCL needs them in one group (`batch_isend_irecv`);
-        a backend that cannot coalesce (gloo) gets each posted at once, which is all that
-        `batch_isend_irecv` does there, less its per-message checks (~10 us each); a replay
-        passes the process-group calls they resolved to once (`replay.resolved_posts`)."""
-        if not p2p:
-            return []
-        posting = None  # the message being posted one at a time when a post fails: its peer is named
-        try:
-            if calls is not None:
-                return [call(tensors, peer, tag) for call, tensors, peer, tag in calls]
-            if self._coalesces(p2p[0].tensor.device):
-                return dist.batch_isend_irecv(p2p)
-            works = []
-            for posting in p2p:
-                works.append(posting.op(posting.tensor, posting.peer, posting.group, posting.tag))
-            return works
-        except Exception as exc:  # noqa: BLE001
-            # a peer that died closes its connections: a post to it fails before any wait does, and
-            # the reason to report is the one a rank that failed first gave, else that peer
-            peer = None if posting is None else _group_rank(posting.peer, posting.group)
-            raise self._root_cause(CAUSE_GRACE) or RefitError.at(
-                self.rank, self._step, self._phase, f"posting {len(p2p)} {what} failed"
-                + ("" if peer is None else f" at the one with peer rank {peer}") + f": {_first_line(exc)}",
-                peers=() if peer is None else (peer,), reusable=False) from exc
-
-    def _coalesces(self, device: torch.device) -> bool:
-        """Does the group's backend for `device` group point-to-point messages (NCCL does)?"""
-        if device not in self._coalescing:
-            try:
-                group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-                self._coalescing[device] = bool(group._get_backend(device).supports_coalescing)
-            except Exception:  # noqa: BLE001 - unknown: group them, as torch would
-                self._coalescing[device] = True
-        return self._coalescing[device]
-
-    def _wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
-        """Wait for a bucket's transfers under ONE deadline (not one timeout per transfer): from
-        now, or the one their round got when it was posted (a round waited for in parts).
-
-        `Work.wait` takes the time left as float seconds (its binding reads a float as seconds,
-        as it reads a timedelta): building a timedelta per message cost a steady step on a
-        busy host about 10 us a message (benchmarks/README.md)."""
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout.total_seconds()
-        for work, op in zip(works, ops):
-            left = deadline - time.monotonic()
-            try:
-                ok = work.wait(left if left > 0.001 else 0.001)
-            except Exception as exc:  # noqa: BLE001 - every transport error becomes one message
-                peer = self._other_end(op)
-                text = _first_line(exc)
-                timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-                if timed_out:
-                    text = f"peer rank {peer} did not complete it within {self.timeout.total_seconds():g} s"
-                raise self._root_cause(0.0 if timed_out else CAUSE_GRACE) or RefitError.at(
-                    self.rank, self._step, self._phase, f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} "
-                    f"failed: {text}", peers=(peer,), reusable=False) from exc
-            if ok is False:
-                peer = self._other_end(op)
-                raise self._root_cause() or RefitError.at(
-                    self.rank, self._step, self._phase, f"peer rank {peer} did not complete {what} of op {op.id} "
-                    f"(`{op.key}`) within {self.timeout.total_seconds():g} s", peers=(peer,), reusable=False)
-
-    def _other_end(self, op) -> int:
-        """The rank at the other end of this rank's transfer `op`."""
-        return op.dst_rank if op.src_rank == self.rank else op.src_rank
+    def failure(self, detail: str, peers=(), grace: float = 0.0) -> RefitError:
+        """The error a transport raises for a fault of this step (runtime/transport.py): the
+        reason a rank that failed first left, if there is one (`_root_cause`, looked for up to
+        `grace` s), else `detail`; either way this Refitter is not reusable."""
+        return self._root_cause(grace) or RefitError.at(self.rank, self._step, self._phase, detail,
+                                                        peers=peers, reusable=False)
 
     def _root_cause(self, grace: float = 0.0) -> RefitError | None:
         """The reason a rank already left at this step's fence or the previous one's, if any: a
@@ -738,6 +655,8 @@ class Refitter:
         `grace`: how long to look for it. A peer whose connection closed may be a survivor that
         failed first and is leaving its reason right now (its sockets can close before that
         reason reaches the store): the reason it leaves, not that survivor, is the cause."""
+        if self._rv is None:
+            return None  # (no store meetings: nothing is left there)
         give_up = time.monotonic() + grace
         while True:
             for step in (self._step, self._step - 1):
@@ -753,18 +672,6 @@ class Refitter:
             if time.monotonic() >= give_up:
                 return None
             time.sleep(0.02)
-
-    def _peer(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
-    def _p2p(self, sending: bool, buf: torch.Tensor, rank: int):
-        """One message to or from plan rank `rank`, as `_post` posts it (a subclass that moves
-        bytes through other groups, runtime/jobs.py, builds its own)."""
-        return dist.P2POp(dist.isend if sending else dist.irecv, buf, self._peer(rank), self.group)
-
-    def _resolved(self, messages: list) -> list | None:
-        """A round's messages as the process-group calls a replay posts (`replay.resolved_posts`)."""
-        return resolved_posts(messages, self._coalesces(messages[0].tensor.device))
 
     # ---- verification ---------------------------------------------------------------
     def _bucket_checksums(self, ops, dst, assembly, source_view, packed, device) -> list[str]:
@@ -789,9 +696,10 @@ class Refitter:
                     outgoing.append((mine, op))
             elif op.dst_rank == me:
                 incoming.append((torch.zeros(CHECKSUM_DIGITS, dtype=torch.float64, device=device), op))
-        p2p = [self._p2p(True, s, op.dst_rank) for s, op in outgoing]
-        p2p += [self._p2p(False, s, op.src_rank) for s, op in incoming]
-        self._wait(self._post(p2p, "checksums"), [op for _, op in outgoing + incoming], "checksum")
+        t = self.transport
+        p2p = [t.message(True, s, op.dst_rank) for s, op in outgoing]
+        p2p += [t.message(False, s, op.src_rank) for s, op in incoming]
+        t.wait(t.post(p2p, "checksums"), [op for _, op in outgoing + incoming], "checksum")
         for expected, op in incoming:
             got = _checksum(self._landed(op, dst, assembly))
             if not torch.allclose(expected, got, rtol=1e-9, atol=0.0):
@@ -825,15 +733,6 @@ class Refitter:
 def _as_given(tensors, held: dict[str, TensorIR]) -> dict:
     """A caller's tensors by name, each quantized one as its format's class (a tuple accepted)."""
     return {k: as_quantized(v, held[k].dtype) if k in held else v for k, v in (tensors or {}).items()}
-
-
-def _default_store():
-    """The default process group's store (where ranks meet), if any."""
-    try:
-        from torch.distributed import distributed_c10d
-        return distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - reported by the caller
-        return None
 
 
 def _strided(value) -> bool:

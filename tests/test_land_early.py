@@ -64,8 +64,9 @@ class Grouped:
 
 
 if job["grouped"]:
-    posted = Refitter._post
-    Refitter._post = lambda self, p2p, what, calls=None: [Grouped(posted(self, p2p, what, calls))] if p2p else []
+    from layoutlang.runtime.transport_group import GroupTransport
+    posted = GroupTransport.post
+    GroupTransport.post = lambda self, p2p, what, calls=None: [Grouped(posted(self, p2p, what, calls))] if p2p else []
 
 hold = rank == 2 and not job["grouped"]  # (grouped: the first land waits for the whole round)
 refitter = Refitter(plan, steady=True, timeout=timedelta(seconds=40), hooks=HoldRank2() if hold else None)

@@ -203,11 +203,11 @@ s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.clos
 dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
 refitter = Refitter(compile_plan(sys.argv[1], sys.argv[2]), timeout=5)
 cpu = torch.device("cpu")
-print("gloo coalesces", refitter._coalesces(cpu))
+print("gloo coalesces", refitter.transport.coalesces(cpu))
 batches = []
 dist.batch_isend_irecv = lambda ops: batches.append(len(ops)) or ["work"] * len(ops)
-refitter._coalescing[cpu] = True  # as NCCL's backend says
-print(refitter._post([dist.P2POp(dist.isend, torch.zeros(2), 0), dist.P2POp(dist.irecv, torch.zeros(2), 0)], "x"),
+refitter.transport.coalescing[cpu] = True  # as NCCL's backend says
+print(refitter.transport.post([dist.P2POp(dist.isend, torch.zeros(2), 0), dist.P2POp(dist.irecv, torch.zeros(2), 0)], "x"),
       batches)
 dist.destroy_process_group()
 """
