@@ -43,7 +43,7 @@ import torch.distributed as dist
 from layoutlang.compiler import Plan
 
 from .errors import RefitError, first_line
-from .refit import Refitter, StagingMeter, _as_given, _strided
+from .refit import Refitter, StagingMeter, as_given, not_contiguous
 from .transport import Transport
 
 
@@ -420,7 +420,7 @@ class JobWalk(Refitter):
         stay dropped. `cut_strided`: some rank of the membership holds a non-contiguous tensor
         (the job's meeting says), so every rank cuts its buckets as if every transfer were staged."""
         self._step, self.transport.deadline = refit, deadline
-        src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
+        src, dst = as_given(src_tensors, self.src_held), as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
         # Buckets must be cut alike on every rank of every job: the cut follows what the job's
         # meeting said of every rank's tensors, the steps stage only what this rank's own need.
@@ -439,7 +439,7 @@ class JobWalk(Refitter):
         return mismatches
 
     def strided(self, src_tensors, dst_tensors) -> bool:
-        return any(_strided(v) for v in list((src_tensors or {}).values()) + list((dst_tensors or {}).values()))
+        return any(not_contiguous(v) for v in list((src_tensors or {}).values()) + list((dst_tensors or {}).values()))
 
 
 def failure_text(exc: BaseException) -> str:

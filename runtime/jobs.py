@@ -59,7 +59,7 @@ from .errors import RefitError
 from .jobplans import KEPT, ReplicaPlans, _arg_value, _keep, args_json, layout_difference, published, text_digest
 from .jobgroups import JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, failure_text, sever
 from .jobwait import CLOSE_WAIT, bell, born, current_waits, epoch_of, is_strided, ring, sleep_until_rung, wait_value
-from .refit import _shape_problem, _strided
+from .refit import not_contiguous, shape_problem
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable
 
 NAMESPACE = "layoutlang/jobs/"
@@ -170,7 +170,7 @@ def tensor_problems(layout: Layout, rank: int, tensors, side: str) -> list[str]:
         if t.name not in tensors:
             problems.append(f"{side} tensor `{t.name}` is missing")
         else:
-            problem = _shape_problem(t, tensors[t.name], rank)
+            problem = shape_problem(t, tensors[t.name], rank)
             if problem:
                 problems.append(f"{side} tensor `{t.name}`: {problem}")
         if len(problems) > 8:
@@ -731,7 +731,7 @@ class EngineJob:
         if self._closed:
             raise self._gone()
         give_up = None if wait is None else time.monotonic() + wait
-        strided = any(_strided(v) for v in (tensors or {}).values())
+        strided = any(not_contiguous(v) for v in (tensors or {}).values())
         while True:
             n, ann, member = self._wait_for_refit(give_up, strided)
             if self.kv.has(f"refit/{n}/verdict"):

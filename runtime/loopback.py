@@ -22,7 +22,7 @@ from layoutlang.compiler.steps import schedule
 
 from .bucket import BucketRun
 from .errors import RefitError
-from .refit import RefitHooks, StagingMeter, _as_given, _shape_problem
+from .refit import RefitHooks, StagingMeter, as_given, shape_problem
 from .transport import Transport
 
 
@@ -139,8 +139,8 @@ class LoopbackRefitter:
         destinations are written in place. Returns each rank's counters (`sent_bytes`,
         `received_bytes`, `local_bytes`, `meter`), accumulated over calls."""
         ranks, plans = self.ranks, self.schedules
-        srcs = {r: _as_given(src.get(r), ranks[r].src_held) for r in ranks}
-        dsts = {r: _as_given(dst.get(r), ranks[r].dst_held) for r in ranks}
+        srcs = {r: as_given(src.get(r), ranks[r].src_held) for r in ranks}
+        dsts = {r: as_given(dst.get(r), ranks[r].dst_held) for r in ranks}
         for b in range(len(plans[0].buckets) if ranks else 0):
             runs = {r: BucketRun(ranks[r], plans[r].ops[b], srcs[r], dsts[r], self.device) for r in ranks}
             walks = {r: _walk(runs[r], plans[r].steps[b]) for r in ranks}
@@ -180,14 +180,14 @@ def run_rank(plan: Plan, rank: int, src: dict, dst: dict, *, device=None,
         for name, t in needed.items():
             if name not in (given or {}):
                 problems.append(f"{side} tensor `{name}` is missing")
-            elif (problem := _shape_problem(t, _as_given({name: given[name]}, held)[name], rank)):
+            elif (problem := shape_problem(t, as_given({name: given[name]}, held)[name], rank)):
                 problems.append(f"{side} tensor `{name}`: {problem}")
     if problems:
         raise RefitError.at(rank, 0, "setup", "local tensors do not match the layouts, nothing was written: "
                             + "; ".join(problems[:8]), reusable=True)
     device = torch.device(device) if device is not None else torch.device("cpu")
     sched = schedule(plan, rank, budget_bytes)
-    srcs, dsts = _as_given(src, me.src_held), _as_given(dst, me.dst_held)
+    srcs, dsts = as_given(src, me.src_held), as_given(dst, me.dst_held)
     for b in range(len(sched.buckets)):
         run = BucketRun(me, sched.ops[b], srcs, dsts, device)  # (its rounds carry no message)
         for step in sched.steps[b]:

@@ -311,9 +311,9 @@ class Refitter:
                 self._fence = self._rv.key(step, "fence")
                 self._replay(step, self._fence)
                 return
-        src, dst = _as_given(src_tensors, self.src_held), _as_given(dst_tensors, self.dst_held)
+        src, dst = as_given(src_tensors, self.src_held), as_given(dst_tensors, self.dst_held)
         device = self._device(list(src.values()) + list(dst.values()))
-        strided = any(_strided(v) for v in list(src.values()) + list(dst.values()))
+        strided = any(not_contiguous(v) for v in list(src.values()) + list(dst.values()))
         steady = self._steady()
         # One fence per step, not per bucket (store traffic is O(ranks) per step;
         # benchmarks/store_scale.py), and in steady steps none: its key is only where a rank
@@ -554,7 +554,7 @@ class Refitter:
                 if name not in given:
                     problems.append(f"{side} tensor `{name}` is missing")
                     continue
-                problem = _shape_problem(t, given[name], self.rank)
+                problem = shape_problem(t, given[name], self.rank)
                 if problem:
                     problems.append(f"{side} tensor `{name}`: {problem}")
                     if len(problems) > 8:
@@ -730,18 +730,18 @@ class Refitter:
                             "from the source: " + "; ".join(bad), reusable=True)
 
 
-def _as_given(tensors, held: dict[str, TensorIR]) -> dict:
+def as_given(tensors, held: dict[str, TensorIR]) -> dict:
     """A caller's tensors by name, each quantized one as its format's class (a tuple accepted)."""
     return {k: as_quantized(v, held[k].dtype) if k in held else v for k, v in (tensors or {}).items()}
 
 
-def _strided(value) -> bool:
+def not_contiguous(value) -> bool:
     """Is this tensor (or any tensor of a quantized value: data, scales) not contiguous?"""
     parts = [value] if isinstance(value, torch.Tensor) else tensors_of(value)
     return any(isinstance(p, torch.Tensor) and not p.is_contiguous() for p in parts)
 
 
-def _shape_problem(t: TensorIR, value, rank: int) -> str | None:
+def shape_problem(t: TensorIR, value, rank: int) -> str | None:
     expected = tuple(t.local_shape_at(rank))  # ranks of a ragged split hold different extents
     if t.dtype in QUANTIZED:
         return storage_problem(as_quantized(value, t.dtype), t.dtype, expected)
@@ -751,6 +751,8 @@ def _shape_problem(t: TensorIR, value, rank: int) -> str | None:
         return f"expected {list(expected)} {PLAIN_DTYPES[t.dtype]}, got {list(value.shape)} {value.dtype}"
     return None
 
+
+_as_given, _shape_problem = as_given, shape_problem  # (layoutlang/checkpoint/ imports them under these names)
 
 _LAYOUT_DTYPE = {v: k for k, v in PLAIN_DTYPES.items()}   # torch dtype -> the layout's word for it
 

@@ -265,14 +265,8 @@ RUNTIME_PRIVATE = {
     ("layoutlang/checkpoint/write.py", "runtime.loopback:_Rank"),  # issue 50: the transport seam removes it
     ("layoutlang/checkpoint/write.py", "runtime.refit:_as_given"),  # issue 50: the transport seam removes it
     ("layoutlang/checkpoint/write.py", "runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
-    ("runtime/jobgroups.py", "runtime.refit:_as_given"),  # issue 50: the transport seam removes it
-    ("runtime/jobgroups.py", "runtime.refit:_strided"),  # issue 50: the transport seam removes it
     ("runtime/jobs.py", "runtime.jobplans:_arg_value"),  # issue 50: the transport seam removes it
     ("runtime/jobs.py", "runtime.jobplans:_keep"),  # issue 50: the transport seam removes it
-    ("runtime/jobs.py", "runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
-    ("runtime/jobs.py", "runtime.refit:_strided"),  # issue 50: the transport seam removes it
-    ("runtime/loopback.py", "runtime.refit:_as_given"),  # issue 50: the transport seam removes it
-    ("runtime/loopback.py", "runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
 }
 
 
