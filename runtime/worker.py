@@ -168,6 +168,8 @@ def run(job: dict, rank: int, group=None) -> dict:
             dist.barrier(group=group)
             if job.get("count_store_keys"):
                 store_keys.append(dist.distributed_c10d._get_default_store().num_keys())
+                # rank 0 hosts the store: nobody leaves the last step before every rank has read it
+                dist.barrier(group=group)
         times.append(outcome["seconds"])
         if job.get("alternate") and not step_errors:
             step_errors += [f"step {step}: {e}" for e in _check_step(plan, rank, dst, step % 2 == 1)]
