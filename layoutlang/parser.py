@@ -121,9 +121,21 @@ class _Statements:
 _STATEMENTS = _Statements()
 
 
+class _WholeWords:
+    """The contextual lexer's post-lexer, there only for `always_accept`: NAME is lexed in every
+    state, so a keyword is a whole word. Without it a state that takes keywords but no NAME (a
+    statement's start, after a dim's extent) reads `tensorw` as `tensor w` and `pad2` as
+    `pad 2`; with it they are one NAME, which the parser refuses (and names the keyword meant)."""
+
+    always_accept = ("NAME",)
+
+    def process(self, stream):
+        return stream
+
+
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
-    return Lark(grammar_text(), parser="lalr", lexer="contextual",
+    return Lark(grammar_text(), parser="lalr", lexer="contextual", postlex=_WholeWords(),
                 propagate_positions=True, maybe_placeholders=False,
                 start=["start", "expr"], transformer=_STATEMENTS,
                 lexer_callbacks={"COMMENT": _STATEMENTS.collect})
