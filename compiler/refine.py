@@ -129,30 +129,34 @@ def _refinements(m: Match, instances) -> list[tuple[int, int, Path, object]]:
     return out
 
 
-def _refused(m: Match, j: int, plain: int, donor: int, instances, trees, sub: Path, reason: str) -> PlanError:
+def _one_side(m: Match, j: int, plain: int, donor: int, instances, trees, sub: Path):
+    """(the plain instance, a note at the other side's declaration, the message's opening) of a
+    refinement refused at `sub` of dim `j`."""
     t, other = instances[plain][0], instances[donor][0]
     here, there = _subtree(trees[plain][j], sub), _subtree(trees[donor][j], sub)
     side = "source" if donor else "destination"
     at = f" in part {'.'.join(map(str, sub))}" if sub else ""
+    opening = (f"`{m.key}` dim {j}: parts on one side only{at}: {describe_tree(here)} in `{t.name}`, "
+               f"{describe_tree(there)} in the {side}")
+    return t, Note(f"the {side} declaration", other.span), opening
+
+
+def _refused(m: Match, j: int, plain: int, donor: int, instances, trees, sub: Path, reason: str) -> PlanError:
+    t, note, opening = _one_side(m, j, plain, donor, instances, trees, sub)
     return PlanError(
-        f"`{m.key}` dim {j}: parts on one side only{at}: {describe_tree(here)} in `{t.name}`, "
-        f"{describe_tree(there)} in the {side}; the plain rows cannot be read as those parts: {reason}",
-        t.span, notes=[Note(f"the {side} declaration", other.span)],
+        f"{opening}; the plain rows cannot be read as those parts: {reason}",
+        t.span, notes=[note],
         help="write the same parts on both sides (LANGUAGE.md 3); a plain side is read as the other "
              "side's parts only where that leaves every rank's rows where they are")
 
 
 def _unordered(m: Match, j: int, plain: int, donor: int, instances, trees, sub: Path, woven) -> PlanError:
-    t, other = instances[plain][0], instances[donor][0]
-    here, there = _subtree(trees[plain][j], sub), _subtree(trees[donor][j], sub)
-    side = "source" if donor else "destination"
-    at = f" in part {'.'.join(map(str, sub))}" if sub else ""
+    t, note, opening = _one_side(m, j, plain, donor, instances, trees, sub)
     return PlanError(
-        f"`{m.key}` dim {j}: parts on one side only{at}: {describe_tree(here)} in `{t.name}`, "
-        f"{describe_tree(there)} in the {side}, which interleaves them row by row, `{written(woven)}`; "
+        f"{opening}, which interleaves them row by row, `{written(woven)}`; "
         "plain rows do not say whether they are stored in that order or in runs of each part "
         "(Meta's interleaved rotary pairs against HF's halves)",
-        t.span, notes=[Note(f"the {side} declaration", other.span)],
+        t.span, notes=[note],
         help="write the parts on this side too (LANGUAGE.md 3); for a checkpoint, give it its config.json: "
              "beside the files (`layoutc new checkpoint DIR` reads it), `describe(dir, config=...)` or "
              "`save(..., config=...)`, which write HF's rotary halves")
