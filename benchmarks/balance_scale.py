@@ -10,7 +10,7 @@ usable senders) is 30 MiB: kept whole, each such piece sits on one sender (issue
 
 Printed, in one run, for the plan with whole pieces (`compile_plan(..., split=False)`,
 the baseline) and the default plan (pieces cut along their outer dim where a sender is
-overloaded, compiler/plan.py `split_stage`): ops, requests cut, the busiest sender and
+overloaded, layoutlang/compiler/plan.py `split_stage`): ops, requests cut, the busiest sender and
 its ratio to the floor, and the time to compile and to build `plan.ops`, each the
 fastest of `--repeat` fresh processes (layouts loaded before the clock starts).
 

@@ -10,7 +10,7 @@ prints GB/s of the copy phase and of the whole step (no target is stated: no
 number has been measured on a GPU yet). That first phase is a raw copy loop of the
 bf16 wire without relays (`wire="bf16", relay=False`), the baseline; the second runs
 the default plan's steps (quantized wire, relays) with the Refitter's own handlers
-for every rank in one process (runtime/loopback.py) and prints its step time
+for every rank in one process (layoutlang/runtime/loopback.py) and prints its step time
 against the raw loop's, then checks a sample again; `--small` adds a relay plan
 (the small Llama into 6 unsharded replicas). On CPU with small layouts it checks itself:
 
@@ -121,8 +121,8 @@ def _host(value):
 
 
 def steps_phase(src_path, dst_path, dev, steps: int, raw_step: float | None, **args) -> bool:
-    """Run the default plan's steps (compiler/steps.py) for every rank on one device through
-    runtime/loopback.py; print the step time against the raw copy loop above (same run) and check
+    """Run the default plan's steps (layoutlang/compiler/steps.py) for every rank on one device through
+    layoutlang/runtime/loopback.py; print the step time against the raw copy loop above (same run) and check
     a sample of destinations. Returns whether a destination is wrong."""
     from layoutlang.runtime import loopback
 

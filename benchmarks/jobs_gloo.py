@@ -30,7 +30,7 @@ groups, as separately launched jobs would:
              each tensor one logical space on both sides (checked), so the slices kept are exact
              and checked like the other methods' results.
   staged     the one-world Refitter walking the schedule a job's walk takes (every transfer
-             through a staging buffer: runtime/jobgroups.py `JobWalk.walk` plans as if some
+             through a staging buffer: layoutlang/runtime/jobgroups.py `JobWalk.walk` plans as if some
              rank's tensors were strided, since ranks of different jobs do not agree on that
              before a refit): reported only; staged / one world is what that choice costs,
              jobs / staged what the jobs' own groups and store protocol cost on top

@@ -5,7 +5,7 @@ Usage: python benchmarks/jobs_gloo_worker.py JOB OUT   (env RANK, WORLD_SIZE, MA
 JOB is JSON written by the launcher: the two layout texts, the replica count, the
 staging budget, the rounds, the jobs store's address. World ranks 0..N-1 are the
 trainer's ranks; world rank N + t*K + i is rank t of replica i (the plan's numbering,
-compiler/members.py `engine_rank`), so the one-world Refitter and the jobs share the
+layoutlang/compiler/members.py `engine_rank`), so the one-world Refitter and the jobs share the
 plan's rank of every process. Each step of every method sits between two barriers of
 the world's default group; rank 0's clock between them is the step's time.
 
@@ -22,7 +22,7 @@ Methods, all writing into the same destination tensors of every engine rank:
              the engine ranks), each of which copies its slices into its destination
 
 Correctness is checked after every step on every engine rank: each destination equals
-`expected_destination` of the engine's layout (runtime/fill.py: from the layout alone, no
+`expected_destination` of the engine's layout (layoutlang/runtime/fill.py: from the layout alone, no
 plan) times the step's version factor (examples/jobs/weights.py), element by element
 (`torch.equal`); the last step of every method is also checked with weights.py `problems`.
 """
@@ -156,7 +156,7 @@ class Native:
 
 
 class StagedRefitter(Refitter):
-    """The one-world Refitter on the schedule a job's walk takes (runtime/jobgroups.py JobWalk.walk:
+    """The one-world Refitter on the schedule a job's walk takes (layoutlang/runtime/jobgroups.py JobWalk.walk:
     every transfer staged, as if some rank's tensors were strided): what that choice costs, apart
     from the jobs' groups and meetings."""
 

@@ -194,7 +194,7 @@ def _joined(p, q, d: int):
 def _merged(found: list) -> list:
     """Pieces of one destination shard, those that continue in both storages joined: per dim in
     turn, in destination order, each joined to the one before it where it can be, until nothing
-    joins (the real planner's rule, compiler/pieces.py `merge`, written out on plain slices)."""
+    joins (the real planner's rule, layoutlang/compiler/pieces.py `merge`, written out on plain slices)."""
     if len(found) < 2:
         return found
     changed = True

@@ -12,7 +12,7 @@ same run:
    (mxfp8 1 + 1/32, fp8_b128 1 + 4/16384, mxfp4 0.5 + 1/32, nvfp4 0.5 + 1/16), printed beside.
 2. Refits on gloo, small size (examples/small/llama_train.layout -> llama_infer.layout in each
    format, 8 processes): with each wire, every worker checks every destination element
-   (runtime/fill.py check_destination: the bytes equal quantizing the expected bf16 tensor
+   (layoutlang/runtime/fill.py check_destination: the bytes equal quantizing the expected bf16 tensor
    once, scales included). Both wires passing is "bit-identical to quantizing the reference";
    the moved bytes are the runtime's own counters.
 

@@ -20,8 +20,8 @@ instance), the tree relays. Target: relay / direct <= 0.9 (the relay stage's own
 Gloo (smaller model, same shape): examples/small/llama_train.layout TP=4 ->
 examples/small/llama_infer.layout TP=1, DP=16, collocated (16 local processes;
 `--gloo-disjoint`: AT=4, 20 processes), refit with and without relays in the same
-run; every destination element is checked on every rank (runtime/fill.py
-check_destination, through runtime/worker.py), and the busiest link is measured
+run; every destination element is checked on every rank (layoutlang/runtime/fill.py
+check_destination, through layoutlang/runtime/worker.py), and the busiest link is measured
 from the runtime's own byte counters (sent/received per rank). Target: the
 refit exact, measured relay / direct <= 0.35. Step times are printed, not
 targeted (gloo on 2 shared cores).

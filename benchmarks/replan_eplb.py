@@ -15,13 +15,13 @@ Per round, in this process, with the garbage collector paused as `compile_plan` 
 new random map B:
 - cold: load the trainer and the engine (map B) and plan: what a rebalance costs without the
   planner, and what a first refit costs;
-- re-plan: `TablePlanner.plan(B)` (compiler/tables.py), the planner made once before the rounds
+- re-plan: `TablePlanner.plan(B)` (layoutlang/compiler/tables.py), the planner made once before the rounds
   for map A and kept across them (the trainer's layout kept): what a rebalance costs the backend.
 Both plans are checked: every physical slot's keys name the expert its map entry names, the plan
 moves every slot's bytes once, and the two plans are the same (ops, statistics, digest).
 Also printed, not judged: the planner's first plan (made and planned for map A) against one cold
 plan, and one rank's ops (`ops_for_rank`) taken from each plan.
-`--job`: the same between separately launched jobs (runtime/jobs.py: the engine one replica of
+`--job`: the same between separately launched jobs (layoutlang/runtime/jobs.py: the engine one replica of
 a TrainerJob, its ranks after the trainer's, relays off): the re-plan is the TrainerJob's,
 `TablePlanner(..., replica_at=N)`, the cold plan `compile_plan(src, replicate(engine, 1, N))`.
 Issue 27's target: a new map re-plans in <= 10 % of the cold plan. Printed: per round the two
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--job", action="store_true", help="the engine one replica of a TrainerJob (runtime/jobs.py)")
+    ap.add_argument("--job", action="store_true", help="the engine one replica of a TrainerJob (layoutlang/runtime/jobs.py)")
     ns = ap.parse_args(argv)
     size = QUICK if ns.quick else FULL
     rounds = ns.rounds or (3 if ns.quick else 7)

@@ -6,14 +6,14 @@
 The trainer is plan_scale.py's, `examples/deepseek_v3_moe.layout --set DP=64 --set EP=64`
 (1024 ranks: pp8 x dp64 x tp2, experts pp8 x ep64 x etp2, bf16); one engine replica is
 `examples/deepseek_v3_infer.layout --set ENGINE_DP=1 --set ENGINE_EP=8` (8 ranks: TP8,
-experts EP8, MXFP8), repeated after the trainer's ranks (compiler/members.py `replicate`).
+experts EP8, MXFP8), repeated after the trainer's ranks (layoutlang/compiler/members.py `replicate`).
 Issue 26's target: re-planning when a 9th replica joins 8 costs at most 10 % of planning
 the 9 replicas cold.
 
 Each round is one fresh child process. It loads both layouts (not timed), then measures
 - cold: `compile_plan(src, replicate(one, 9, 1024), relay=False)`, the first plan in the
   process, so nothing any plan computed is cached (layouts included: freshly loaded); what
-  runtime/jobs.py does without a planner. Its `replicate` part is printed too (it runs with
+  layoutlang/runtime/jobs.py does without a planner. Its `replicate` part is printed too (it runs with
   the garbage collector on, which at this size collects several times);
 - re-plan: `MemberPlanner(src, one)` plans 8 replicas (the membership before, not timed),
   then `planner.plan(9)` is timed.

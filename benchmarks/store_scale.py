@@ -1,6 +1,6 @@
 """What a refit's store meetings cost: N clients meeting through ONE TCPStore server.
 
-A refit step meets in the process group's store (runtime/rendezvous.py): once to
+A refit step meets in the process group's store (layoutlang/runtime/rendezvous.py): once to
 agree and once after its last bucket (the step's fence; a rank that fails in
 any bucket gives up the fence with its reason, so every rank is released at
 once). It used to meet after every bucket. A meeting costs each rank 4 store

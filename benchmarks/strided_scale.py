@@ -7,7 +7,7 @@ rows with each head's rotary pairs interleaved, `(NH, D/2, (re: 1 | im: 1))`) ->
 split per head, `(NH, (re: D/2 | im: D/2))`). Each figure is the fastest of
 `--repeat` fresh child processes: load + compile + `plan.ops` + the JSON plan
 (`render_json`). The per-row baseline is the same compiler with strided pieces
-off (`compiler/pieces.py` STRIDE_MIN_RUNS set beyond any run count: every segment
+off (`layoutlang/compiler/pieces.py` STRIDE_MIN_RUNS set beyond any run count: every segment
 its own piece, as before issue 12), measured in the same run; both plans must move
 the same bytes into the same destination ranks.
 

@@ -220,7 +220,7 @@ def case_load(job: dict, rank: int, report: dict) -> None:
 def case_vllm_save(job: dict, rank: int, report: dict) -> None:
     """`layoutc new vllm` TP2 shards (loaded from the save_pretrained Llama) saved into a directory
     that does not exist yet, with no config.json anywhere near it and no `config=`: the q/k rows
-    the layout writes as rotary halves meet the files' plain rows (compiler/refine.py)."""
+    the layout writes as rotary halves meet the files' plain rows (layoutlang/compiler/refine.py)."""
     from layoutlang import load as load_layout
     from layoutlang.checkpoint import load, save
 

@@ -59,7 +59,7 @@ def trainer(rank: int, at: Path, version: int, layout) -> None:
     job = TrainerJob(layout, load(str(INFER)), store=store, rank=rank, world_size=TRAINER_RANKS, timeout=TIMEOUT)
     if rank == 0:  # both engine ranks wait in `receive`: the replica is a member of this refit
         kv = _Store(dist.PrefixStore(NAMESPACE, store), "")
-        while current_waits(kv, "r0", ENGINE_RANKS) is None:  # (runtime/jobwait.py: this incarnation's waits)
+        while current_waits(kv, "r0", ENGINE_RANKS) is None:  # (layoutlang/runtime/jobwait.py: this incarnation's waits)
             time.sleep(0.002)
     report = job.refit(trainer_tensors(layout, rank, version), version=version)
     job.close()

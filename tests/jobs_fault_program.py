@@ -4,7 +4,7 @@
     jobs_fault_program.py DIR engine REPLICA RANK [strided | idle]
 
 DIR/config.json holds the store's address, the layouts, the timeout and the budget. The
-test forks each process from a warm parent (runtime/zygote.py), so a replica restarts in
+test forks each process from a warm parent (layoutlang/runtime/zygote.py), so a replica restarts in
 a fraction of a second; every process is its own job (no default process group, its own
 connections), and dies with that parent.
 

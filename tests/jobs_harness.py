@@ -84,7 +84,7 @@ class Jobs:
         while time.monotonic() < deadline:
             kv = _Store(self.store(), "")
             if all(current_waits(kv, rid, n) is not None for rid, n in replicas.items()):
-                return  # (a wait a dead rank left behind does not count: runtime/jobwait.py)
+                return  # (a wait a dead rank left behind does not count: layoutlang/runtime/jobwait.py)
             time.sleep(0.05)
         raise AssertionError(f"replicas {sorted(replicas)} did not all wait within {within} s: {self.logs()}")
 

@@ -1,6 +1,6 @@
 """A slow, obviously-correct executor of a plan, and the checks it makes.
 
-Why: the compiler proves coverage symbolically (compiler/verify.py) with
+Why: the compiler proves coverage symbolically (layoutlang/compiler/verify.py) with
 rectangle sweeps. This module checks the same promise (LANGUAGE.md 5,
 DESIGN.md invariant 1) the dumbest possible way: it materializes every local
 tensor of both layouts on the CPU, runs every op as a tensor slice copy, and

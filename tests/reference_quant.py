@@ -1,6 +1,6 @@
 """A slow, independent reference for FP8 / MXFP8 / FP8-b128 / MXFP4 / NVFP4 quantization, from the rules.
 
-Why: runtime/quant.py is the code under test; a test that builds its expected
+Why: layoutlang/runtime/quant.py is the code under test; a test that builds its expected
 bytes with `quantize()` can only show that the runtime agrees with itself. This
 module never calls torch: every value is an exact `Fraction`, every rounding is
 written out, every code is assembled from its sign, exponent and mantissa bits.

@@ -1,26 +1,26 @@
 """The design card's boundaries, checked on the source (DESIGN.md, "Architecture"; STYLE.md, "What to avoid").
 
-- Presentation stays out of the planner: no module of compiler/ or runtime/
-  imports jinja2, rich, pygments or markupsafe, and compiler/ never imports
+- Presentation stays out of the planner: no module of layoutlang/compiler/ or layoutlang/runtime/
+  imports jinja2, rich, pygments or markupsafe, and layoutlang/compiler/ never imports
   `layoutlang.report` (renderers read the plan; the plan knows nothing of them).
   Checked on the syntax tree of every file (imports inside functions count),
   and once more on what `import layoutlang.compiler` and a compile really load.
-- One public door: no module outside compiler/ reads a Plan's private state
-  (the names below are compiler/plan.py's internals); everything goes through
+- One public door: no module outside layoutlang/compiler/ reads a Plan's private state
+  (the names below are layoutlang/compiler/plan.py's internals); everything goes through
   `Plan.transfers()`, `templates`, `picks()`, `template_of()`, `op_range()`,
   `ops`, `ops_for_rank()`, `stats`, `send_load`, `recv_load`.
-- No import circle: the modules of layoutlang/ (every subpackage), compiler/ and
-  runtime/ import each other as a DAG. Every import counts, a lazy one inside a
+- No import circle: the modules of layoutlang/ (every subpackage), layoutlang/compiler/ and
+  layoutlang/runtime/ import each other as a DAG. Every import counts, a lazy one inside a
   function and a `TYPE_CHECKING` one too (a lazy import that breaks a circle at
   run time is still the circle in the design: two modules that import each
   other are missing a third).
 - No private name crosses a module: `from .x import _name` (or any absolute
   spelling) imports another module's internals; the name is either that
   module's real interface (then it loses its underscore) or belongs in a third
-  module both read. runtime/'s are listed in RUNTIME_PRIVATE until issue 50's
+  module both read. layoutlang/runtime/'s are listed in RUNTIME_PRIVATE until issue 50's
   transport seam removes them; the list only shrinks (an entry that no longer
   occurs fails too, so it stays exact).
-- Stages hand the Plan public records: no module but compiler/plan.py assigns a
+- Stages hand the Plan public records: no module but layoutlang/compiler/plan.py assigns a
   Plan's private field (`plan._picks = ...`); a stage calls `record_stored`,
   `record_templates`, `record_picks`, `record_relays`.
 """
@@ -78,17 +78,17 @@ def imported_modules(tree: ast.Module, package: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-PLANNER = _sources("compiler", "runtime")
+PLANNER = _sources("layoutlang/compiler", "layoutlang/runtime")
 
 
 @pytest.mark.parametrize("path", PLANNER, ids=lambda p: str(p.relative_to(ROOT)))
 def test_planner_imports_no_presentation(path):
-    package = "layoutlang." + ".".join(path.relative_to(ROOT).parent.parts)  # compiler/ is layoutlang.compiler
+    package = ".".join(path.relative_to(ROOT).parent.parts)  # layoutlang/compiler/ is layoutlang.compiler
     bad = []
     for line, module in imported_modules(_tree(path), package):
         if module.split(".")[0] in PRESENTATION:
             bad.append(f"{path.relative_to(ROOT)}:{line}: imports {module} (presentation belongs in layoutlang/report/)")
-        if path.parts[-2] == "compiler" and (module == "layoutlang.report" or module.startswith("layoutlang.report.")):
+        if path.parts[-2:-1] == ("compiler",) and path.parts[-3] == "layoutlang" and (module == "layoutlang.report" or module.startswith("layoutlang.report.")):
             bad.append(f"{path.relative_to(ROOT)}:{line}: imports {module} (the compiler never reads its renderers)")
     assert not bad, "\n".join(bad)
 
@@ -109,12 +109,12 @@ def test_compiling_loads_no_presentation():
 
 def test_no_presentation_left_in_the_compiler():
     """The renderers moved to layoutlang/report/ (no shims, no templates left behind)."""
-    assert not (ROOT / "compiler" / "templates").exists()
-    assert not {"render.py", "html.py", "explain.py"} & {p.name for p in (ROOT / "compiler").glob("*.py")}
+    assert not (ROOT / "layoutlang" / "compiler" / "templates").exists()
+    assert not {"render.py", "html.py", "explain.py"} & {p.name for p in (ROOT / "layoutlang" / "compiler").glob("*.py")}
     assert sorted(p.name for p in (ROOT / "layoutlang" / "report" / "templates").glob("*.j2"))
 
 
-CONSUMERS = _sources("layoutlang", "runtime", "benchmarks", "tests")
+CONSUMERS = [p for p in _sources("layoutlang", "benchmarks", "tests") if p not in _sources("layoutlang/compiler")]
 
 
 def private_reads(tree: ast.Module) -> list[tuple[int, str]]:
@@ -158,17 +158,17 @@ def test_the_public_door_exists():
 def test_the_scans_see_the_sources():
     """A path mix-up would make every check above pass on nothing."""
     names = {p.relative_to(ROOT).as_posix() for p in PLANNER + CONSUMERS}
-    assert {"compiler/plan.py", "runtime/__init__.py", "layoutlang/cli.py", "layoutlang/report/html_analysis.py",
+    assert {"layoutlang/compiler/plan.py", "layoutlang/runtime/__init__.py", "layoutlang/cli.py", "layoutlang/report/html_analysis.py",
             "benchmarks/naive_planner.py", "tests/test_html.py"} <= names
 
 
-PACKAGES = {"layoutlang": "layoutlang", "compiler": "layoutlang.compiler", "runtime": "layoutlang.runtime"}
+PACKAGES = {"layoutlang": "layoutlang"}
 
 
 def module_name(path: Path) -> str:
-    """The dotted name a source file is imported as (compiler/ is installed as layoutlang.compiler).
+    """The dotted name a source file is imported as (layoutlang/compiler/ is installed as layoutlang.compiler).
 
-    >>> module_name(ROOT / "compiler" / "plan.py"), module_name(ROOT / "layoutlang" / "checkpoint" / "__init__.py")
+    >>> module_name(ROOT / "layoutlang" / "compiler" / "plan.py"), module_name(ROOT / "layoutlang" / "checkpoint" / "__init__.py")
     ('layoutlang.compiler.plan', 'layoutlang.checkpoint')
     """
     rel = path.relative_to(ROOT)
@@ -250,7 +250,7 @@ def private_imports(modules: dict[str, Path] = MODULES) -> set[tuple[str, str]]:
     return found
 
 
-# runtime/'s private imports today, both ways (runtime/ being rewritten by issue 50's transport work).
+# layoutlang/runtime/'s private imports today, both ways (layoutlang/runtime/ being rewritten by issue 50's transport work).
 # Each line goes when its import does; the test fails on a line that no longer occurs.
 RUNTIME_PRIVATE = {
     # issue 50: the transport seam removes it
@@ -265,8 +265,8 @@ RUNTIME_PRIVATE = {
     ("layoutlang/checkpoint/write.py", "runtime.loopback:_Rank"),  # issue 50: the transport seam removes it
     ("layoutlang/checkpoint/write.py", "runtime.refit:_as_given"),  # issue 50: the transport seam removes it
     ("layoutlang/checkpoint/write.py", "runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
-    ("runtime/jobs.py", "runtime.jobplans:_arg_value"),  # issue 50: the transport seam removes it
-    ("runtime/jobs.py", "runtime.jobplans:_keep"),  # issue 50: the transport seam removes it
+    ("layoutlang/runtime/jobs.py", "runtime.jobplans:_arg_value"),  # issue 50: the transport seam removes it
+    ("layoutlang/runtime/jobs.py", "runtime.jobplans:_keep"),  # issue 50: the transport seam removes it
 }
 
 
@@ -310,7 +310,7 @@ def private_writes(tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("path", [p for p in _sources(*PACKAGES) if p != ROOT / "compiler" / "plan.py"],
+@pytest.mark.parametrize("path", [p for p in _sources(*PACKAGES) if p != ROOT / "layoutlang" / "compiler" / "plan.py"],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_stages_record_through_the_plans_methods(path):
     found = private_writes(_tree(path))

@@ -3,7 +3,7 @@
 Why: a piece goes whole to one sender, so when there are more replicas than
 pieces the busiest sender carries whole pieces while other replicas idle
 (Llama-3-8B from 2048 trainer ranks to a TP2 x DP8 engine: 2.1x the floor).
-The compiler (compiler/plan.py `split_stage`, policy in compiler/select.py)
+The compiler (layoutlang/compiler/plan.py `split_stage`, policy in layoutlang/compiler/select.py)
 cuts the requests that overload a sender along their outer dim (the first
 destination dim of extent > 1) and selects again. What must hold, checked here
 against the layouts and hand-computed cases, never against the code under test:

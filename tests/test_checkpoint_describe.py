@@ -202,7 +202,7 @@ def test_config_json_gives_q_and_k_rows_their_rotary_halves(llama_dir, tmp_path,
     assert again.text.replace(str(bare.name), "") == text.replace(str(folder.name), "")
     plan = compile_plan(again.layout, hf)
     check_stats(plan, simulate(RunsView(plan.src), RunsView(plan.dst), plan))
-    # the plain rows are read as the halves they meet (compiler/refine.py): the same ops, both ways
+    # the plain rows are read as the halves they meet (layoutlang/compiler/refine.py): the same ops, both ways
     for a, b in ((plain.layout, hf), (hf, plain.layout)):
         refined = compile_plan(a, b)
         check_stats(refined, simulate(RunsView(refined.src), RunsView(refined.dst), refined))

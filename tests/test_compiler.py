@@ -38,7 +38,7 @@ def test_grouped_qkv_feeds_packed_qkv_with_kv_replication():
     plan = pair(src, dst)
     got = sorted((op.dst_rank, op.dst_slice[0], op.src_rank, op.src_slice[0]) for op in plan.ops)
     # dst rank 2 (tp0): q head 0, k head 0, v head 0 -- all from src rank 0 (group 0); k and v lie
-    # back to back on both sides (rows 1-2 here, 2-3 there): one op (compiler/pieces.py, spans)
+    # back to back on both sides (rows 1-2 here, 2-3 there): one op (layoutlang/compiler/pieces.py, spans)
     assert got[:2] == [(2, (0, 1), 0, (0, 1)), (2, (1, 3), 0, (2, 4))]
     # dst rank 4 (tp2): q head 2 and k/v head 1 from src rank 1 (group 1)
     assert [g for g in got if g[0] == 4] == [(4, (0, 1), 1, (0, 1)), (4, (1, 3), 1, (2, 4))]
@@ -61,7 +61,7 @@ def test_extent_mismatch_points_at_both_files():
 
 
 def test_strided_never_meets_plain():
-    """A plain side split over tp would be read as the strided parts' rows (compiler/refine.py):
+    """A plain side split over tp would be read as the strided parts' rows (layoutlang/compiler/refine.py):
     refused. Whole on one rank, the plain rows are the parts in their written order: it plans."""
     with pytest.raises(PlanError) as e:
         pair("mesh m (tp=2)\ntensor fc1 [(gate: 4 | up: 4) over tp]", "mesh m (tp=2)\ntensor fc1 [8 over tp]")

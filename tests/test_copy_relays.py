@@ -1,11 +1,11 @@
-"""Copy relays (compiler/relay.py): two slots of one stored destination tensor that hold the
+"""Copy relays (layoutlang/compiler/relay.py): two slots of one stored destination tensor that hold the
 same elements of one key (EPLB's redundant experts) on different ranks; one is fed by the
 source ranks, the other forwarded from the rank that received it.
 
 Expected values come from the layout text (the map below, worked through by hand), the slow
 simulator (tests/plan_simulator.py: relays in `after` order, reading the forwarding rank's
 destination at the op's source slice), a loopback refit and a real gloo refit whose every
-destination element is checked by runtime/fill.py.
+destination element is checked by layoutlang/runtime/fill.py.
 """
 
 from __future__ import annotations

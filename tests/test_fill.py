@@ -1,4 +1,4 @@
-"""runtime/fill.py: the fill values and the destination check that every refit test relies on.
+"""layoutlang/runtime/fill.py: the fill values and the destination check that every refit test relies on.
 
 Why: the refit tests (tests/test_runtime*.py, `layoutc run`, benchmarks) trust
 `check_destination` to notice a misplaced block; it can only notice what the

@@ -1,6 +1,6 @@
 """Building job groups leaves the process environment as it found it.
 
-Gloo reads TORCH_GLOO_LAZY_INIT when a group is built, so runtime/jobgroups.py sets it for
+Gloo reads TORCH_GLOO_LAZY_INIT when a group is built, so layoutlang/runtime/jobgroups.py sets it for
 the build alone. Threads of one process (in-process jobs, tests/test_jobs_args.py) build
 groups at once: when one thread's build ended inside another's, the second put back the `1`
 it had found and the variable outlived both. Every later gloo group of that process, and of

@@ -1,10 +1,10 @@
-"""Engine replicas whose layouts differ in their args (an EPLB map each: runtime/jobs.py
+"""Engine replicas whose layouts differ in their args (an EPLB map each: layoutlang/runtime/jobs.py
 `ReplicaPlans`, `EngineJob.set_args`), one trainer job feeding them, in one process.
 
 The trainer (2 ranks, EP2 over 4 logical experts) and two replicas of 2 ranks (EP2 over 6
 physical slots, slot p of layer l holding expert MAP[l][p]) are threads around one
 HashStore; bytes move through each replica's own gloo group as between real jobs. The
-oracle is runtime/fill.py: every element's value is a function of its logical key and index,
+oracle is layoutlang/runtime/fill.py: every element's value is a function of its logical key and index,
 so each destination element is checked from the replica's own layout of that map alone
 (no source, no plan): a slot filled with the wrong expert shows as wrong values.
 

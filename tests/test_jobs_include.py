@@ -3,7 +3,7 @@
 A trainer job publishes its layout to the engine jobs as text, and an engine replica whose
 args change publishes its layout again: both need the layout's whole text in one file, so a
 layout that includes another is refused with a message saying which file and why
-(runtime/jobs.py), before anything is published. The expected messages are written out here
+(layoutlang/runtime/jobs.py), before anything is published. The expected messages are written out here
 from that rule. (The third such refusal, `EngineJob.layout` planning for other args, is not
 covered here.)
 """

@@ -1,4 +1,4 @@
-"""runtime/launch.py forks workers from a zygote (runtime/zygote.py): each must be what a fresh
+"""layoutlang/runtime/launch.py forks workers from a zygote (layoutlang/runtime/zygote.py): each must be what a fresh
 `python PROGRAM JOB OUT` / `python -m layoutlang.runtime.worker JOB OUT` is.
 
 The reference is the spawn path (`LAYOUTLANG_LAUNCH=spawn`, a fresh interpreter per

@@ -1,6 +1,6 @@
-"""Every rank's steps in one process (runtime/loopback.py): the Refitter's step handlers with
+"""Every rank's steps in one process (layoutlang/runtime/loopback.py): the Refitter's step handlers with
 messages as in-process copies. Each destination is checked element by element against the
-layouts (runtime/fill.py check_destination: the fill is a function of key and logical index,
+layouts (layoutlang/runtime/fill.py check_destination: the fill is a function of key and logical index,
 quantized destinations must equal quantizing the expected tensor once)."""
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Membership plans (compiler/members.py) against compile_plan, the independent reference.
+"""Membership plans (layoutlang/compiler/members.py) against compile_plan, the independent reference.
 
 `MemberPlanner(src, one).plan(K)` claims to be exactly `compile_plan(src, replicate(one, K,
 src.ranks), relay=False)`: the same ops (every field) in the same order, the same digest, the

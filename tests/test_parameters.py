@@ -2,11 +2,11 @@
 
 Sources and destinations here are an nn.Module's own parameters (`requires_grad`),
 called with autograd on, both ways between TP2 and TP1 on two gloo ranks: three
-`steady=True` steps (the third replayed, runtime/replay.py), one step of a
+`steady=True` steps (the third replayed, layoutlang/runtime/replay.py), one step of a
 Refitter with `overlap=True` (several buckets: the second staged ahead while the
 first flies), and one with `overlap=True` and `verify=True` (checksums). After
 every step every destination holds exactly the values computed here from the
-layouts' shapes (not runtime/fill.py), is the same nn.Parameter (same object,
+layouts' shapes (not layoutlang/runtime/fill.py), is the same nn.Parameter (same object,
 same storage: written in place), still a leaf that requires grad, with no `.grad`
 and no autograd history; no source was written (its version counter is
 unchanged). At the end each destination module still trains: a backward pass

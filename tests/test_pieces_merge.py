@@ -1,4 +1,4 @@
-"""Pieces that continue in both storages are one piece (issue 29, compiler/pieces.py).
+"""Pieces that continue in both storages are one piece (issue 29, layoutlang/compiler/pieces.py).
 
 Why: after hoisting (LANGUAGE.md 3) HF's `(NH, (re: D/2 | im: D/2))` rows put every re
 half before every im half, so a head's rows jump in logical order while they stay

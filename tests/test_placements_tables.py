@@ -4,7 +4,7 @@
 Expected values are written out from the rules in docs/language.md 14.8 (numpy.array_split's
 blocks; round-robin c, c+s, ...; a physical slot holds the logical expert its table entry
 names), never read back from the front end. The refits run every rank in one process
-(runtime/loopback.py: the Refitter's own step handlers) and compare each destination slot
+(layoutlang/runtime/loopback.py: the Refitter's own step handlers) and compare each destination slot
 with the expert the test itself filled in, by formula.
 """
 

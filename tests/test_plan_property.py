@@ -204,7 +204,7 @@ def mutations(mode: Mode) -> list[tuple[str, Mode]]:
     for path, node in _nodes(mode):
         match node:
             # (a leaf split into parts, or parts flattened, is no mutation any more: a plain side is
-            # read as the other side's parts where that moves no stored row, compiler/refine.py,
+            # read as the other side's parts where that moves no stored row, layoutlang/compiler/refine.py,
             # tests/test_refine_parts.py)
             case Plain(e):
                 out.append(("extent", _replace_at(mode, path, Plain(e + 1))))

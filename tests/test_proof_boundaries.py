@@ -1,6 +1,6 @@
 """The exactly-once proof at its boundaries: a one-element slip is never proven.
 
-compiler/verify.py proves that a destination shard's pieces tile its data exactly
+layoutlang/compiler/verify.py proves that a destination shard's pieces tile its data exactly
 once. A mistake of one element at the edge of a dim (an overlap of the first or the
 last element, a hole there, a seam that overlaps or leaves out one element) is the
 kind an off-by-one in the proof lets through: each case here is built by hand, at

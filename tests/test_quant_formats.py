@@ -3,7 +3,7 @@
 Why: each format is a storage convention other programs read (DeepSeek-V3's
 `weight_scale_inv` grid, gpt-oss / vLLM MXFP4 blocks, NVIDIA's two-level NVFP4),
 so a wrong nibble order, scale grid or rounding step corrupts an engine without
-any error. Every expected byte here comes from outside runtime/quant.py:
+any error. Every expected byte here comes from outside layoutlang/runtime/quant.py:
 
 - storage bytes and diagnostics: counted by hand from the format rules;
 - hand-worked blocks: the arithmetic is in the comments, and both the runtime and

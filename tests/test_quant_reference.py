@@ -1,4 +1,4 @@
-"""runtime/quant.py against tests/reference_quant.py: hand-worked cases, random inputs, error bounds.
+"""layoutlang/runtime/quant.py against tests/reference_quant.py: hand-worked cases, random inputs, error bounds.
 
 Why: the runtime's quantize() is what fill.py and the refit checks compare
 against, so it must be right by itself. The expected codes below are worked

@@ -1,4 +1,4 @@
-"""Parts on one side only (compiler/refine.py): a plain dim is read as the other side's parts.
+"""Parts on one side only (layoutlang/compiler/refine.py): a plain dim is read as the other side's parts.
 
 Reference, independent of the compiler: storage order is the written order on both sides
 (LANGUAGE.md 3), so a plain `[NH*D, H]` key and a side writing the same key's rows as

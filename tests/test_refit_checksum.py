@@ -1,4 +1,4 @@
-"""`verify=True` catches two swapped elements (runtime/refit.py `_checksum`'s promise).
+"""`verify=True` catches two swapped elements (layoutlang/runtime/refit.py `_checksum`'s promise).
 
 The checksum is five position-weighted sums (sum d weights a position by its digit d
 in base 251, plus one: 1, 2, ..., 251, 1, 2, ... for d = 0): a sum without the weights

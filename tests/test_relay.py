@@ -4,7 +4,7 @@ Expected values come from hand-computed trees (written out below), the layout
 text, the slow simulator (tests/plan_simulator.py, which runs relays in
 `after` order reading the forwarding rank's destination) and the reference
 enumerator (random layouts with destination replicas), and a real gloo refit
-whose every destination element is checked by runtime/fill.py.
+whose every destination element is checked by layoutlang/runtime/fill.py.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _plan(src: str, dst: str, **kw):
 def test_one_source_rank_to_four_replicas_by_hand():
     """Rank 0 holds w; ranks 1-4 each want all of it.
 
-    Direct: rank 0 sends w four times: busiest link 4 W. Relays (compiler/relay.py):
+    Direct: rank 0 sends w four times: busiest link 4 W. Relays (layoutlang/compiler/relay.py):
     fan-out 1 gives root 1; 1 -> 2; then 2 -> 3, 1 -> 4: rank 1 sends 2 W, link 2 W.
     Fan-out 2 gives roots 1, 2 (rank 0 sends 2 W); 1 -> 3, 2 -> 4: link 2 W too; the
     tie goes to the wider fan-out (a shallower tree). Ops stay in canonical order
@@ -141,7 +141,7 @@ def test_relay_plans_are_exactly_once_against_the_reference(pair):
     link, was = plan.stats["busiest_link_bytes"], direct.stats["busiest_link_bytes"]
     if plan.stats["relays"]:
         event("relays")
-        assert link < was * 0.9  # kept only when they lower the busiest link by 10 % (compiler/relay.py)
+        assert link < was * 0.9  # kept only when they lower the busiest link by 10 % (layoutlang/compiler/relay.py)
         assert link >= plan.stats["link_floor_bytes"]
     else:
         assert plan.ops == direct.ops

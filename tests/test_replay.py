@@ -1,9 +1,9 @@
-"""Steady steps replayed from a record (runtime/replay.py) move the right bytes, every step.
+"""Steady steps replayed from a record (layoutlang/runtime/replay.py) move the right bytes, every step.
 
 A replay that moved nothing would pass a check of the last step's destination (step 2 filled
 it), so these workers (`alternate`) write their sources in place every step, the layouts'
 fill in odd steps and zeros in even ones, and check every destination element after every
-step: the fill (runtime/fill.py, from the layouts) after odd steps, zeros after even ones.
+step: the fill (layoutlang/runtime/fill.py, from the layouts) after odd steps, zeros after even ones.
 Each rank reports how many steps it replayed: step 1 meets, step 2 is walked and recorded,
 and every later step must replay (a test whose steps were all walked would test nothing).
 """
@@ -226,7 +226,7 @@ def test_messages_are_grouped_where_the_backend_groups_them(tmp_path):
 @pytest.mark.timeout(180)
 def test_replayed_posts_reach_their_peers_in_sub_groups(tmp_path):
     """A replay posts through the process group's own calls with the peer's rank in the group
-    (runtime/replay.py `resolved_posts`). Two sub-groups run one plan at once: in [3, 1] torch
+    (layoutlang/runtime/replay.py `resolved_posts`). Two sub-groups run one plan at once: in [3, 1] torch
     orders the ranks (global 1 is group rank 0, global 3 group rank 1), and in [0, 2, 4]
     global 2 is group rank 1, so a global rank passed where a group rank belongs fails there
     or reaches the idle rank 4. `w` lands in column blocks (staged), `n` is copied whole."""

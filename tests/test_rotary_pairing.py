@@ -4,7 +4,7 @@ Meta's checkpoints and torchtitan's Llama3 keep each head's rotary pairs interle
 `(NH, D/2, (re: 1 | im: 1))`; HF, vLLM, SGLang and Megatron keep them split per head,
 `(NH, (re: D/2 | im: D/2))`. The two name the same logical rows only when BOTH sides
 write the parts (a plain side is read as the halves it meets, never as Meta's interleaved
-pairs: compiler/refine.py), so the conventions that store HF order must say so for a
+pairs: layoutlang/compiler/refine.py), so the conventions that store HF order must say so for a
 Meta-order source to pair without edits.
 
 Whatever the conventions say, the ops and bytes of every shipped pair are guarded
@@ -20,7 +20,7 @@ pairs with `layoutc new hf` / `new vllm` without edits: checked element by eleme
 against the permutation HF's converter applies (Meta row 2i + j of head h is HF row
 h*D + j*D/2 + i), written out by hand, never read from the compiler. The pairs between
 HF-order conventions keep their ops because pieces that continue in both storages are one
-piece (compiler/pieces.py, tests/test_pieces_merge.py).
+piece (layoutlang/compiler/pieces.py, tests/test_pieces_merge.py).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_a_meta_order_source_pairs_only_with_rotary_parts():
     """The rule the conventions meet: the Meta file pairs with the HF file that writes the
     halves (the rows permuted, its golden ops). A plain `[NH*D, H]` q_proj (HF order by the
     key convention, but nothing says so) against Meta's interleaved pairs is refused at the
-    plain declaration (compiler/refine.py: plain rows are refined only by runs of rows),
+    plain declaration (layoutlang/compiler/refine.py: plain rows are refined only by runs of rows),
     naming the interleaved parts; tests/test_refine_parts.py checks the whole diagnostic."""
     meta = load(str(EXAMPLES / "small/v2/llama2_meta.layout"))
     hf = load(str(EXAMPLES / "small/v2/llama2_hf.layout"))

@@ -186,7 +186,7 @@ def test_overlapped_buckets_are_exact_and_within_the_budget(shared, budget):
 @pytest.mark.timeout(600)  # the first shared case waits for the whole shared launch
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 def test_kept_staging_is_reused_exactly_and_stays_within_the_budget(shared, overlap):
-    """On CPU the Refitter carves staging from arenas kept between steps (runtime/staging.py):
+    """On CPU the Refitter carves staging from arenas kept between steps (layoutlang/runtime/staging.py):
     three steps are exact, and what is kept is bounded like the staging itself; with
     keep_staging=False nothing is kept."""
     budget = 1024

@@ -129,7 +129,7 @@ def _failed(r):
 @pytest.mark.parametrize("at", [2, 3])
 def test_rank_dead_in_a_steady_step_is_named_by_its_receivers(pair, at):
     """`steady=True`: step 1 passes on every rank, so later steps have no meeting; step 2 is walked
-    and recorded, step 3 replays the record on every rank without hooks (runtime/replay.py). Rank 2,
+    and recorded, step 3 replays the record on every rank without hooks (layoutlang/runtime/replay.py). Rank 2,
     a sender only (the destination has 2 ranks), dies as step `at` starts. Ranks 0 and 1 receive from
     every source rank: each fails that step within the timeout naming rank 2, and its next call
     refuses at once. Rank 3, the other sender, passes or fails naming rank 2 (through the reason a

@@ -2,14 +2,14 @@
 
 With overlap, a bucket's steps before its first post (zero padding, bf16 assemblies,
 dequantized sources, sender-side packing of quantized-wire blocks, staged sends, receive
-buffers) run right after the previous bucket's first post (runtime/refit.py `_stage_ahead`).
+buffers) run right after the previous bucket's first post (layoutlang/runtime/refit.py `_stage_ahead`).
 These refits cut many buckets (a small budget) over every kind of such step, on real gloo
 processes; each worker checks every destination element against the layouts
-(runtime/fill.py: the fill of each key, quantized once by the written-out format rules) and
+(layoutlang/runtime/fill.py: the fill of each key, quantized once by the written-out format rules) and
 reports how many steps it ran ahead, which must not be zero: a refit that never staged ahead
 would pass the element check without testing anything. Its staging peak (the runtime's meter:
 what it really allocated) stays within two consecutive buckets' staging as the compiler counts
-it (compiler/graph.py), and each bucket within half the budget unless its first tensor alone exceeds it.
+it (layoutlang/compiler/graph.py), and each bucket within half the budget unless its first tensor alone exceeds it.
 """
 
 import pytest

@@ -1,7 +1,7 @@
 """Steady refits never replay stale bytes (issue 49 item 0).
 
 A steady Refitter records the actions of its first passing step and replays them while the
-caller passes the same tensors (runtime/replay.py). Callers change those tensors IN PLACE (an
+caller passes the same tensors (layoutlang/runtime/replay.py). Callers change those tensors IN PLACE (an
 optimizer step), so every recorded action must refer to the caller's storage, never to a
 tensor made while recording: a local copy whose block-strided source was reshaped (copied)
 into the destination's shape replayed the recorded step's values forever after.

@@ -1,4 +1,4 @@
-"""A rank's steps (compiler/steps.py): what the runtime walks, written out by hand for small pairs.
+"""A rank's steps (layoutlang/compiler/steps.py): what the runtime walks, written out by hand for small pairs.
 
 Every expected step list below is derived from the two layouts and the rules in
 LANGUAGE.md 4.1 / docs/runtime.md (which ops carry quantized bytes, which buffers exist,

@@ -3,7 +3,7 @@
 Why: Meta's Llama-2 checkpoints keep each head's rotary pairs interleaved,
 `(NH, D/2, (re: 1 | im: 1))`, where HF splits them, `(NH, (re: D/2 | im: D/2))`;
 one op per row made Llama-2-13B 410,000 ops. A piece's dim may now be strided
-(compiler/strides.py, docs/compiler.md): `(start, stop, step)` is one element per
+(layoutlang/compiler/strides.py, docs/compiler.md): `(start, stop, step)` is one element per
 step, `(start, stop, step, block)` `block` elements from each step. What must hold,
 against hand-computed cases and the slow simulator, never the code under test:
 
@@ -12,7 +12,7 @@ against hand-computed cases and the slow simulator, never the code under test:
 - the JSON plan keeps `[start, stop, step]` and adds `dst_block`/`src_block` only where
   a dim holds blocks; text reads `start:stop:step:block`;
 - the exactly-once proof reads strided pieces (a gap and an overlap are found);
-- the runtime's views (runtime/views.py) name the same elements as the index lists
+- the runtime's views (layoutlang/runtime/views.py) name the same elements as the index lists
   written from the spec, and writes land in the tensor;
 - the simulator catches a strided op that lands in the wrong rows;
 - the balance split cuts a strided piece along its plain dim, keeping the strides;
@@ -167,7 +167,7 @@ def test_the_balance_split_cuts_a_strided_piece_along_its_plain_dim():
 @pytest.mark.parametrize("src,dst", [("llama2_meta", "llama2_hf"), ("llama2_hf", "llama2_meta")])
 def test_gloo_refit_of_the_small_llama2_pair(src, dst):
     """Two gloo workers (Meta MP=2 on ranks 0, 1; HF on rank 0) refit with checksums on, and
-    every destination element is checked against the layouts (runtime/fill.py)."""
+    every destination element is checked against the layouts (layoutlang/runtime/fill.py)."""
     plan = compile_plan(SMALL / f"{src}.layout", SMALL / f"{dst}.layout")
     assert any(strides.strided(op.dst_slice) or strides.strided(op.src_slice) for op in plan.ops)
     results = launch({"src": str(SMALL / f"{src}.layout"), "dst": str(SMALL / f"{dst}.layout"),
@@ -178,7 +178,7 @@ def test_gloo_refit_of_the_small_llama2_pair(src, dst):
 def test_a_strided_holder_is_an_alternative_source():
     """t0 `(4, (x: 1 | y: 1))` declared on ranks 0 and 1, planned onto itself: x is rows 0, 2, 4, 6
     (logical 0..3), y rows 1, 3, 5, 7 on both. Both storages continue, so each copy is one piece
-    of all 8 rows (compiler/pieces.py: a span, its logical side the chain x0, y0, x1, ...); rank
+    of all 8 rows (layoutlang/compiler/pieces.py: a span, its logical side the chain x0, y0, x1, ...); rank
     1's copy comes from its own tensor (a local op), found by walking that chain through rank 1's
     runs (each one row long). Into the parts written apart, `(x: 4 | y: 4)` on rank 1, each part
     is a strided read of either copy: rank 1's own, found the same way, feeds it locally."""

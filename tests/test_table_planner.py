@@ -1,4 +1,4 @@
-"""TablePlanner (compiler/tables.py) and re-keying (layoutlang/elaborate/rekey.py): an EPLB map
+"""TablePlanner (layoutlang/compiler/tables.py) and re-keying (layoutlang/elaborate/rekey.py): an EPLB map
 re-planned from kept state is the plan compile_plan makes from a fresh load of the same map.
 
 Two independent references: compile_plan on `loads(text, {MAP: value})` (another code path: the
@@ -251,7 +251,7 @@ def test_a_rekeyed_layout_is_a_fresh_load_and_keeps_the_untouched_tensors():
 
 def test_an_engine_replica_of_a_job_plans_as_the_member_planner_does():
     """replica_at=N: the plan a trainer job makes into one EPLB replica (its ranks after the
-    trainer's, runtime/jobs.py), equal to MemberPlanner's plan(1) of a fresh load of each map."""
+    trainer's, layoutlang/runtime/jobs.py), equal to MemberPlanner's plan(1) of a fresh load of each map."""
     from layoutlang.compiler.members import MemberPlanner, engine_rank
 
     src = loads(TRAINER, "trainer.layout")

@@ -1,4 +1,4 @@
-"""A transport is one class and a registry entry (runtime/transport.py).
+"""A transport is one class and a registry entry (layoutlang/runtime/transport.py).
 
 A recording wrapper around the "group" transport, registered under a test name, runs a
 two-process refit: every message of the plan goes through it (one per remote op end, as the

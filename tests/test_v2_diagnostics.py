@@ -42,13 +42,13 @@ CASES_DIR = Path("tests") / "diagnostics" / "v2_plan"  # relative to ROOT: rende
 REGEN = bool(os.environ.get("REGEN_GOLDEN"))
 CASES = sorted(p.name.removesuffix(".src.layout") for p in (ROOT / CASES_DIR).glob("*.src.layout"))
 
-# compiler/match.py `missing_key_error`: cases where it prints something else than the rule, with what is wrong.
-REPORTED: dict[str, str] = {}  # none today: compiler/match.py `missing_key_error` follows the rule
+# layoutlang/compiler/match.py `missing_key_error`: cases where it prints something else than the rule, with what is wrong.
+REPORTED: dict[str, str] = {}  # none today: layoutlang/compiler/match.py `missing_key_error` follows the rule
 
 
 def _xfail_if_reported(name: str) -> list:
     reason = REPORTED.get(name)
-    return [pytest.mark.xfail(strict=True, reason=f"compiler/match.py: {reason}")] if reason else []
+    return [pytest.mark.xfail(strict=True, reason=f"layoutlang/compiler/match.py: {reason}")] if reason else []
 
 
 def _reported(names) -> list:

@@ -18,7 +18,7 @@ gpt-oss's interleaved, transposed, stacked experts.
 Every pair plans; the slow simulator (tests/plan_simulator.py) finds every destination element
 written exactly once with the value of its (key, index in the key); the forward pairs refit on
 gloo with `verify` and every destination element checked (quantized tensors only on the
-destination side: runtime/fill.py cannot value a quantized v2 source yet). Expected values come
+destination side: layoutlang/runtime/fill.py cannot value a quantized v2 source yet). Expected values come
 from the layout text: sizes, who holds which expert and head, which stored column a key's row is.
 """
 
@@ -204,7 +204,7 @@ REFITS = [
     ("gptoss-hf-transposed-interleaved-to-vllm-stacked-mxfp8-at1", "gptoss_hf", "gptoss_vllm", {"AT": 1}, 5),
     ("gptoss-hf-to-vllm-expert-tp2-pairs", "gptoss_hf", "gptoss_vllm", {"AT": 1, "EP": 1, "TP": 2}, 3),
     # non-collocated: a LOCAL copy from a stacked source into an unstacked destination fails at run
-    # time today (runtime/refit.py copies the [1, n] block into [n] without reshaping it)
+    # time today (layoutlang/runtime/refit.py copies the [1, n] block into [n] without reshaping it)
     ("gptoss-hf-at8-to-megatron-per-expert", "gptoss_hf", "gptoss_megatron", {"AT": 8}, 9),
     ("gptoss-megatron-to-hf-transposed-at7", "gptoss_megatron", "gptoss_hf", {"AT": 7}, 8),
 ]

@@ -4,7 +4,7 @@ hold exactly the bytes of quantizing the whole local tensor once (LANGUAGE.md 4.
 The reference is `quantize` of the whole tensor (itself checked bit by bit against
 tests/reference_quant.py in test_quant_reference.py); the pieces are cut by hand on block
 boundaries (edge blocks partial where the format allows), as the compiler's rule
-(compiler/wire.py) would cut them.
+(layoutlang/compiler/wire.py) would cut them.
 """
 
 import pytest

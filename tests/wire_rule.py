@@ -1,5 +1,5 @@
 """LANGUAGE.md 4 and 4.1's wire rule, written out independently of layoutlang's vocabulary and
-compiler/wire.py: what one op into a destination of a given dtype moves, in bytes.
+layoutlang/compiler/wire.py: what one op into a destination of a given dtype moves, in bytes.
 
 A plain destination receives its own dtype. A quantized one receives its own format (data bits
 per element, one scale per block it covers, 8 bytes of amax agreement for a per-tensor scale)

@@ -3,7 +3,7 @@
 Every logical element of version v is `fill.values(key, index) * (-1)**v * 2**(v % 3)`:
 exact in bf16 and fp32 (a sign and a power of two), different in every version
 (what a stale element would show), and checkable on an engine rank from its own
-layout alone (`runtime/fill.py`: no source, no plan).
+layout alone (`layoutlang/runtime/fill.py`: no source, no plan).
 """
 
 from __future__ import annotations

@@ -320,7 +320,7 @@ def _engine_doc(m: Model, sizes: Mapping[str, int], engine: str, placement: str 
                           "physical slots, slot p of",
                           "MoE layer i a copy of logical expert EPLB[i][p] (vLLM's physical_to_logical_map; the",
                           "default is vLLM's initial map, p mod E). Placed as above over the P slots. Pass the",
-                          "live map with --set EPLB=@map.json; compiler/tables.py re-plans a new one."]
+                          "live map with --set EPLB=@map.json; layoutlang/compiler/tables.py re-plans a new one."]
         else:
             meshes.append("experts (edp=DP, ep=EP, etp=TP/EP) at AT")
             notes += ["FusedMoE stacks each layer's local experts in w13_weight [E/ep, 2I/etp, H] and",

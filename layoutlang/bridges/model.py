@@ -373,7 +373,7 @@ def rotary_rows(heads: str | None) -> str:
     Every GQA family here rotates q and k, and a Meta-order source (torchtitan's Llama3,
     Meta's checkpoints: `(NH, D/2, (re: 1 | im: 1))`) names those parts; two matched dims need
     the same parts on both sides, so the conventions write them. Pairs between these
-    conventions plan as the plain rows did (compiler/pieces.py: storage continues on both).
+    conventions plan as the plain rows did (layoutlang/compiler/pieces.py: storage continues on both).
     >>> rotary_rows("Q"), rotary_rows(None)
     ('(Q, (re: D/2 | im: D/2))', '(re: D/2 | im: D/2)')
     """

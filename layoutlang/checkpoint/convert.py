@@ -6,9 +6,9 @@
 
 `layoutc convert SRC -o OUT --to LAYOUT --nproc N` (docs/cli.md). One process per
 rank of LAYOUT (`--nproc 1`: this process), joined by gloo on 127.0.0.1 at a
-free port (runtime/launch.py starts them, this file is the program each runs).
+free port (layoutlang/runtime/launch.py starts them, this file is the program each runs).
 Each rank allocates the tensors of LAYOUT it holds (local shapes and dtypes;
-quantized ones as runtime/quant.py stores them), fills them with `load(SRC,
+quantized ones as layoutlang/runtime/quant.py stores them), fills them with `load(SRC,
 LAYOUT, ...)` (its own pieces, out of mapped files: a quantized destination is
 assembled in bf16 and quantized once, a quantized checkpoint dequantized), then
 writes them with `save(OUT, LAYOUT, ..., dtype=...)` (each byte by one rank).
@@ -87,7 +87,7 @@ class ConvertError(LayoutError):
 
 def allocate(layout, rank: int) -> dict:
     """{NAME: tensor} of every tensor of `layout` that `rank` holds, in its local shape and dtype
-    (plain ones zeroed; quantized ones as runtime/quant.py stores them, uninitialized)."""
+    (plain ones zeroed; quantized ones as layoutlang/runtime/quant.py stores them, uninitialized)."""
     import torch
 
     from layoutlang.ir import QUANTIZED

@@ -1,6 +1,6 @@
 """A checkpoint's tensors as torch views of its files, mapped, never read whole.
 
-A load copies each rank's pieces out of these views (runtime/bucket.py's local
+A load copies each rank's pieces out of these views (layoutlang/runtime/bucket.py's local
 copies), so the kernel reads the pages those pieces touch and nothing else: no
 whole tensor, no whole file, on any rank. A save writes through writable views
 of preallocated files (`create`). The maps are private for reading
@@ -8,7 +8,7 @@ of preallocated files (`create`). The maps are private for reading
 
 Each entry becomes a view of the torch dtype its safetensors dtype names, shaped
 as its header says; a quantized `Stored` becomes its format's class from
-runtime/quant.py (data and scales, each a view of its own entry), as a refit's
+layoutlang/runtime/quant.py (data and scales, each a view of its own entry), as a refit's
 caller would pass it. An entry whose offset is not a multiple of its element
 size cannot be a typed view: it is read into memory instead (safetensors itself
 writes aligned data; a hand-made file may not be).

@@ -7,7 +7,7 @@ The checkpoint is a plan's source like any other. Every rank can read every
 file, so its layout here has one reader per destination rank, each holding every
 key whole (`mesh checkpoint (reader=N)`, no `over`: the reader axis is a replica
 axis, LANGUAGE.md 3). The balanced selector serves a request from the receiving
-rank itself when it holds the piece (compiler/select.py), so every op of the
+rank itself when it holds the piece (layoutlang/compiler/select.py), so every op of the
 plan is local: rank r copies its pieces out of mapped views of the files
 (files.py) into its tensors, through the same steps as a refit's local copies
 (fused, stacked, padded, transposed and quantized destinations alike; a

@@ -257,7 +257,7 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
     piece in place. `config`: the model's HF config (a dict or a config.json path; default: the
     target's `config.json`, if it has one) — the files then store q/k rows as the conventions
     describe them, rotary halves and all (describe.py); without one they are plain rows, which
-    the plan reads as the halves `layout` writes (compiler/refine.py): the same bytes either way.
+    the plan reads as the halves `layout` writes (layoutlang/compiler/refine.py): the same bytes either way.
     A layout that writes Meta's interleaved pairs (torchtitan's Llama3) needs the config: plain
     rows against those are refused (HF's files hold the halves), before anything is written.
     A save that fails leaves nothing at `path` that was not there before (the directory too,

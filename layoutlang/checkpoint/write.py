@@ -2,9 +2,9 @@
 
 A save's plan has the files as its only destination rank (save.py), so an op's
 sender is the rank that writes it. The source block is read as a refit's sender
-reads it (runtime/bucket.py: strided slices, transposed keys, quantized sources
+reads it (layoutlang/runtime/bucket.py: strided slices, transposed keys, quantized sources
 dequantized once); a plain key's block is copied into the file's view, a
-quantized key's block is packed into data and scales (runtime/wire.py, whole
+quantized key's block is packed into data and scales (layoutlang/runtime/wire.py, whole
 scale blocks only) and unpacked into the file's views. A format with one scale
 per tensor (fp8_e4m3 / fp8_e5m2) agrees its amax over the group first, and the
 sender of the tensor's first op writes the scale.
@@ -140,7 +140,7 @@ MIN_RUN_BYTES = 512
 def runs(sl, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
     """A plain box of a C-order tensor as evenly spaced contiguous runs of elements:
     (first element, run length, elements from one run's start to the next, count); None when
-    the box is strided (compiler/strides.py) or its runs are spaced along more than one dim.
+    the box is strided (layoutlang/compiler/strides.py) or its runs are spaced along more than one dim.
 
     >>> runs(((2, 4), (0, 8)), (6, 8))    # rows 2-3 of [6, 8]: one run of 16 elements from 16
     (16, 16, 16, 1)

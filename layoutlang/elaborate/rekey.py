@@ -3,7 +3,7 @@
 An EPLB map (docs/language.md 14.8) is a table arg that only the keys of a
 stored tensor read: `[p in 0..P over ep, ... as ...experts.{EPLB[l][p]}...]`.
 vLLM rebalances it every `step_interval` steps, and a refit must then re-plan
-(compiler/tables.py). Elaborating the whole layout again for each map costs
+(layoutlang/compiler/tables.py). Elaborating the whole layout again for each map costs
 what the first load did; but when the table's entries are read ONLY as whole
 interpolations of keys (`{T[i][j]}`, never in a shape, a loop bound, a const
 or arithmetic), a new map of the same lengths changes nothing but those keys.
@@ -179,7 +179,7 @@ class TableKeys:
     def placed(self, layout: Layout, suffix: str) -> "TableKeys":
         """These keys over `layout`: the first layout with other meshes (its tensors in the same
         order, the same keys), such as one engine replica of a job moved after the trainer's
-        ranks (compiler/members.py `replicate`). Its re-keyed layouts take those meshes, and
+        ranks (layoutlang/compiler/members.py `replicate`). Its re-keyed layouts take those meshes, and
         their digests are `sha256(digest + suffix)`, the digest that move gives the fresh load."""
         if len(layout.tensors) != len(self.layout.tensors) or dict(layout.args) != dict(self.layout.args):
             raise ValueError("TableKeys.placed: another layout, not this one placed elsewhere")

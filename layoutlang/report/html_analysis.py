@@ -196,7 +196,7 @@ def _in_stored(logical, region) -> tuple[tuple[int, int], ...]:
 
 def _plain_boxes(logical) -> list[tuple[tuple[int, int], ...]]:
     """A logical slice as boxes: itself when every dim is `(start, stop)`, else one box per
-    combination of its strided dims' blocks (compiler/strides.py)."""
+    combination of its strided dims' blocks (layoutlang/compiler/strides.py)."""
     if all(isinstance(e, tuple) and len(e) == 2 for e in logical):  # else strided, or a chain
         return [tuple(logical)]
     return [tuple(box) for box in itertools.product(*(blocks(e) for e in logical))]

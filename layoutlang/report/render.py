@@ -99,7 +99,7 @@ def _op_json(op: Op) -> str:
         "src_slice": [list(d[:3]) for d in op.src_slice], "dst_slice": [list(d[:3]) for d in op.dst_slice],
         "bytes": op.bytes}
     # LANGUAGE.md 6: a dim `[start, stop, step]` holds one element per step; where a dim holds
-    # blocks of several (compiler/strides.py), `src_block` / `dst_block` give each dim's block
+    # blocks of several (layoutlang/compiler/strides.py), `src_block` / `dst_block` give each dim's block
     for side, sl in (("src_block", op.src_slice), ("dst_block", op.dst_slice)):
         if any(len(d) == 4 for d in sl):
             fields[side] = [d[3] if len(d) == 4 else 1 for d in sl]
@@ -191,7 +191,7 @@ def _per_key(ops: Iterable[Op]) -> dict[str, list[int]]:
 
 
 def render_steps(plan: Plan, rank: int, budget_bytes: int | None = None) -> str:
-    """The steps `rank` executes (compiler/steps.py), bucket by bucket, one line each."""
+    """The steps `rank` executes (layoutlang/compiler/steps.py), bucket by bucket, one line each."""
     from layoutlang.compiler.steps import schedule
 
     check_rank(plan, rank)

@@ -68,7 +68,7 @@ def ranks_word(ranks: Iterable[int], limit: int = 60) -> str:
 
 def slice_text(slices: Iterable[tuple[int, ...]]) -> str:
     """A slice per dim, `[0:4, 8:16]`; a strided dim as `start:stop:step[:block]`
-    (compiler/strides.py), e.g. `[0:4993:128:64, 0:5120]`."""
+    (layoutlang/compiler/strides.py), e.g. `[0:4993:128:64, 0:5120]`."""
     return "[" + ", ".join(":".join(str(x) for x in e) for e in slices) + "]"
 
 
