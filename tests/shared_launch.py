@@ -117,7 +117,7 @@ def main(job_path: str, out_path: str) -> int:
     import torch.distributed as dist
     from layoutlang.runtime import worker
 
-    worker._exit_with_launcher()
+    worker.exit_with_launcher()
     job = json.loads(Path(job_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     report: dict = {"rank": rank, "cases": {}, "last": None}

@@ -17,9 +17,7 @@
 - No private name crosses a module: `from .x import _name` (or any absolute
   spelling) imports another module's internals; the name is either that
   module's real interface (then it loses its underscore) or belongs in a third
-  module both read. layoutlang/runtime/'s are listed in RUNTIME_PRIVATE until issue 50's
-  transport seam removes them; the list only shrinks (an entry that no longer
-  occurs fails too, so it stays exact).
+  module both read. There is no allowlist (issue 50 removed the last ones).
 - Stages hand the Plan public records: no module but layoutlang/compiler/plan.py assigns a
   Plan's private field (`plan._picks = ...`); a stage calls `record_stored`,
   `record_templates`, `record_picks`, `record_relays`.
@@ -250,34 +248,10 @@ def private_imports(modules: dict[str, Path] = MODULES) -> set[tuple[str, str]]:
     return found
 
 
-# layoutlang/runtime/'s private imports today, both ways (layoutlang/runtime/ being rewritten by issue 50's transport work).
-# Each line goes when its import does; the test fails on a line that no longer occurs.
-RUNTIME_PRIVATE = {
-    # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/convert.py", "runtime.worker:_exit_with_launcher"),
-    ("layoutlang/checkpoint/exchange.py", "runtime.loopback:_Rank"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/exchange.py", "runtime.refit:_as_given"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/exchange.py", "runtime.refit:_first_line"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/load.py", "runtime.loopback:_Rank"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/load.py", "runtime.refit:_as_given"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/load.py", "runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/ranked.py", "runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/write.py", "runtime.loopback:_Rank"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/write.py", "runtime.refit:_as_given"),  # issue 50: the transport seam removes it
-    ("layoutlang/checkpoint/write.py", "runtime.refit:_shape_problem"),  # issue 50: the transport seam removes it
-    ("layoutlang/runtime/jobs.py", "runtime.jobplans:_arg_value"),  # issue 50: the transport seam removes it
-    ("layoutlang/runtime/jobs.py", "runtime.jobplans:_keep"),  # issue 50: the transport seam removes it
-}
-
-
 def test_no_private_import_across_modules():
-    found = private_imports()
-    new = sorted(found - RUNTIME_PRIVATE)
-    gone = sorted(RUNTIME_PRIVATE - found)
-    assert not new, "\n".join(f"{f}: imports {m} (another module's internals: make it that module's public "
-                               "interface, or move it to a module both read)" for f, m in new)
-    assert not gone, "\n".join(f"{f}: no longer imports {m}: drop it from RUNTIME_PRIVATE in "
-                                "tests/test_architecture.py (the list only shrinks)" for f, m in gone)
+    found = sorted(private_imports())
+    assert not found, "\n".join(f"{f}: imports {m} (another module's internals: make it that module's public "
+                                 "interface, or move it to a module both read)" for f, m in found)
 
 
 def test_the_import_scans_see_the_sources():

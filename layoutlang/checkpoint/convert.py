@@ -293,9 +293,9 @@ def _worker(job_path: str, out_path: str) -> int:
     """One rank of a launched conversion (launch(program=this file)): join gloo, convert, report."""
     import torch.distributed as dist
 
-    from layoutlang.runtime.worker import _exit_with_launcher
+    from layoutlang.runtime.worker import exit_with_launcher
 
-    _exit_with_launcher()
+    exit_with_launcher()
     rank = int(os.environ["RANK"])
     result: dict = {"rank": rank, "ok": False}
     job: dict = {}

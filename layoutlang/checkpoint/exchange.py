@@ -159,17 +159,17 @@ def exchange_keys(src, ckpt: Checkpoint, keys: list[str], me: int, tensors: dict
     The source tensors were checked by `write_pieces` (every op this rank sends, these keys'
     too) before anything was written."""
     from ..compiler.plan import compile_plan
-    from ..runtime.loopback import _Rank
+    from ..runtime.loopback import RankState
     from .layouts import cached_plan, text_digest
-    from ..runtime.refit import _as_given
+    from ..runtime.refit import as_given
     from .write import Writer
 
     cap = cap or ROUND_BYTES
     writers = src.ranks
     plan = cached_plan("writers", src, text_digest(writer_text(ckpt, keys, writers)),
                        lambda: compile_plan(src, writer_layout(ckpt, keys, writers, path)))
-    rank = _Rank(plan, me)
-    run = Writer(rank, [], _as_given(tensors or {}, rank.src_held), {}, torch.device("cpu"))
+    rank = RankState(plan, me)
+    run = Writer(rank, [], as_given(tensors or {}, rank.src_held), {}, torch.device("cpu"))
     files = {f.name: i for i, f in enumerate(ckpt.files)}
     dealt = rounds(ckpt, across_files(ckpt, keys), writers, cap)
     attached = _attached(plan, me, ckpt, run, group, timeout) if MEMORY and group is not None else None
@@ -321,7 +321,7 @@ def _move(ops, me: int, ckpt: Checkpoint, run, arena: torch.Tensor, group, deadl
     import torch.distributed as dist
 
     from ..runtime.errors import RefitError
-    from ..runtime.refit import _first_line
+    from ..runtime.errors import first_line
 
     pieces: dict[str, list] = {}
     works: list = []
@@ -353,7 +353,7 @@ def _move(ops, me: int, ckpt: Checkpoint, run, arena: torch.Tensor, group, deadl
             ok = work.wait(left if left > 0.001 else 0.001)
         except Exception as exc:  # noqa: BLE001 - every transport error becomes one message
             raise RefitError.at(me, 0, "save", f"exchanging op {op.id} (`{op.key}`) with peer rank {peer} failed: "
-                                f"{_first_line(exc)}", peers=(peer,), reusable=False) from exc
+                                f"{first_line(exc)}", peers=(peer,), reusable=False) from exc
         if ok is False:
             raise RefitError.at(me, 0, "save", f"peer rank {peer} did not complete op {op.id} (`{op.key}`) within "
                                 f"{timeout.total_seconds():g} s", peers=(peer,), reusable=False)

@@ -171,9 +171,9 @@ def load_ranked(files: CheckpointFiles, dst: Layout, me: int, tensors: dict, dev
     and the bytes read)."""
     from ..compiler.plan import compile_plan
     from ..runtime.bucket import padding
-    from ..runtime.loopback import _Rank
+    from ..runtime.loopback import RankState
     from ..runtime.quant import quantize_into
-    from ..runtime.refit import _as_given, _shape_problem
+    from ..runtime.refit import as_given, shape_problem
     from ..runtime.views import shape as view_shape
     from ..runtime.views import view
     from .files import Mapped
@@ -183,9 +183,9 @@ def load_ranked(files: CheckpointFiles, dst: Layout, me: int, tensors: dict, dev
     plan = compile_plan(saved, dst, wire="bf16", relay=False)
     ops = [op for op in plan.ops_for_rank(me) if op.dst_rank == me]
     held = {t.name: t for t in dst.tensors if me < dst.ranks and t.holds(me)}
-    given = _as_given(tensors, held)
+    given = as_given(tensors, held)
     problems = [f"`{n}` is missing" if n not in given else f"`{n}`: {p}" for n, t in held.items()
-                if n not in given or (p := _shape_problem(t, given[n], me))]
+                if n not in given or (p := shape_problem(t, given[n], me))]
     if problems:
         from ..runtime.errors import RefitError
 
@@ -199,7 +199,7 @@ def load_ranked(files: CheckpointFiles, dst: Layout, me: int, tensors: dict, dev
         for s in sources:
             stored = _ranked_stored(saved, s, by_rank[s])
             views = {n: maps[s].stored(st) for n, st in stored.items()}
-            readers[s] = Writer(_Rank(plan, s), (), views, {}, device)
+            readers[s] = Writer(RankState(plan, s), (), views, {}, device)
         assembly = {}
         for name, t in held.items():  # padding is zero: a quantized tensor is assembled from zeros
             if t.dtype in QUANTIZED:

@@ -126,13 +126,13 @@ def _parts(value, dtype: str) -> dict[str, torch.Tensor]:
 
 def write_rank(path: str, layout: Layout, rank: int, tensors: dict) -> int:
     """Write rank `rank`'s file at `path` whole (header, then each tensor's bytes); returns the bytes."""
-    from ..runtime.refit import _shape_problem
+    from ..runtime.refit import shape_problem
 
     head, size, placed = header(layout, rank)
     held = {t.name: t for t in layout.tensors if t.holds(rank)}
     problems = [f"`{n}` is missing" if n not in tensors else f"`{n}`: {p}"
                 for n, t in held.items()
-                if n not in tensors or (p := _shape_problem(t, tensors[n], rank))]
+                if n not in tensors or (p := shape_problem(t, tensors[n], rank))]
     if problems:
         raise UsageError(f"rank {rank}: local tensors do not match the layout, nothing was written: "
                          + "; ".join(problems[:8]))

@@ -20,9 +20,9 @@ import torch
 from ..diagnostics import UsageError
 from ..ir import QUANTIZED
 from ..runtime.bucket import BucketRun
-from ..runtime.loopback import _Rank
+from ..runtime.loopback import RankState
 from ..runtime.quant import dequantize, has_tensor_scale
-from ..runtime.refit import _as_given, _shape_problem
+from ..runtime.refit import as_given, shape_problem
 from ..runtime.views import shape as view_shape
 from ..runtime.views import view
 from ..runtime.wire import unpack_into, write_tensor_scale
@@ -60,21 +60,21 @@ def write_pieces(plan, me: int, ckpt: Checkpoint, tensors: dict, group=None, ski
     it calls `step(f)` while its messages fly, and this rank's own pieces are written up to
     the fraction f of their bytes then (the rest after it returns): the links and the page
     cache work at once. It returns the bytes it wrote."""
-    rank = _Rank(plan, me)
+    rank = RankState(plan, me)
     every = plan.ops
     problem = _refused(plan, every)
     if problem:
         raise UsageError(problem, help="save in a plain dtype (dtype=\"bf16\") and convert, or save from a "
                                        "layout whose shards hold whole scale blocks")
     mine = _rotated([op for op in every if op.src_rank == me and op.dst_name not in skip], ckpt, me)
-    given = _as_given(tensors or {}, rank.src_held)
+    given = as_given(tensors or {}, rank.src_held)
     problems = []
     # every tensor this rank sends from, the skipped keys' too (`alongside` sends them)
     for name in dict.fromkeys(op.src_name for op in every if op.src_rank == me):
         t = rank.src_held[name]
         if name not in given:
             problems.append(f"source tensor `{name}` is missing")
-        elif (p := _shape_problem(t, given[name], me)):
+        elif (p := shape_problem(t, given[name], me)):
             problems.append(f"source tensor `{name}`: {p}")
     if problems:
         raise UsageError(f"rank {me}: local tensors do not match the layout, nothing was written: "

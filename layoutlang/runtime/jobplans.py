@@ -84,8 +84,8 @@ class ReplicaPlans:
         if key not in self._layouts:
             if len(self.one.sources) != 1:
                 raise UsageError(f"{self.one.path} includes other files: only its own args can be planned for")
-            merged = {**dict(self.one.args), **{k: _arg_value(v) for k, v in args.items()}}
-            _keep(self._layouts, key, loads(self.one.source_text, self.one.path, merged, unknown_args="ignore"),
+            merged = {**dict(self.one.args), **{k: arg_value(v) for k, v in args.items()}}
+            keep(self._layouts, key, loads(self.one.source_text, self.one.path, merged, unknown_args="ignore"),
                   KEPT)
         return self._layouts[key]
 
@@ -93,7 +93,7 @@ class ReplicaPlans:
         """The plan into `copies` replicas that hold `one`'s text with `args` (None: `one`)."""
         key = (json.dumps(args, sort_keys=True), copies)
         if key not in self._plans:
-            _keep(self._plans, key, self._make(copies, args), KEPT)
+            keep(self._plans, key, self._make(copies, args), KEPT)
         return self._plans[key]
 
     def _make(self, copies: int, args: dict | None):
@@ -104,10 +104,10 @@ class ReplicaPlans:
                 self.tables[table] = TablePlanner(self.src, self.one.source_text, table, dst_path=self.one.path,
                                                    dst_args=dict(self.one.args), replica_at=self.src.ranks,
                                                    relay=False)
-            return self.tables[table].plan(_arg_value(args[table]))
+            return self.tables[table].plan(arg_value(args[table]))
         layout = self.layout(args)
         if layout.digest not in self._members:
-            _keep(self._members, layout.digest, members.MemberPlanner(self.src, layout), 2)
+            keep(self._members, layout.digest, members.MemberPlanner(self.src, layout), 2)
         return self._members[layout.digest].plan(copies)
 
     def _table_of(self, args: dict | None) -> str | None:
@@ -115,7 +115,7 @@ class ReplicaPlans:
         if not args or len(self.one.sources) != 1:
             return None
         mine = dict(self.one.args)
-        theirs = {name: _arg_value(v) for name, v in args.items()}
+        theirs = {name: arg_value(v) for name, v in args.items()}
         if not set(theirs) <= set(mine):
             return None
         changed = [name for name in theirs if theirs[name] != mine[name]]
@@ -124,16 +124,16 @@ class ReplicaPlans:
         return None
 
 
-def _keep(cache: dict, key, value, most: int) -> None:
+def keep(cache: dict, key, value, most: int) -> None:
     """cache[key] = value, the oldest entries dropped past `most`."""
     cache[key] = value
     while len(cache) > most:
         cache.pop(next(iter(cache)))
 
 
-def _arg_value(v):
+def arg_value(v):
     """An arg as JSON carried it, as layouts hold it (tables: tuples of tuples)."""
-    return tuple(_arg_value(x) for x in v) if isinstance(v, list) else v
+    return tuple(arg_value(x) for x in v) if isinstance(v, list) else v
 
 
 def args_json(layout: Layout) -> dict:

@@ -56,7 +56,7 @@ from layoutlang.elaborate import load, loads
 from layoutlang.ir import Layout
 
 from .errors import RefitError
-from .jobplans import KEPT, ReplicaPlans, _arg_value, _keep, args_json, layout_difference, published, text_digest
+from .jobplans import KEPT, ReplicaPlans, arg_value, args_json, keep, layout_difference, published, text_digest
 from .jobgroups import JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, failure_text, sever
 from .jobwait import CLOSE_WAIT, bell, born, current_waits, epoch_of, is_strided, ring, sleep_until_rung, wait_value
 from .refit import not_contiguous, shape_problem
@@ -432,7 +432,7 @@ class TrainerJob:
         key = (copies, json.dumps(args, sort_keys=True))
         if key not in self._walks:
             plan = self.plans.plan(copies, args)
-            _keep(self._walks, key, JobWalk(plan, rank=self.rank, membership=Membership(
+            keep(self._walks, key, JobWalk(plan, rank=self.rank, membership=Membership(
                 self.world, self.one.ranks, ("",) * copies, (None,) * copies), device=self.device,
                 keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout, **self.options), KEPT)
         return self._walks[key]
@@ -703,7 +703,7 @@ class EngineJob:
         if len(self._base.sources) != 1:
             raise UsageError(f"{self._base.path} includes other files: a replica whose args change "
                              "publishes its layout as one text, so write it without `include`")
-        merged = {**dict(self._base.args), **{k: _arg_value(v) for k, v in args.items()}}
+        merged = {**dict(self._base.args), **{k: arg_value(v) for k, v in args.items()}}
         layout = loads(self._base.source_text, self._base.path, merged, unknown_args="ignore")
         if layout.ranks != self.world:
             raise UsageError(f"{self._base.path} with those args spans {layout.ranks} ranks but replica "
@@ -874,7 +874,7 @@ class EngineJob:
         if key not in self._walks:
             plan = plans.plan(copies, args)
             rank = trainer + self.rank * copies + slot
-            _keep(self._walks, key, JobWalk(plan, rank=rank, membership=Membership(
+            keep(self._walks, key, JobWalk(plan, rank=rank, membership=Membership(
                 trainer, self.one.ranks, ("",) * copies, (None,) * copies), device=self.device,
                 keep_staging=self.keep_staging, hooks=self.hooks, timeout=self.timeout, **options), KEPT)
         return self._walks[key]
@@ -908,7 +908,7 @@ class EngineJob:
         """The trainer's layout, as its rank 0 left it in the store (text and args: data)."""
         text = json.loads(self.kv.get("trainer/layout"))
         if self._trainer is None or self._trainer[0] != text["digest"]:
-            src = loads(text["text"], text["path"], {k: _arg_value(v) for k, v in text["args"].items()},
+            src = loads(text["text"], text["path"], {k: arg_value(v) for k, v in text["args"].items()},
                         unknown_args="ignore")
             options = {k: text[k] for k in ("budget_bytes", "verify", "overlap")}
             self._trainer = (text["digest"], src, ReplicaPlans(src, self._base), options)

@@ -93,7 +93,7 @@ class LoopbackTransport(Transport):
             work.wait()
 
 
-class _Rank:
+class RankState:
     """What a rank's `BucketRun` reads of its Refitter, without a process group."""
 
     def __init__(self, plan: Plan, rank: int, mail: Mail | None = None):
@@ -131,10 +131,10 @@ class LoopbackRefitter:
         self.plan = plan
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.mail = Mail()
-        self.ranks = {r: _Rank(plan, r, self.mail) for r in range(plan.world)}
+        self.ranks = {r: RankState(plan, r, self.mail) for r in range(plan.world)}
         self.schedules = {r: schedule(plan, r, budget_bytes) for r in self.ranks}
 
-    def refit(self, src: dict[int, dict], dst: dict[int, dict]) -> dict[int, _Rank]:
+    def refit(self, src: dict[int, dict], dst: dict[int, dict]) -> dict[int, RankState]:
         """`src[rank]` / `dst[rank]`: the tensors each rank holds (as the Refitter takes them);
         destinations are written in place. Returns each rank's counters (`sent_bytes`,
         `received_bytes`, `local_bytes`, `meter`), accumulated over calls."""
@@ -159,17 +159,17 @@ class LoopbackRefitter:
 
 
 def refit(plan: Plan, src: dict[int, dict], dst: dict[int, dict], *, device=None,
-          budget_bytes: int | None = None) -> dict[int, _Rank]:
+          budget_bytes: int | None = None) -> dict[int, RankState]:
     """One refit of every rank of `plan` in this process (`LoopbackRefitter(...).refit`)."""
     return LoopbackRefitter(plan, device=device, budget_bytes=budget_bytes).refit(src, dst)
 
 
 def run_rank(plan: Plan, rank: int, src: dict, dst: dict, *, device=None,
-             budget_bytes: int | None = None) -> _Rank:
+             budget_bytes: int | None = None) -> RankState:
     """One rank's steps alone, when every op of it is local: a load from files that every rank
     reads (layoutlang/checkpoint/load.py). The rank's tensors are checked against the layouts
     first (as a Refitter's agreement does), nothing is written when one is wrong."""
-    me = _Rank(plan, rank)
+    me = RankState(plan, rank)
     remote = [op for op in plan.ops_for_rank(rank) if not op.local]
     if remote:
         raise RefitError.at(rank, 0, "setup", f"{len(remote)} op(s) of this rank are not local "

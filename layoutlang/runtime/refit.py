@@ -113,7 +113,6 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums)
 
 
-_first_line = first_line  # (layoutlang/checkpoint/exchange.py imports it under this name)
 
 
 class Refitter:
@@ -752,7 +751,6 @@ def shape_problem(t: TensorIR, value, rank: int) -> str | None:
     return None
 
 
-_as_given, _shape_problem = as_given, shape_problem  # (layoutlang/checkpoint/ imports them under these names)
 
 _LAYOUT_DTYPE = {v: k for k, v in PLAIN_DTYPES.items()}   # torch dtype -> the layout's word for it
 

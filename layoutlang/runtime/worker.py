@@ -44,7 +44,7 @@ FAULTS = ("die", "die_before", "stall", "stall_before", "corrupt", "wrong_shape"
 
 
 def main(job_path: str, out_path: str) -> int:
-    _exit_with_launcher()
+    exit_with_launcher()
     if os.environ.get("LAYOUTLANG_PID_DIR"):  # test seam: who to look for after killing the launcher
         with open(os.path.join(os.environ["LAYOUTLANG_PID_DIR"], f"{os.environ['RANK']}.pid"), "w") as fh:
             fh.write(str(os.getpid()))
@@ -88,7 +88,7 @@ def main(job_path: str, out_path: str) -> int:
     return 0
 
 
-def _exit_with_launcher() -> None:
+def exit_with_launcher() -> None:
     """Die with the launcher: a killed `layoutc run` must not leave workers behind."""
     launcher = int(os.environ.get("LAYOUTLANG_LAUNCHER_PID", "0"))
     if not launcher:
