@@ -113,8 +113,6 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums)
 
 
-
-
 class Refitter:
     """Moves weights from the source layout's tensors into the destination's, every step.
 
@@ -749,7 +747,6 @@ def shape_problem(t: TensorIR, value, rank: int) -> str | None:
     if tuple(value.shape) != expected or value.dtype != PLAIN_DTYPES[t.dtype]:
         return f"expected {list(expected)} {PLAIN_DTYPES[t.dtype]}, got {list(value.shape)} {value.dtype}"
     return None
-
 
 
 _LAYOUT_DTYPE = {v: k for k, v in PLAIN_DTYPES.items()}   # torch dtype -> the layout's word for it
