@@ -151,7 +151,26 @@ class Pad:
     span: Span = _span()
 
 
-Mode = Plain | Product | Concat | Pad
+@dataclass(frozen=True, slots=True)
+class FlatKey:
+    """`[E, ...] as KEY` inside `flat(...)`: one whole key and its logical shape."""
+
+    shape: tuple[Expr, ...]
+    key: NameTemplate
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """`flat(SHAPE as KEY | ...) [align A]` (docs/language.md 14.9): whole keys flattened row-major,
+    one after another, each starting at a multiple of A. Only a dim's whole mode (or under its `pad`)."""
+
+    keys: tuple[FlatKey, ...]
+    align: Expr | None
+    span: Span = _span()
+
+
+Mode = Plain | Product | Concat | Pad | Flat
 
 
 @dataclass(frozen=True, slots=True)

@@ -214,10 +214,16 @@ class KeyRegion:
     stacked: tuple[int, ...]                  # stored dims that are stack indices, dropped from the key's shape
     transposed: bool                          # the key's two (non-stacked) dims are stored in the opposite order
     part_dim: int | None = None               # the dim whose concatenation part carries the key (part keys)
+    # a key of a flat dim (docs/language.md 14.9): its logical shape; `box` is then its range of the flat
+    # dim's logical elements, which hold the key's elements in row-major order
+    shape: tuple[int, ...] | None = None
 
     @property
     def key_shape(self) -> tuple[int, ...]:
-        """The key's logical shape: box extents without stacked dims, swapped if transposed."""
+        """The key's logical shape: box extents without stacked dims, swapped if transposed; a flat
+        dim's key: its own shape."""
+        if self.shape is not None:
+            return self.shape
         shape = tuple(hi - lo for i, (lo, hi) in enumerate(self.box) if i not in self.stacked)
         return shape[::-1] if self.transposed else shape
 

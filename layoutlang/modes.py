@@ -2,7 +2,7 @@
 
 Notation (LANGUAGE.md section 3)::
 
-    mode    := PlainM(E) | ProductM(N, mode) | ConcatM(parts) | PadM(mode, K)
+    mode    := PlainM(E) | ProductM(N, mode) | ConcatM(parts) | PadM(mode, K) | FlatM(key shapes, A)
     logical := ext(mode)         elements of the logical tensor along the dim
     stored  := stored(mode)      elements in storage, padding included
     leaves  := hoisted part tree, flattened: every concatenation hoisted out of
@@ -223,7 +223,73 @@ class PadM:
         return self.inner.part_tree
 
 
-ModeIR = PlainM | ProductM | ConcatM | PadM
+@dataclass(frozen=True)
+class FlatM:
+    """`flat(SHAPE as KEY | ...) [align A]` (docs/language.md 14.9): whole keys flattened row-major,
+    one after another in written order, each starting at a multiple of `align` (the elements
+    skipped are padding; none after the last key). Logically the keys' elements in order.
+
+    It stores what the concatenation `(n0 pad A | n1 pad A | ... | n_last)` stores (n_i the keys'
+    element counts), but `over` cuts its STORED extent contiguously, as it cuts `M pad K`.
+
+    >>> f = FlatM(((3, 5), (3,), (7, 3), (7,)), 4)
+    >>> f.logical, f.stored, f.starts
+    (46, 51, (0, 16, 20, 44))
+    """
+
+    __hash__ = cached_hash  # structural, computed once: modes key templates
+    shapes: tuple[tuple[int, ...], ...]
+    align: int
+    origin: object = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def numels(self) -> tuple[int, ...]:
+        out = []
+        for shape in self.shapes:
+            n = 1
+            for e in shape:
+                n *= e
+            out.append(n)
+        return tuple(out)
+
+    @cached_property
+    def concat(self) -> "ConcatM":
+        """The same storage as a concatenation of one part per key, each but the last padded to `align`."""
+        last = len(self.numels) - 1
+        return ConcatM(tuple(PartM(None, PadM(PlainM(n), self.align) if i < last and self.align > 1 else PlainM(n))
+                             for i, n in enumerate(self.numels)))
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Each key's first stored element."""
+        out, pos = [], 0
+        for p in self.concat.parts:
+            out.append(pos)
+            pos += p.mode.stored
+        return tuple(out)
+
+    @cached_property
+    def logical(self) -> int:
+        return sum(self.numels)
+
+    @cached_property
+    def stored(self) -> int:
+        return self.concat.stored
+
+    @cached_property
+    def leaf_extents(self) -> tuple[int, ...]:
+        return self.numels
+
+    @cached_property
+    def identity(self) -> bool:
+        return self.stored == self.logical
+
+    @cached_property
+    def part_tree(self) -> PartTree:
+        return self.concat.part_tree
+
+
+ModeIR = PlainM | ProductM | ConcatM | PadM | FlatM
 
 
 def fragments(mode: ModeIR) -> int:
@@ -237,6 +303,8 @@ def fragments(mode: ModeIR) -> int:
             return sum(fragments(p.mode) for p in parts)
         case ProductM(count=n, inner=inner):
             return n * fragments(inner)
+        case FlatM():
+            return fragments(mode.concat)
     return 1
 
 
@@ -340,6 +408,12 @@ def check_split(mode: ModeIR, s: int, axis: str) -> None:
         case ConcatM(parts=parts):
             for part in parts:
                 check_split(part.mode, s, axis)
+        case FlatM():
+            if mode.stored % s:
+                raise SplitError(
+                    f"flat dim of stored extent {mode.stored} does not split over {axis}={s} "
+                    f"(remainder {mode.stored % s})", mode,
+                    help=f"pad its tail to a multiple of {s}: `flat(...) pad {axis} over {axis}`")
         case PadM():
             if mode.stored % s:
                 raise SplitError(
@@ -434,7 +508,7 @@ def select(mode: ModeIR, s: int, c: int, base: int = 0) -> list[tuple[int, int]]
                 out.extend(select(part.mode, s, c, offset))
                 offset += part.mode.stored
             return out
-        case PadM():
+        case PadM() | FlatM():
             step = mode.stored // s
             return [(base + c * step, base + (c + 1) * step)]
     raise AssertionError(mode)
@@ -502,6 +576,8 @@ def _walk(mode: ModeIR, a: int, b: int) -> Iterator[tuple[int, int, int, int] | 
                 leaf_base += len(sub.leaf_extents)
                 if offset >= b:
                     break
+        case FlatM():
+            yield from _walk(mode.concat, a, b)
         case ProductM(inner=inner):
             size, ext = inner.stored, inner.leaf_extents
             first, last = a // size, (b - 1) // size

@@ -53,6 +53,13 @@ _TERMINAL_WORDS = {
 }
 
 
+class _FlatPad(NamedTuple):
+    """`pad K` after a flat dim, on its way to the `ast.Pad` that wraps the `ast.Flat`."""
+
+    multiple: ast.Expr
+    span: Span
+
+
 def grammar_text() -> str:
     """The grammar, shipped as package data `layoutlang/grammar/layout.lark`.
 
@@ -377,6 +384,29 @@ class _ToAst(Transformer):
         placement = "even"
         for item in c[1:]:
             if isinstance(item, ast.Chunk):
+                chunk = item
+            else:
+                over, placement = item
+        return ast.Dim(mode, over, chunk, self.pos.of_meta(meta), placement)
+
+    def flat_key(self, meta, c):
+        return ast.FlatKey(tuple(c[:-1]), self._template(c[-1]), self.pos.of_meta(meta))
+
+    def flat(self, meta, c):
+        keys = tuple(x for x in c if isinstance(x, ast.FlatKey))
+        align = c[-1] if not isinstance(c[-1], ast.FlatKey) else None
+        return ast.Flat(keys, align, self.pos.of_meta(meta))
+
+    def flat_pad(self, meta, c):
+        return _FlatPad(c[0], self.pos.of_meta(meta))
+
+    def flat_dim(self, meta, c):
+        mode, over, chunk, placement = c[0], (), None, "even"
+        for item in c[1:]:
+            if isinstance(item, _FlatPad):
+                mode = ast.Pad(mode, item.multiple, Span(mode.span.source, mode.span.line, mode.span.col,
+                                                         item.span.end_line, item.span.end_col))
+            elif isinstance(item, ast.Chunk):
                 chunk = item
             else:
                 over, placement = item

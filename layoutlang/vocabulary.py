@@ -25,8 +25,8 @@ from typing import Literal
 # Reserved everywhere: never a name, an axis, a part or a loop variable.
 KEYWORDS = ("layout", "include", "arg", "const", "mesh", "at", "default", "dtype", "tensor", "as", "on",
             "for", "in", "over", "sizes", "pad", "chunk", "align", "local",
-            "transposed", "ragged", "balanced", "cyclic")  # v2: `transposed` (LANGUAGE.md 8.3), `ragged` (8.5),
-# `balanced` and `cyclic` (docs/language.md 14.8)
+            "transposed", "ragged", "balanced", "cyclic", "flat")  # v2: `transposed` (LANGUAGE.md 8.3), `ragged` (8.5),
+# `balanced` and `cyclic` (docs/language.md 14.8), `flat` (14.9)
 
 
 @dataclass(frozen=True)

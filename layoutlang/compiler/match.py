@@ -104,6 +104,8 @@ def key_trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
     """The key's hoisted part tree per dim: a keyed dim contributes the keyed part's subtree."""
     if region is None:
         return [d.part_tree for d in t.dims]
+    if region.shape is not None:  # a flat dim's key (docs/language.md 14.9): its dims are plain
+        return [Leaf(n) for n in region.shape]
     out = []
     for i, (d, (lo, hi)) in enumerate(zip(t.dims, region.box)):
         if i not in region.stacked:  # a stacked dim is not a dim of the key
@@ -252,7 +254,7 @@ def _key_template(t: TensorIR) -> str | None:
 
 
 def region_signature(r: KeyRegion | None) -> tuple | None:
-    return None if r is None else (r.box, r.stacked, r.transposed, r.part_dim)
+    return None if r is None else (r.box, r.stacked, r.transposed, r.part_dim, r.shape)
 
 
 def one_sided_only(a: PartTree, b: PartTree) -> bool:

@@ -38,7 +38,8 @@ from layoutlang.version import __version__
 from .match import Match, PlanError
 from .pieces import Piece, Slice, Source, pieces
 from .ranks import RankSet
-from .records import RELAYED, Box, Geometry, Op, Template, TensorEntry, Transfer, op_offsets
+from .flat import FlatShard, clip_flat, is_flat, source_shards, to_storage
+from .records import RELAYED, Box, Geometry, Op, Template, TensorEntry, Transfer, op_offsets, region_box
 from .refine import pair
 from .relay import needed_recv, relay_stage
 from . import strides
@@ -86,7 +87,11 @@ class PlanCache:
             return self.shards(p)
         hit = self._views.get((p, box))
         if hit is None:
-            hit = self._views[(p, box)] = clip_shards(self._near(p, box[0]), *box, intern=self._runs)
+            if is_flat(box):  # a flat dim's key: each shard's range of it as boxes of the key
+                hit = clip_flat(self._near(p, box[0]), box[0], box[3], intern=self._runs)
+            else:
+                hit = clip_shards(self._near(p, box[0]), *box, intern=self._runs)
+            self._views[(p, box)] = hit
         return hit
 
     def _near(self, p: Placement, box: tuple[tuple[int, int], ...]) -> tuple[Shard, ...]:
@@ -191,6 +196,11 @@ def _unstack(sl: Slice, at: tuple[tuple[int, int], ...], transposed: bool = Fals
     return tuple(out)
 
 
+def _back(sl: Slice, shard: Shard) -> Slice:
+    """A key-dims slice of a (non-flat) shard in its stored tensor's dims."""
+    return _unstack(sl, getattr(shard, "at", ()), getattr(shard, "transposed", False))
+
+
 def _in_storage(p: Piece, dst: Shard, src_shards) -> Piece:
     """A piece computed over a key's dims, with its slices in the stored tensors' dims."""
     def back(sl: Slice, shard: Shard) -> Slice:
@@ -208,15 +218,22 @@ def build_geometry(first: Match, dst: Placement, src: tuple[Placement, ...], wir
     With boxes (v2 part keys) every shard is first cut to the key's region, so
     pieces, proof and candidate senders are per key.
     """
-    src_shards = [cache.view(p, src_boxes[i] if src_boxes else None) for i, p in enumerate(src)]
+    # a flat source's boxes are shards of their own (flat.py)
+    src_shards = [source_shards(cache.view(p, src_boxes[i] if src_boxes else None)) for i, p in enumerate(src)]
     dst_shards = cache.view(dst, dst_box)
     stacked = any(b is not None and (b[1] or b[2]) for b in (dst_box, *src_boxes))  # stacked or transposed
+    flat = any(is_flat(b) for b in (dst_box, *src_boxes))
     per_shard: list[range] = []
     piece_list: list[Piece] = []
     src_geometry = tuple(tuple(tuple(id(r) for r in s.runs) for s in group) for group in src_shards)
     for s in dst_shards:
-        found = cache.proven_pieces(first, s, src_shards, src_geometry)
-        if stacked:
+        if flat:  # pieces over the key's dims, box by box of a flat destination, then into storage
+            found = tuple(q for bx in (s.boxes if isinstance(s, FlatShard) else (s,))
+                          for p in cache.proven_pieces(first, bx, src_shards, src_geometry)
+                          for q in to_storage(p, bx, src_shards, _back))
+        else:
+            found = cache.proven_pieces(first, s, src_shards, src_geometry)
+        if stacked and not flat:
             found = tuple(_in_storage(p, s, src_shards) for p in found)
         per_shard.append(range(len(piece_list), len(piece_list) + len(found)))
         piece_list.extend(found)
@@ -608,8 +625,8 @@ def group_templates(matches: list[Match], cache: PlanCache, wire_mode: str = "au
         # placement coordinates: equal keys mean equal placements, and hashing
         # a few ints is what keeps grouping cheap at 100k tensors. (Both
         # layouts outlive the plan, so the ids stay valid.)
-        dst_box = (m.region.box, m.region.stacked, m.region.transposed) if m.region is not None else None
-        src_boxes = tuple((r.box, r.stacked, r.transposed) if r is not None else None for r in m.src_regions)
+        dst_box = region_box(m.region)
+        src_boxes = tuple(region_box(r) for r in m.src_regions)
         # a quantized destination's format decides which ops carry quantized bytes (wire.py)
         sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed, dst_box,
                tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), src_boxes, wire,

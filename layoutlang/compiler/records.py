@@ -62,8 +62,18 @@ class TensorEntry:
     dst_dtype: str
 
 
-# A key's view of its stored tensor: (logical box, stacked dims, transposed); None: the whole tensor.
-Box = tuple[tuple[tuple[int, int], ...], tuple[int, ...], bool] | None
+# A key's view of its stored tensor: (logical box, stacked dims, transposed), and for a key of a flat
+# dim (docs/language.md 14.9) its shape fourth; None: the whole tensor.
+Box = tuple | None
+
+
+def region_box(r) -> Box:
+    """The Box of a KeyRegion (None: None)."""
+    if r is None:
+        return None
+    if r.shape is not None:
+        return (r.box, r.stacked, r.transposed, r.shape)
+    return (r.box, r.stacked, r.transposed)
 
 
 @dataclass(frozen=True)

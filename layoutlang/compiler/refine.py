@@ -100,6 +100,8 @@ def refine(src: Layout, dst: Layout, matches: list[Match]) -> tuple[Layout, Layo
 def _refinements(m: Match, instances) -> list[tuple[int, int, Path, object]]:
     """(instance index, stored dim, path, the mode that replaces the plain node there) for every
     place where some instance of `m`'s key is a leaf and another has parts."""
+    if any(r is not None and r.shape is not None for _, r in instances):
+        return []  # a flat dim's key is never refined (docs/language.md 14.9): `match` compares strictly
     dims = [key_dims(t, r) for t, r in instances]
     trees = [key_trees(t, r) for t, r in instances]
     ndim = len(dims[0])

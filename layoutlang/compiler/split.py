@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from layoutlang.vocabulary import DTYPE
 
 from . import strides
+from .flat import is_flat
 from .pieces import Piece, split_piece
 from .ranks import RankSet
 from .records import Box, Geometry, Template
@@ -197,6 +198,8 @@ def _outer(g: Geometry, p: Piece) -> int | None:
     """The piece's first destination dim of extent > 1 (its outer dim in the receiver's storage)
     that is contiguous on every side (destination, logical, every source): a strided dim
     (layoutlang/compiler/strides.py) is never cut, the next dim is; a logical chain is (strides.cuttable)."""
+    if is_flat(g.dst_box) or any(is_flat(b) for b in g.src_boxes):
+        return None  # a flat side's slice is one entry of its 1-d storage, not the key's dims: kept whole
     kd = _key_dims(g.dst_box, len(p.dst_slice))
     for d, e in enumerate(p.dst_slice):
         if len(e) > 2 or e[1] - e[0] <= 1:
@@ -226,7 +229,7 @@ def _key_dims(box: Box, ndim: int) -> list[int]:
     """Storage dims in the key's dim order: stacked dims left out, reversed when transposed."""
     if box is None:
         return list(range(ndim))
-    _, stacked, transposed = box
+    stacked, transposed = box[1], box[2]
     dims = [d for d in range(ndim) if d not in stacked]
     return dims[::-1] if transposed else dims
 

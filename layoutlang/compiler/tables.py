@@ -57,7 +57,7 @@ from .members import digest_suffix, replicate
 from .match import Match, check_same_key, missing_key_error, region_signature
 from .plan import Plan, PlanCache, as_layout, build_geometry, check_options, compile_plan
 from .ranks import RankSet
-from .records import Geometry, Request, Template
+from .records import Geometry, Request, Template, region_box
 from .relay import relay_stage
 from .select import Balanced, select_senders
 from .shards import placement_of
@@ -176,7 +176,7 @@ class TablePlanner:
         hit = _SrcKey()
         hit.sources, hit.regions = sources, regions
         hit.placements = tuple(placement_of(s) for s in sources)
-        boxes = tuple((r.box, r.stacked, r.transposed) if r is not None else None for r in regions)
+        boxes = tuple(region_box(r) for r in regions)
         intern = self._interned
         sig = (tuple((id(s.mesh), id(s.dims), s.fixed) for s in sources), boxes)
         cls = (tuple((id(s.mesh), id(s.dims)) for s in sources), boxes)

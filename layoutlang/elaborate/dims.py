@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .. import ast
 from ..diagnostics import ElaborationError, Note, did_you_mean
 from ..ir import ChunkSplit, DimIR, Mesh, Split, storage_bytes
-from ..modes import MAX_RUNS, ConcatM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
+from ..modes import MAX_RUNS, ConcatM, FlatM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
 from ..vocabulary import DTYPE
 from . import limits
 from .meshes import AxisClaims
@@ -144,6 +144,16 @@ class Dims:
                 return _checked(ConcatM(tuple(PartM(p.name, self.mode(p.mode)) for p in parts), node))
             case ast.Pad(inner=inner, multiple=k):
                 return _checked(PadM(self.mode(inner), self.extent(k, "pad multiple"), node))
+            case ast.Flat(keys=keys, align=align):
+                a = 1
+                if align is not None:
+                    a = self.scope.evaluate(align)
+                    if a < 1:
+                        raise ElaborationError(f"`align {a}` must be at least 1", align.span,
+                                               help="each key starts at a multiple of A elements; "
+                                                    "`align 1` (or none) packs them")
+                shapes = tuple(tuple(self.extent(e, "extent") for e in k.shape) for k in keys)
+                return _checked(FlatM(shapes, a, node))
         raise AssertionError(node)
 
     def stack(self, node: ast.Stack) -> PlainM:
@@ -167,6 +177,11 @@ class Dims:
         dims = built.dims
         if (dims, dtype) in self.stored:
             return
+        if dims and flat_mode(dims[0].mode) is not None and dtype not in FLAT_DTYPES:
+            raise ElaborationError(f"a flat dim holds whole keys of different shapes: dtype {dtype} is not "
+                                   "supported there", stmt.dtype.span if stmt.dtype else stmt.dims[0].span,
+                                   help=f"store it in {', '.join(FLAT_DTYPES)} (a quantized dtype's scales "
+                                        "would cut across keys)")
         local = built.local_shape
         kind = DTYPE[dtype]
         multiple = kind.last_dim_multiple
@@ -192,6 +207,16 @@ class Dims:
             raise ElaborationError(f"tensor of {n} elements does not fit in 64-bit sizes", stmt.span,
                                    help="check the extents")
         self.stored.add((dims, dtype))
+
+
+FLAT_DTYPES = ("bf16", "fp16", "fp32")  # a flat dim's dtypes (docs/language.md 14.9)
+
+
+def flat_mode(mode) -> FlatM | None:
+    """The FlatM of a flat dim's mode (`flat(...)` or `flat(...) pad K`), else None."""
+    if isinstance(mode, PadM):
+        mode = mode.inner
+    return mode if isinstance(mode, FlatM) else None
 
 
 def _dims_text(n: int) -> str:

@@ -23,6 +23,7 @@ from ..diagnostics import ElaborationError, Note, Span
 from ..ir import DimIR, KeyRegion
 from ..modes import part_range
 from . import limits
+from .dims import flat_mode
 from .names import render
 from .scope import LoopFrame, Scope
 
@@ -43,6 +44,7 @@ class StoredKeys:
     keyed_dim: int | None
     parts: tuple[KeyedPart, ...]  # in written order, which is logical order
     transposed: bool
+    flat: ast.Flat | None = None  # a flat dim (docs/language.md 14.9): the tensor's only dim, its keys in order
 
 
 def _keyed_parts(mode: ast.Mode, path: tuple[int, ...] = ()) -> list[KeyedPart]:
@@ -118,8 +120,37 @@ def _name_in(node, var: str):
     return None
 
 
+def _flat_of(dim: ast.Dim) -> ast.Flat | None:
+    mode = dim.mode
+    if mode.__class__ is ast.Pad:
+        mode = mode.inner
+    return mode if mode.__class__ is ast.Flat else None
+
+
+def _analyze_flat(stmt: ast.TensorDecl, at: int, flat: ast.Flat) -> StoredKeys:
+    """A tensor with a flat dim (docs/language.md 14.9): that dim alone, its keys named in it."""
+    if len(stmt.dims) != 1:
+        other = stmt.dims[1 if at == 0 else 0]
+        raise ElaborationError("a flat dim must be the tensor's only dim", other.span,
+                               notes=[Note("the flat dim", flat.span)],
+                               help="a flat dim holds whole keys of any shape: write each key's dims in its "
+                                    "`[...] as KEY`")
+    if stmt.key is not None:
+        raise ElaborationError("a tensor with a flat dim has no key of its own", stmt.key.span,
+                               notes=[Note("its keys", flat.span)],
+                               help="remove `as KEY` here: each key is named in the flat dim")
+    if stmt.transposed is not None:
+        raise ElaborationError("a flat dim stores its keys row-major; it cannot be `transposed`",
+                               stmt.transposed.span, help="remove `transposed`")
+    return StoredKeys((), None, (), False, flat)
+
+
 def analyze(stmt: ast.TensorDecl, scope: Scope) -> StoredKeys | None:
     """The statement's keys structure, checked; None for a v1 statement."""
+    for i, d in enumerate(stmt.dims):
+        flat = _flat_of(d) if d.mode.__class__ is not ast.Stack else None
+        if flat is not None:
+            return _analyze_flat(stmt, i, flat)
     stacked = tuple((i, d.mode) for i, d in enumerate(stmt.dims) if d.mode.__class__ is ast.Stack)
     keyed: list[tuple[int, list[KeyedPart]]] = []
     for i, d in enumerate(stmt.dims):
@@ -232,6 +263,8 @@ class Keys:
     def regions(self, info: StoredKeys, stmt: ast.TensorDecl,
                 dims: tuple[DimIR, ...]) -> tuple[tuple[KeyRegion, ...], tuple[Span, ...]]:
         """The instance's regions, and the span of the key template each came from."""
+        if info.flat is not None:
+            return self._flat_regions(info.flat, stmt, dims[0])
         scope = self.scope
         stacked_idx = tuple(i for i, _ in info.stacked)
         base = [(0, d.logical) for d in dims]
@@ -285,6 +318,31 @@ class Keys:
             del scope.loops[len(scope.loops) - len(frames):]
         self.last = (tuple(recipes), tuple(indices)) if any(r is not None for r in recipes) else None
         return tuple(out), tuple(spans)
+
+
+    def _flat_regions(self, flat: ast.Flat, stmt: ast.TensorDecl,
+                      dim: DimIR) -> tuple[tuple[KeyRegion, ...], tuple[Span, ...]]:
+        """A flat dim's keys in written order: key i holds logical [L_i, L_i + numel_i) of the dim
+        (L_i: the element counts before it) and has its own shape (docs/language.md 14.9)."""
+        mode = flat_mode(dim.mode)
+        if self.count + len(flat.keys) > limits.MAX_KEYS:
+            raise ElaborationError(f"this tensor holds {len(flat.keys)} keys; at most {limits.MAX_KEYS} keys "
+                                   "inside stored tensors per layout are supported", stmt.span)
+        self.count += len(flat.keys)
+        out: list[KeyRegion] = []
+        held: dict[str, Span] = {}
+        pos = 0
+        for k, shape, n in zip(flat.keys, mode.shapes, mode.numels):
+            key = render(k.key, "reject", self.scope)
+            if key in held:
+                raise ElaborationError(f"key `{key}` is held twice by this tensor", k.key.span,
+                                       notes=[Note("also here", held[key])],
+                                       help="every key of a flat dim is a different parameter: name each once")
+            held[key] = k.key.span
+            out.append(KeyRegion(key, ((pos, pos + n),), (), False, None, shape))
+            pos += n
+        self.last = None
+        return tuple(out), tuple(k.key.span for k in flat.keys)
 
 
 NOT_REKEYABLE = ("a key that computes with the table",)  # key_recipe's verdict, compared by identity
