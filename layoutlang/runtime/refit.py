@@ -192,6 +192,7 @@ class Refitter:
         self._last_key: tuple | None = None
         self.replayed = 0  # steady steps run from a record, passed or failed (layoutlang/runtime/replay.py)
         self._replayable: dict[int, tuple[bool, bool]] = {}  # id(schedule) -> (plain steps, stages)
+        self._connected = False  # the transport met this rank's peers (`_connect`, at the first agreed step)
 
     @property
     def staging_held(self) -> int:
@@ -326,6 +327,8 @@ class Refitter:
         else:
             agreed = self._agree(step, src_tensors, dst_tensors, strided)
         schedule = self.schedule(agreed)
+        if not self._connected:
+            self._connect(step, fence, device)
         key = self._replay_key(schedule, src, dst, device)
         self._record = None  # (its views of other tensors go before this walk allocates)
         blocks = self._recordable(key, schedule)
@@ -362,6 +365,25 @@ class Refitter:
             self._phase = "verification"
             self._verify_result(step, mismatches)
         self._agreed_strided = agreed  # every rank passed this step: the next ones are steady
+
+    def _connect(self, step: int, fence: str, device: torch.device) -> None:
+        """Connect the transport to this rank's peers (`Transport.connect`), once: at the first
+        step every rank agreed to, so every rank is there (a missing one is the agreement's
+        to name). A failure fails the step as a bucket's would (its reason left at the fence)."""
+        self._phase = "connect"
+        try:
+            self.transport.connect(self.ops, device, time.monotonic() + self.timeout.total_seconds())
+        except Exception as exc:  # noqa: BLE001 - every fault is a RefitError
+            err = self._bucket_failed(step, fence, exc)
+            raise err from (None if err is exc else exc)
+        self._connected = True
+
+    def close(self) -> None:
+        """Tear down what the transport set up (`Transport.close`: the memory transport's
+        channels); the Refitter is not used again. The process group is the caller's."""
+        self._broken = self._broken or "it was closed"
+        self._record = None
+        self.transport.close()
 
     def _bucket_failed(self, step: int, fence: str, exc: Exception) -> RefitError:
         """A fault in a bucket as the RefitError to raise; its reason is left at the fence."""

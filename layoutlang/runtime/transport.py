@@ -13,9 +13,18 @@ deadline and names the peer that failed, and tears down. One module per transpor
 - the loopback (`LoopbackTransport`, layoutlang/runtime/loopback.py): every rank in one process, a
   message is a copy between two of its buffers.
 
-"memory" (same host, one copy per byte) and "nixl" (one-sided, across hosts) are not built
-yet (issue 50). A transport that reads or writes its peers' memory registers the buffers it
-needs (`register`) once per membership; the two-sided ones above register nothing.
+- "memory" (layoutlang/runtime/transport_memory.py): ranks of one host, each message read by
+  its receiver straight out of its sender's memory (`process_vm_readv`; a shared-memory ring
+  where the kernel does not permit it; CUDA IPC for CUDA tensors); the process group stays
+  for the meetings.
+
+- "nixl" (layoutlang/runtime/transport_nixl.py): one-sided NIXL writes (UCX, DRAM or VRAM,
+  across hosts): each receiver tells its sender where a round lands, the sender writes it
+  with a notification; the process group stays for the meetings. Optional: `pip install
+  'layoutlang[nixl]'`.
+
+A transport that reads or writes its peers' memory registers the buffers it needs once
+per membership; the two-sided ones above register nothing.
 
 A new transport is one module with one `Transport` subclass and a line in `TRANSPORTS`
 (or `register(name, "module:Class")` from outside the package); `Refitter(plan,
@@ -36,6 +45,8 @@ from layoutlang.diagnostics import UsageError
 # name -> "module:Class"; the class is built as Class(group) by `Refitter(plan, transport=name)`
 TRANSPORTS: dict[str, str] = {
     "group": "layoutlang.runtime.transport_group:GroupTransport",
+    "memory": "layoutlang.runtime.transport_memory:MemoryTransport",
+    "nixl": "layoutlang.runtime.transport_nixl:NixlTransport",
 }
 ALIASES = {"auto": "group"}   # "auto" picks per pair once there is more than one to pick from
 
@@ -116,8 +127,8 @@ def transport_class(name: str) -> type:
     if target is None:
         known = ", ".join(f'"{n}"' for n in sorted([*TRANSPORTS, *ALIASES]))
         raise UsageError(f"unknown transport {name!r}: known are {known}",
-                         help="\"memory\" and \"nixl\" are not built yet (issue 50); register a transport of "
-                              "your own with layoutlang.runtime.transport.register(name, cls)")
+                         help="register a transport of your own with "
+                              "layoutlang.runtime.transport.register(name, cls)")
     if isinstance(target, str):
         module, _, cls = target.partition(":")
         target = getattr(importlib.import_module(module), cls)

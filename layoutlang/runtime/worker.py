@@ -7,13 +7,14 @@ nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
 `groups` (lists of global ranks: each rank refits in the sub-group that holds it, the
 plan's ranks being that group's ranks; ranks in none only create the groups; every rank meets the others once more before it exits, so that rank 0's store outlives every group), `retry` (after a failed refit, call refit once more and report what it said),
-`linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
+`transport` (the Refitter's: "group" by default; `transport_options`: keyword arguments of its
+class, e.g. {"mode": "ring"} for "memory"), `linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
 2 s after a failure by default), `store_linger` (seconds rank 0 lingers beyond that), `alternate` (plain tensors only: the sources hold their
 fill in odd steps and zeros in even ones, written in place, and every step's destination is
 checked: a step that moved nothing, or stale bytes, fails), `release` (steps before which
 the rank calls `Refitter.release_staging()`),
 and test faults, each `{"rank": R, ...}`: `die` (exit `after` seconds into
-`bucket` of `step`), `die_before` (exit `after` seconds into `step`), `stall` (sleep
+`bucket` of `step`; `kill`: by SIGKILL), `die_before` (exit `after` seconds into `step`), `stall` (sleep
 `seconds` at the start of `bucket`), `stall_before` (sleep `seconds` before
 calling refit for `step`), `corrupt` (change one element of a send buffer),
 `wrong_shape` (pass a truncated source tensor from `step` on, 1 by default), `odd_args` (compile another
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -128,7 +130,8 @@ def run(job: dict, rank: int, group=None) -> dict:
                         timeout=timedelta(seconds=job.get("timeout", 60)), verify=job.get("verify", False),
                         hooks=FaultHooks(job, rank) if FaultHooks.any_for(job, rank) else None,
                         overlap=job.get("overlap", False),
-                        keep_staging=job.get("keep_staging"), steady=job.get("steady", False))
+                        keep_staging=job.get("keep_staging"), steady=job.get("steady", False),
+                        transport=_transport(job, group))
     src = {t.name: source_tensor(t, rank) for t in plan.src.tensors if rank < plan.src.ranks and t.holds(rank)}
     dst = {t.name: empty_destination(t, rank=rank) for t in plan.dst.tensors if rank < plan.dst.ranks and t.holds(rank)}
     guards: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -184,14 +187,25 @@ def run(job: dict, rank: int, group=None) -> dict:
                if not bool((buf[mask].to(torch.float32) == _guard(buf.dtype)).all())]
     first_error = next((o["error"] for o in outcomes if o["error"]), None)
     n = max(len(times), 1)
+    mode = getattr(refitter.transport, "mode", None)
+    refitter.close()
     return {"seconds": times, "outcomes": outcomes, "error": first_error if not succeeded else None,
             "first_error": first_error, "reusable": refitter.reusable,
             "sent_bytes": refitter.sent_bytes // n, "received_bytes": refitter.received_bytes // n,
             "local_bytes": refitter.local_bytes // n, "staging_peak": refitter.meter.peak,
             "staging_held": refitter.staging_held, "staged_ahead": refitter.staged_ahead,
-            "replayed": refitter.replayed,
+            "replayed": refitter.replayed, "transport_mode": mode,
             "checked_tensors": len(dst) if succeeded else 0, "check_errors": errors[:5], "store_keys": store_keys,
             "largest_tensor_bytes": max((_nbytes(v) for v in list(dst.values()) + list(src.values())), default=0)}
+
+
+def _transport(job: dict, group):
+    """The job's `transport` (a name, "group" by default), built with its `transport_options`."""
+    from .transport import make_transport, transport_class
+
+    name = job.get("transport", "group")
+    options = job.get("transport_options")
+    return transport_class(name)(group, **options) if options else make_transport(name, group)
 
 
 def _check_step(plan, rank: int, dst: dict, filled: bool) -> list[str]:
@@ -274,6 +288,8 @@ class FaultHooks(RefitHooks):
     def before_bucket(self, refitter, step: int, bucket: int) -> None:
         if self.die and self.die.get("bucket", 0) == bucket and self.die.get("step", 1) == step:
             time.sleep(self.die.get("after", 0))
+            if self.die.get("kill"):  # SIGKILL: no exit code of its own, nothing run on the way out
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
         if self.stall and self.stall.get("bucket", 0) == bucket and self.stall.get("step", 1) == step:
             time.sleep(self.stall.get("seconds", 3600))
