@@ -26,6 +26,7 @@ if [ ! -f "$stamp" ]; then
   pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
   "${pip[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" "triton==$TRITON"
   "${pip[@]}" -e '.[dev,megatron,hf]'
+  "${pip[@]}" ray   # the `ray` extra (layoutlang.integrations.ray, tests/test_ray_jobs.py), pinned in constraints.txt
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
