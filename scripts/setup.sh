@@ -27,6 +27,7 @@ if [ ! -f "$stamp" ]; then
   "${pip[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" "triton==$TRITON"
   "${pip[@]}" -e '.[dev,megatron,hf]'
   "${pip[@]}" ray   # the `ray` extra (layoutlang.integrations.ray, tests/test_ray_jobs.py), pinned in constraints.txt
+  "${pip[@]}" nixl-cu12   # the `nixl` extra (runtime/transport_nixl.py, tests/test_transport_nixl.py), pinned in constraints.txt
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
