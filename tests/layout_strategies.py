@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from reference_enumerator import (
     Concat,
     Dim,
+    Flat,
     LayoutSpec,
     LoopSpec,
     MeshSpec,
@@ -49,7 +50,9 @@ from reference_enumerator import (
     Product,
     SplitError,
     TensorSpec,
+    dim_is_valid,
     dim_local,
+    flat_key_ranges,
     stored_extent,
 )
 
@@ -425,3 +428,124 @@ def cases(
 def case_of(spec: LayoutSpec) -> Case:
     """A hand-written spec with its plainest rendering (for `@example`s)."""
     return Case(spec, render_layout(spec))
+
+
+# ---------------------------------------------------------------------------
+# Flat dims (docs/language.md 14.9): whole keys flattened into one 1-d dim (ZeRO-3, FSDP1)
+#
+# A side is a `ModelSide`: its text and, per stored tensor, what the test's model says it holds
+# (written from the rule, reference_enumerator.Flat): the reference `Dim`, the ranks that hold
+# it, and its keys as (key, [start, stop) of the flat dim's logical elements, key shape), or
+# None for a v1 tensor of one key. Keys are k0..kn-1 with shapes drawn by `flat_key_shapes`
+# (0-d to 3-d, extents 1..5). A flat side groups the keys, in a drawn order, into units (one
+# key per unit: ZeRO-3; several: FSDP1), each `flat(...) [align A] [pad P] over dp [ragged]` on
+# `mesh m (dp=W[, r=R])` with W in 1..8 (R a replica axis); small keys over many ranks leave
+# ranks holding only padding, and keys straddle ranks. A plain side stores each key as its
+# own v1 tensor, one dim split over `tp` (padded, even, or ragged) or none.
+
+
+@dataclass(frozen=True)
+class ModelTensor:
+    name: str
+    key: str                 # a v1 tensor's key (a flat tensor's: its name)
+    dim_specs: tuple[Dim, ...]
+    holders: tuple[int, ...]
+    regions: tuple[tuple[str, tuple[int, int], tuple[int, ...]], ...] | None
+
+
+@dataclass(frozen=True)
+class ModelSide:
+    text: str
+    mesh: MeshSpec
+    tensors: tuple[ModelTensor, ...]
+    valid: bool              # every split legal per reference_enumerator
+    kind: str
+
+    def __repr__(self) -> str:
+        return f"ModelSide(valid={self.valid}, text=\n{self.text})"
+
+
+@st.composite
+def flat_key_shapes(draw, max_keys: int = 4) -> tuple[tuple[int, ...], ...]:
+    n = draw(st.integers(1, max_keys))
+    return tuple(tuple(draw(st.lists(st.integers(1, 5), min_size=nd, max_size=nd)))
+                 for nd in (draw(st.sampled_from([1, 2, 2, 3, 1, 0])) for _ in range(n)))
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+@st.composite
+def flat_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) -> ModelSide:
+    w = draw(st.integers(1, 8))
+    r = draw(st.sampled_from([1, 1, 2])) if w <= 4 else 1
+    axes = (("dp", w),) + ((("r", r),) if r > 1 else ())
+    mesh = MeshSpec("m", axes, draw(st.integers(0, offset_max)))
+    order = draw(st.permutations(range(len(shapes))))
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, len(order) - 1)), max_size=len(order) - 1)))) \
+        if len(order) > 1 else []
+    units = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(order)]) if a < b]
+    holders = tuple(range(mesh.offset, mesh.offset + mesh.size))
+    lines, tensors, valid = [], [], True
+    kinds = set()
+    for j, unit in enumerate(units):
+        unit_shapes = tuple(shapes[i] for i in unit)
+        align = draw(st.sampled_from([None, None, 1, 2, 4, 8]))
+        pad = draw(st.sampled_from(["dp", "dp", "dp", "dp", "dp", None, 3, 8]))
+        ragged = draw(st.integers(0, 9)) == 0
+        mode = Flat(unit_shapes, align or 1)
+        if pad is not None:
+            mode = Pad(mode, w if pad == "dp" else pad)
+        dim = Dim(mode, ("dp",), ragged=ragged)
+        valid = valid and dim_is_valid(dim, mesh.sizes)
+        keys = " | ".join(f"{_shape_text(shapes[i])} as k{i}" for i in unit)
+        text = f"flat({keys})" + (f" align {align}" if align is not None else "") \
+            + (f" pad {pad}" if pad is not None else "") + " over dp" + (" ragged" if ragged else "")
+        lines.append(f"tensor u{j} [{text}]")
+        ranges = flat_key_ranges(mode.inner if isinstance(mode, Pad) else mode)
+        tensors.append(ModelTensor(f"u{j}", f"u{j}", (dim,), holders,
+                                   tuple((f"k{i}", rng, shapes[i]) for i, rng in zip(unit, ranges))))
+        kinds.add("zero3" if len(unit) == 1 else "fsdp1")
+    text = f"mesh m ({', '.join(f'{a}={n}' for a, n in axes)}) at {mesh.offset}\ndefault dtype fp32\n" \
+        + "\n".join(lines) + "\n"
+    return ModelSide(text, mesh, tuple(tensors), valid, "flat " + "+".join(sorted(kinds)) + f" W={w}")
+
+
+@st.composite
+def plain_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) -> ModelSide:
+    tp = draw(st.sampled_from([1, 2, 3, 4]))
+    dp = draw(st.sampled_from([1, 2]))
+    mesh = MeshSpec("m", (("dp", dp), ("tp", tp)), draw(st.integers(0, offset_max)))
+    holders = tuple(range(mesh.offset, mesh.offset + mesh.size))
+    lines, tensors, valid = [], [], True
+    for i, shape in enumerate(shapes):
+        split = draw(st.integers(-1, len(shape) - 1)) if shape else -1
+        how = draw(st.sampled_from(["pad", "pad", "even", "ragged"]))
+        texts, specs = [], []
+        for d, n in enumerate(shape):
+            if d != split:
+                texts.append(str(n))
+                specs.append(Dim(Plain(n)))
+            elif how == "pad":
+                texts.append(f"{n} pad tp over tp")
+                specs.append(Dim(Pad(Plain(n), tp), ("tp",)))
+            else:
+                texts.append(f"{n} over tp" + (" ragged" if how == "ragged" else ""))
+                specs.append(Dim(Plain(n), ("tp",), ragged=how == "ragged"))
+        valid = valid and all(dim_is_valid(x, mesh.sizes) for x in specs)
+        lines.append(f"tensor t{i} as k{i} [{', '.join(texts)}]")
+        tensors.append(ModelTensor(f"t{i}", f"k{i}", tuple(specs), holders, None))
+    text = f"mesh m (dp={dp}, tp={tp}) at {mesh.offset}\ndefault dtype fp32\n" + "\n".join(lines) + "\n"
+    return ModelSide(text, mesh, tuple(tensors), valid, f"plain tp={tp}")
+
+
+@st.composite
+def flat_pairs(draw) -> tuple[ModelSide, ModelSide]:
+    """(source, destination): flat -> plain, plain -> flat, or flat -> flat (other units, order,
+    alignment, world size), on the same keys."""
+    shapes = draw(flat_key_shapes())
+    kind = draw(st.sampled_from(["flat->plain", "plain->flat", "flat->flat"]))
+    src = draw(plain_sides(shapes) if kind == "plain->flat" else flat_sides(shapes))
+    dst = draw(plain_sides(shapes) if kind == "flat->plain" else flat_sides(shapes))
+    return src, dst

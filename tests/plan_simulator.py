@@ -44,7 +44,8 @@ A view says which keys a stored tensor holds (`regions(t)`: None for a v1
 tensor, one key, the whole of it). An element of a v2 tensor takes the value of
 its key at its row-major index in the key: the key's coordinates are the stored
 ones minus the box's corner, stacked dims dropped, a transposed key's two dims
-read in reverse; an element in no box is padding.
+read in reverse (a flat dim's key: its flat position minus the box's start);
+an element in no box is padding.
 
 `simulate` returns a `SimReport` (bytes per rank, local vs network bytes, ops
 per key) or raises AssertionError naming key, rank, tensor, local index and
@@ -160,9 +161,14 @@ class ModelRegion:
     box: tuple[tuple[int, int], ...]
     stacked: tuple[int, ...] = ()
     transposed: bool = False
+    # a key of a flat dim (docs/language.md 14.9): its shape; `box` is its range of the flat dim's
+    # logical elements, which are the key's elements in row-major order
+    shape: tuple[int, ...] | None = None
 
     @property
     def key_shape(self) -> tuple[int, ...]:
+        if self.shape is not None:
+            return self.shape
         shape = tuple(hi - lo for d, (lo, hi) in enumerate(self.box) if d not in self.stacked)
         return shape[::-1] if self.transposed else shape
 
@@ -510,7 +516,13 @@ def _simulate(src_view, dst_view, plan, report: SimReport, problem) -> None:
                 continue
             want = [n for n in turned[::-1] if n != 1]
         dst_extents = [len(_indices(e)) for e in op.dst_slice]
-        if want != [n for n in dst_extents if n != 1]:
+        # a flat side (docs/language.md 14.9) holds the key's block as one run of its 1-d storage:
+        # the elements, in row-major order, are what must agree
+        flat = any(getattr(r, "shape", None) is not None for x in (s, d) for r in (x.regions or ()))
+        if flat and math.prod(extents) != math.prod(dst_extents):
+            problem(f"{where}: slice element counts differ: {extents} vs {dst_extents}")
+            continue
+        if not flat and want != [n for n in dst_extents if n != 1]:
             problem(f"{where}: slice extents differ: {extents} vs {dst_extents}")
             continue
         elements = math.prod(extents)

@@ -10,7 +10,7 @@ Nothing here imports layoutlang: the model is written from the spec alone.
 
 Notation
 --------
-    M                a mode: Plain(E) | Product(N, M) | Concat(parts) | Pad(M, K)
+    M                a mode: Plain(E) | Product(N, M) | Concat(parts) | Pad(M, K) | Flat(shapes, A)
     Label(path, d)   the identity of one logical element, independent of order:
                      `path` picks a part at every concatenation level of the
                      HOISTED part tree, `d` are the row-major digits inside that
@@ -86,7 +86,19 @@ class Pad:
     multiple: int
 
 
-Mode = Plain | Product | Concat | Pad
+@dataclass(frozen=True)
+class Flat:
+    """`flat(SHAPE as KEY | ...) [align A]` (docs/language.md 14.9): whole keys, each flattened
+    row-major, one after another in written order. Key 0 starts at stored element 0; key i+1
+    starts at the first multiple of `align` at or after the end of key i (the elements skipped
+    are padding); nothing follows the last key. Logically: key 0's elements, then key 1's, ...
+    (the padding is not logical). `over` cuts its stored elements like a padded extent's."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    align: int = 1
+
+
+Mode = Plain | Product | Concat | Pad | Flat
 T = TypeVar("T")
 
 
@@ -153,8 +165,29 @@ def labels(mode: Mode) -> list[Stored]:
         case Pad(inner, k):
             body = labels(inner)
             return body + [None] * (-len(body) % k)
+        case Flat(shapes, align):
+            out: list[Stored] = []
+            for i, shape in enumerate(shapes):
+                while out and len(out) % align:  # key i starts at a multiple of `align`
+                    out.append(None)
+                out += [Label((i,), (j,)) for j in range(math.prod(shape))]
+            return out
         case _:
             assert_never(mode)
+
+
+def flat_key_ranges(mode: Flat) -> list[tuple[int, int]]:
+    """Each key's [start, stop) in the flat dim's logical order: its elements in row-major order.
+
+    >>> flat_key_ranges(Flat(((3, 5), (3,), (7, 3), (7,)), 4))
+    [(0, 15), (15, 18), (18, 39), (39, 46)]
+    """
+    out, at = [], 0
+    for shape in mode.shapes:
+        n = math.prod(shape)
+        out.append((at, at + n))
+        at += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +218,8 @@ def hoist(mode: Mode) -> HNode:
             return HLeaf((e,))
         case Pad(inner, _):
             return hoist(inner)
+        case Flat(shapes, _):  # key i is part i; inside it, its row-major index
+            return HConcat(tuple((None, HLeaf((math.prod(shape),))) for shape in shapes))
         case Concat(parts):
             return HConcat(tuple((name, hoist(m)) for name, m in parts))
         case Product(n, inner):
@@ -310,7 +345,7 @@ def over_ragged_labels(mode: Mode, s: int, c: int, placement: str = "ragged") ->
     assert 0 <= c < s
     cut = UNEVEN_CUTS[placement]
     match mode:
-        case Plain(_) | Pad(_, _):
+        case Plain(_) | Pad(_, _) | Flat(_, _):
             return cut(labels(mode), s, c)
         case Product(n, inner):
             copies = [_in_copy(i, labels(inner)) for i in range(n)]
@@ -344,6 +379,8 @@ def over_labels(mode: Mode, s: int, c: int) -> list[Stored]:
             return [x for p, (_, m) in enumerate(parts) for x in _in_part(p, over_labels(m, s, c))]
         case Pad(_, k):
             return _contiguous(labels(mode), s, c, f"pad {k} (stored extent)")
+        case Flat(_, _):  # its stored elements, contiguously (docs/language.md 14.9)
+            return _contiguous(labels(mode), s, c, "flat (stored extent)")
         case _:
             assert_never(mode)
 

@@ -454,7 +454,7 @@ class Plan:
             src = g.source_for(req.piece, sender)
             out.append(Op(op_id, m.key, sender, req.rank, m.src[src.instance].name, m.dst.name,
                           src.src_slice, dst_slice, req.bytes,
-                          _transpose(m, src) if g.dst_box or g.src_boxes else None, req.wire))
+                          _transpose(m, src, dst_slice) if g.dst_box or g.src_boxes else None, req.wire))
         return tuple(out)
 
     def op(self, t: Transfer) -> Op:
@@ -464,7 +464,7 @@ class Plan:
             return Op(t.op_id, m.key, t.sender, t.dst_rank, m.dst.name, m.dst.name, t.source.src_slice,
                       t.piece.dst_slice, t.bytes, None, t.wire, t.after)
         return Op(t.op_id, m.key, t.sender, t.dst_rank, m.src[t.source.instance].name, m.dst.name,
-                  t.source.src_slice, t.piece.dst_slice, t.bytes, _transpose(m, t.source), t.wire)
+                  t.source.src_slice, t.piece.dst_slice, t.bytes, _transpose(m, t.source, t.piece.dst_slice), t.wire)
 
     @cached_property
     def relay_depths(self) -> dict[int, int]:
@@ -585,11 +585,14 @@ class Plan:
                 f"{s['bytes']} B, busiest sender {s['send_balance']:.2f}x floor")
 
 
-def _transpose(m: Match, src: Source) -> tuple[int, int] | None:
+def _transpose(m: Match, src: Source, dst_slice: Slice) -> tuple[int, int] | None:
     """(p, q) of the source block when exactly one side stores the key transposed, else None."""
     r, s = m.region, m.src_region(src.instance)
     if (r is not None and r.transposed) == (s is not None and s.transposed):
         return None
+    if s is not None and s.shape is not None:  # a flat source (one entry): the block in the key's order
+        q, p = (strides.extent(e) for d, e in enumerate(dst_slice) if d not in r.stacked)
+        return p, q
     stacked = s.stacked if s is not None else ()
     p, q = (strides.extent(e) for d, e in enumerate(src.src_slice) if d not in stacked)
     return p, q

@@ -41,7 +41,7 @@ from ..gcpause import gc_paused
 
 _new, _set = object.__new__, object.__setattr__
 # KeyRegion's slot setters: a re-keyed region is made through them (rekey)
-_SLOTS = tuple(KeyRegion.__dict__[name].__set__ for name in ("key", "box", "stacked", "transposed", "part_dim"))
+_SLOTS = tuple(KeyRegion.__dict__[name].__set__ for name in ("key", "box", "stacked", "transposed", "part_dim", "shape"))
 # memos a tensor may carry that do not depend on its keys (copied into a re-keyed tensor)
 _KEPT_MEMOS = ("_placement", "local_bytes", "used_axes")
 
@@ -201,7 +201,7 @@ class TableKeys:
         others, made, total = self._others, set(), 0
         strs: dict[int, str] = {}
         new = _new
-        set_key, set_box, set_stacked, set_transposed, set_part = _SLOTS
+        set_key, set_box, set_stacked, set_transposed, set_part, set_shape = _SLOTS
         for w in self.watched:
             t = tensors[w.position]
             regions = list(t.regions)
@@ -218,7 +218,7 @@ class TableKeys:
                 if key != r.key:  # KeyRegion(key, ...) through its slots: half the time
                     o = new(KeyRegion)
                     set_key(o, key), set_box(o, r.box), set_stacked(o, r.stacked)
-                    set_transposed(o, r.transposed), set_part(o, r.part_dim)
+                    set_transposed(o, r.transposed), set_part(o, r.part_dim), set_shape(o, r.shape)
                     regions[k] = o
             if w.by_span is not None:  # keys.py's rule, as set sizes (`_Watched.by_span`)
                 groups = [{regions[k].key for k in ks} for ks in w.by_span]
