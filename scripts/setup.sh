@@ -26,6 +26,10 @@ if [ ! -f "$stamp" ]; then
   pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
   "${pip[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" "triton==$TRITON"
   "${pip[@]}" -e '.[dev,megatron,hf]'
+  # verl (layoutlang.integrations.verl; pyproject's `verl` extra): --no-deps (it pins transformers<5.11
+  # and a trainer's stack), then what importing its checkpoint engine and manager needs
+  "${pip[@]}" --no-deps "verl==$(grep -E '^verl==' constraints.txt | cut -d= -f3)"
+  "${pip[@]}" tensordict omegaconf codetiming uvicorn fastapi pyzmq   # (ray: the line below)
   "${pip[@]}" ray   # the `ray` extra (layoutlang.integrations.ray, tests/test_ray_jobs.py), pinned in constraints.txt
   "${pip[@]}" nixl-cu12   # the `nixl` extra (runtime/transport_nixl.py, tests/test_transport_nixl.py), pinned in constraints.txt
   rm -f .venv/.installed-*
