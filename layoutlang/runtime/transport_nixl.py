@@ -138,6 +138,7 @@ class NixlTransport(GroupTransport):
         self.namespace = f"{base}/{generation}"
         config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self.agent = nixl.nixl_agent(f"layoutlang-{members}-{generation}-{self.rank}", config)
+        self.mode = ",".join(self.agent.backends)  # the NIXL backends the bytes move through ("UCX")
         self.store.set(self._agent_key(self.rank), self.agent.get_agent_metadata())
         self.names: dict[int, str] = {}          # plan rank -> its agent's name
         self.peer_of: dict[str, int] = {}        # agent name -> plan rank

@@ -1,0 +1,176 @@
+"""The "nixl" transport (layoutlang/runtime/transport_nixl.py): the runtime's suite on NIXL writes.
+
+Every refit here runs in local worker processes (`layoutlang.runtime.worker.run`: the layouts'
+fill from logical coordinates, every destination element checked against
+layoutlang/runtime/fill.py's expectation, written from the layouts, not from the runtime)
+with `transport="nixl"`: NIXL's UCX backend, DRAM to DRAM between the processes. The
+fault-free cases share one launch of 4 ranks (tests/shared_launch.py): shipped pairs of
+examples/small/ (the Llama trainer into the vLLM engine's mxfp8 and quantized wire, in
+buckets, overlapped and strided; GPT-2's transposed Conv1D into a TP engine), relays, and
+steady steps replayed while the sources are rewritten in place. The fault table runs
+tests/test_runtime_faults.py's pair and faults on it: a peer SIGKILLed mid-bucket, a
+stalled one, each named by every survivor within timeout + 1 s.
+
+Without NIXL (`pip install 'layoutlang[nixl]'`) the multi-process tests skip on a developer's
+machine and fail in CI (LAYOUTLANG_CI=1: scripts/setup.sh installs it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from layoutlang.compiler import compile_plan
+from layoutlang.diagnostics import UsageError
+from layoutlang.runtime import transport_nixl
+from layoutlang.runtime.launch import launch
+from layoutlang.runtime.transport import transport_class
+from layoutlang.runtime.transport_nixl import NixlTransport
+from shared_launch import launch_cases
+from test_relay import TRAIN as RELAY_TRAIN   # a two-rank bf16 trainer: a padded embedding, fused gate|up
+from test_runtime_faults import DST as FAULT_DST, NPROC as FAULT_NPROC, SLACK, SRC as FAULT_SRC, TIMEOUT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = os.path.join(ROOT, "examples", "small")
+NPROC = 4
+
+# four single-rank replicas of RELAY_TRAIN's model on the trainer's ranks and two more: some
+# replicas forward what they received (relays); `fc1` in mxfp8 forwards packed blocks
+REPLICAS = """
+mesh infer (dp=4)
+tensor embed as emb [100 pad 64, 32]
+tensor norm [32] fp32
+for l in 0..2 {
+  tensor l{l}.gate_up as layers.{l}.fc1 [(gate: 32 | up: 32), 32] DTYPE
+  tensor l{l}.down as layers.{l}.fc2 [32, 32]
+}
+"""
+
+
+def _nixl_or_skip():
+    try:
+        transport_nixl.nixl_module()
+    except UsageError:
+        if os.environ.get("LAYOUTLANG_CI"):
+            pytest.fail("NIXL is not installed in .venv: scripts/setup.sh installs it (the `nixl` extra)")
+        pytest.skip("NIXL is not installed (pip install 'layoutlang[nixl]')")
+
+
+def _small(name: str) -> str:
+    return os.path.join(SMALL, f"{name}.layout")
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """Every fault-free case on "nixl", in one launch of 4 ranks."""
+    _nixl_or_skip()
+    d = tmp_path_factory.mktemp("nixl")
+    (d / "train.layout").write_text(RELAY_TRAIN)
+    (d / "mxfp8.layout").write_text(REPLICAS.replace("DTYPE", "mxfp8"))
+    (d / "bf16.layout").write_text(REPLICAS.replace("DTYPE", "bf16"))
+    on = {"transport": "nixl"}
+    llama = {"src": _small("llama_train"), "dst": _small("llama_infer"), "args": {"DP": 1}, **on}
+    gpt2 = {"src": _small("v2/gpt2_hf"), "dst": _small("v2/gpt2_tp"), "args": {"AT": 1}, **on}
+    relays = {"src": str(d / "train.layout"), "dst": str(d / "mxfp8.layout"), **on}
+    steady = {"src": str(d / "train.layout"), "dst": str(d / "bf16.layout"), **on}
+    cases = [("llama-buckets", {**llama, "verify": True, "budget": 16 * 1024, "steps": 2}),
+             ("llama-overlap-strided", {**llama, "budget": 16 * 1024, "overlap": True, "strided": True}),
+             ("gpt2-transposed", {**gpt2, "verify": True}),
+             ("relays-mxfp8", {**relays, "verify": True, "budget": 2048, "steps": 2}),
+             ("steady-relays", {**steady, "steady": True, "alternate": True, "steps": 5})]
+    out = launch_cases(cases, NPROC, timeout=150)
+    out["plans"] = {name: compile_plan(job["src"], job["dst"], args=job.get("args")) for name, job in cases}
+    return out
+
+
+def _ok(results, name):
+    assert results is not None, f"the launch did not reach `{name}`"
+    for r in results:
+        assert r.ok, f"{name}: rank {r.rank}: {r.error} {r.result and r.result.get('check_errors')} {r.stderr[-800:]}"
+
+
+@pytest.mark.timeout(300)
+def test_every_case_is_exact_on_nixl(suite):
+    plans = suite["plans"]
+    for name, plan in plans.items():
+        _ok(suite[name], name)
+        results = suite[name]
+        # the bytes the plan says moved (per step), each over NIXL's UCX backend
+        assert sum(r.result["sent_bytes"] for r in results) == plan.stats["network_bytes"], name
+        assert sum(r.result["received_bytes"] + r.result["local_bytes"] for r in results) == plan.stats["bytes"], name
+        assert {r.result["transport_mode"] for r in results if r.result["sent_bytes"] + r.result["received_bytes"]} \
+            == {"UCX"}, name
+        for r in results:  # every destination tensor the rank holds was checked element by element
+            assert r.result["checked_tensors"] == sum(1 for t in plan.dst.tensors
+                                                      if r.rank < plan.dst.ranks and t.holds(r.rank)), name
+    # what each case exercises, from the plans (not from the run)
+    assert any(op.wire for op in plans["llama-buckets"].ops)           # quantized (mxfp8) blocks on the wire
+    assert any(op.transpose for op in plans["gpt2-transposed"].ops)    # Conv1D [in, out] -> [out, in]
+    assert any(op.wire and op.after for op in plans["relays-mxfp8"].ops)  # relays forward packed blocks
+    assert any(op.after for op in plans["steady-relays"].ops)
+    assert sum(r.result["staged_ahead"] for r in suite["llama-overlap-strided"]) > 0
+    # steady: steps 3-5 replay step 2's record (the same registered buffers), sources rewritten in place
+    # in every step and every step's destination checked (`alternate`: filled, zeros, filled, ...)
+    assert [r.result["replayed"] for r in suite["steady-relays"]] == [3] * NPROC
+
+
+def test_the_registry_builds_it_and_a_missing_nixl_says_how_to_install_it(monkeypatch):
+    assert transport_class("nixl") is NixlTransport
+    monkeypatch.setattr(transport_nixl, "MODULES", ("layoutlang_tests_no_such_nixl",))
+    with pytest.raises(UsageError) as err:
+        NixlTransport()
+    assert str(err.value).splitlines() == [
+        "error: the \"nixl\" transport needs NIXL's Python package, which is not installed",
+        "help: pip install 'layoutlang[nixl]' (nixl-cu12: its UCX backend moves DRAM between processes without "
+        "CUDA), or choose transport=\"group\""]
+
+
+def test_a_write_notification_completes_only_its_own_sequences():
+    """A receiver's wait completes on the notification of its own (peer, sequence): one of an
+    earlier refit (a lower sequence) or of another peer leaves it pending."""
+    t = NixlTransport.__new__(NixlTransport)  # the protocol's state alone: no agent, no group
+    t.inbox = {1: {}, 2: {}}
+    works = {}
+    for seq in (7, 8, 9):
+        works[seq] = t.inbox[1][seq] = transport_nixl.Work()
+    t._on_data(1, transport_nixl.RUN.pack(transport_nixl.DATA, 4, 3))   # refit n's 4..6, late
+    t._on_data(2, transport_nixl.RUN.pack(transport_nixl.DATA, 7, 3))   # another peer's 7..9
+    assert not any(w.done for w in works.values())
+    t._on_data(1, transport_nixl.RUN.pack(transport_nixl.DATA, 7, 2))
+    assert [works[s].done for s in (7, 8, 9)] == [True, True, False]
+
+
+@pytest.fixture
+def fault_pair(tmp_path):
+    _nixl_or_skip()
+    (tmp_path / "src.layout").write_text(FAULT_SRC)
+    (tmp_path / "dst.layout").write_text(FAULT_DST)
+    return {"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "timeout": TIMEOUT,
+            "pg_timeout": 300, "budget": 600, "transport": "nixl"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+def test_a_peer_killed_or_stalled_mid_bucket_is_named_by_every_survivor_in_time(fault_pair, fault):
+    """tests/test_runtime_faults.py's pair (every rank sends in bucket 1) on "nixl": rank 1 is
+    SIGKILLed 0.3 s into bucket 1, or sleeps there, while the others have posted theirs. Every
+    survivor fails step 1 in bucket 1 within timeout + 1 s naming rank 1 (its own write or
+    "ready" from rank 1 never came: the deadline, or the reason a survivor left at the fence),
+    and its Refitter says at once that it cannot be reused."""
+    fault_job = {"die": {"rank": 1, "bucket": 1, "after": 0.3, "kill": True}} if fault == "killed" else {
+        "stall": {"rank": 1, "bucket": 1, "seconds": 4}}
+    results = launch({**fault_pair, "retry": True, **fault_job}, FAULT_NPROC, timeout=90)
+    if fault == "killed":
+        assert results[1].returncode == -9
+    for r in results:
+        if r.rank == 1:
+            continue
+        first, again = r.result["outcomes"]
+        assert first["seconds"] <= TIMEOUT + SLACK, first
+        assert first["error"].startswith(f"error: rank {r.rank}: step 1, bucket 1: "), first
+        assert first["peers"] == [1] and first["reusable"] is False, first
+        assert "with peer rank 1 failed: peer rank 1 did not complete it within 2 s" in first["error"], first
+        assert again["error"].startswith(f"error: rank {r.rank}: step 2, setup: this Refitter cannot be reused: "
+                                         "step 1 failed in bucket 1: "), again
+        assert again["seconds"] < SLACK, again
