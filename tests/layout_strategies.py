@@ -441,7 +441,8 @@ def case_of(spec: LayoutSpec) -> Case:
 # key per unit: ZeRO-3; several: FSDP1), each `flat(...) [align A] [pad P] over dp [ragged]` on
 # `mesh m (dp=W[, r=R])` with W in 1..8 (R a replica axis); small keys over many ranks leave
 # ranks holding only padding, and keys straddle ranks. A plain side stores each key as its
-# own v1 tensor, one dim split over `tp` (padded, even, or ragged) or none.
+# own v1 tensor, one dim split over `tp` (padded, even, or ragged) or none, another maybe over
+# `dp` (two inner dims of a 3-d key cut: the flat side's block needs more than one strided level).
 
 
 @dataclass(frozen=True)
@@ -478,7 +479,7 @@ def _shape_text(shape: tuple[int, ...]) -> str:
 
 @st.composite
 def flat_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) -> ModelSide:
-    w = draw(st.integers(1, 8))
+    w = draw(st.sampled_from([1, 2, 1, 2, 3, 4, 5, 6, 7, 8]))  # W = 1, 2 often: whole keys in one box
     r = draw(st.sampled_from([1, 1, 2])) if w <= 4 else 1
     axes = (("dp", w),) + ((("r", r),) if r > 1 else ())
     mesh = MeshSpec("m", axes, draw(st.integers(0, offset_max)))
@@ -494,14 +495,17 @@ def flat_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) -
         align = draw(st.sampled_from([None, None, 1, 2, 4, 8]))
         pad = draw(st.sampled_from(["dp", "dp", "dp", "dp", "dp", None, 3, 8]))
         ragged = draw(st.integers(0, 9)) == 0
+        chunk = r > 1 and draw(st.integers(0, 4)) == 0  # `chunk r`: the replica axis cuts each rank's storage
+        chunk_align = draw(st.sampled_from([None, 1, 2])) if chunk and not ragged else None
         mode = Flat(unit_shapes, align or 1)
         if pad is not None:
             mode = Pad(mode, w if pad == "dp" else pad)
-        dim = Dim(mode, ("dp",), ragged=ragged)
+        dim = Dim(mode, ("dp",), "r" if chunk else None, chunk_align, ragged=ragged, chunk_ragged=chunk and ragged)
         valid = valid and dim_is_valid(dim, mesh.sizes)
         keys = " | ".join(f"{_shape_text(shapes[i])} as k{i}" for i in unit)
         text = f"flat({keys})" + (f" align {align}" if align is not None else "") \
-            + (f" pad {pad}" if pad is not None else "") + " over dp" + (" ragged" if ragged else "")
+            + (f" pad {pad}" if pad is not None else "") + " over dp" + (" ragged" if ragged else "") \
+            + (" chunk r" + (" ragged" if ragged else f" align {chunk_align}" if chunk_align else "") if chunk else "")
         lines.append(f"tensor u{j} [{text}]")
         ranges = flat_key_ranges(mode.inner if isinstance(mode, Pad) else mode)
         tensors.append(ModelTensor(f"u{j}", f"u{j}", (dim,), holders,
@@ -522,9 +526,13 @@ def plain_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) 
     for i, shape in enumerate(shapes):
         split = draw(st.integers(-1, len(shape) - 1)) if shape else -1
         how = draw(st.sampled_from(["pad", "pad", "even", "ragged"]))
+        second = draw(st.integers(-1, len(shape) - 1)) if shape else -1  # a second dim over dp
         texts, specs = [], []
         for d, n in enumerate(shape):
-            if d != split:
+            if d == second and d != split:
+                texts.append(f"{n} pad dp over dp")
+                specs.append(Dim(Pad(Plain(n), dp), ("dp",)))
+            elif d != split:
                 texts.append(str(n))
                 specs.append(Dim(Plain(n)))
             elif how == "pad":
