@@ -44,7 +44,7 @@ def body(job: dict, rank: int) -> dict:
     # the same save over the links (attach.py off), from strided views of the full tensors (not
     # contiguous: the blocks would be staged, so no rank reads another's memory), and with
     # rank 1 unable to read its peer's memory (every rank then takes the links)
-    from layoutlang.checkpoint import attach, exchange
+    from layoutlang.checkpoint import exchange
 
     exchange.MEMORY = False
     try:
@@ -56,14 +56,16 @@ def body(job: dict, rank: int) -> dict:
     r = save(job["cp_out"] + "_strided", cp, {k: v[:, 128 * rank:128 * (rank + 1)] for k, v in full.items()},
              group=dist.group.WORLD)
     report["cp_strided_transport"] = r.transport
-    readv = attach._READV
+    from layoutlang.runtime import cma  # (attach.py's reads are cma.py's)
+
+    readv = cma._READV
     if rank == 1:
-        attach._READV = lambda *args: -1
+        cma._READV = lambda *args: -1
     try:
         r = save(job["cp_out"] + "_refused", cp,
                  {k: v[:, 128 * rank:128 * (rank + 1)].clone() for k, v in full.items()}, group=dist.group.WORLD)
     finally:
-        attach._READV = readv
+        cma._READV = readv
     report["cp_refused_transport"] = r.transport
     # a stalled rank: the other raises within the save's timeout (its own group: a timed-out
     # gloo wait leaves the group unusable, and the frame still meets on the world afterwards)
