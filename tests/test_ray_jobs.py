@@ -161,6 +161,7 @@ def test_the_job_name_is_waited_for_refused_when_taken_and_given_back(session):
     assert 1.0 <= missing["seconds"] <= 1.0 + SLACK, missing
     taken = next(x for x in lines if "taken" in x)["taken"]
     assert "a trainer job named 'taken-name' already runs in this Ray cluster" in taken, taken
+    assert "(its store at " in taken, taken  # the live job's own record, read from its name
     retaken = next(x for x in lines if "retaken" in x)
     assert retaken["retaken"] is True and retaken["own"] == retaken["node_id"], retaken
     down = next(x for x in lines if x.get("ray") == "down")

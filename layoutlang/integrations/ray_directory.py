@@ -11,7 +11,8 @@ way to find something by name (`ray.get_actor(name, namespace=...)`, `.options(n
 the key-value store is reachable from Python only through `ray.experimental.internal_kv`'s
 underscore functions, which Ray documents as internal and may change in any release. The
 actor also gives the name the job's lifetime for free: it is not detached, so Ray ends it
-(and frees the name) when its owner, trainer rank 0's process, dies; `close` ends it at once.
+(and frees the name) when its owner, trainer rank 0's process, dies, and when its last handle
+(the job's) goes; `close` ends it at once.
 It costs one small Ray worker process (0 CPUs; this module imports neither torch nor the
 rest of layoutlang, so that process stays a bare Python with Ray).
 
