@@ -282,3 +282,30 @@ def test_a_peer_killed_in_a_replayed_steady_step_is_named_by_its_receivers(fault
         assert "peer rank 2" in failed["error"] and failed["peers"] == [2], failed
         assert failed["seconds"] <= 0.5 + TIMEOUT + SLACK, failed
         assert r.result["replayed"] == 1  # step 3 ran from step 2's record
+
+
+def test_a_peer_on_another_host_or_unreadable_is_refused_naming_it():
+    """Rank 1's record in the store, written by hand: another boot id is another host; a pid
+    that is not the publisher (an exited process) cannot be read, which "cma" refuses and the
+    default takes a ring for."""
+    import time
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ns = memlinks._pid_namespace()
+    store = torch.distributed.HashStore()
+    store.set("far/who/1", f"{os.getpid()} 0 0 another-boot {ns} far-away")
+    with pytest.raises(memlinks.LinkError) as err:
+        memlinks.MemoryLinks(store, "far", 0, [1]).connect(time.monotonic() + 5)
+    assert err.value.peer == 1
+    assert err.value.reason.startswith("rank 1 runs on another host (far-away, this rank on ")
+    store.set("gone/who/1", f"{dead.pid} 4096 7 {memlinks._boot_id()} {ns} here")
+    with pytest.raises(memlinks.LinkError) as err:
+        memlinks.MemoryLinks(store, "gone", 0, [1], mode="cma").connect(time.monotonic() + 5)
+    assert err.value.peer == 1 and err.value.reason.startswith(
+        f"this rank cannot read process {dead.pid} of rank 1 with process_vm_readv")
+    links = memlinks.MemoryLinks(store, "gone", 0, [1])
+    with pytest.raises(memlinks.LinkError) as err:  # (a ring for rank 1; nobody maps this rank's channel)
+        links.connect(time.monotonic() + 0.2)
+    assert err.value.peer == 1 and err.value.timed_out
+    assert _files_of_this_process() == []  # a failed connect leaves no file

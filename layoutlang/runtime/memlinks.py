@@ -45,6 +45,7 @@ import os
 import select
 import socket
 import time
+import weakref
 from collections import OrderedDict, deque
 from datetime import timedelta
 
@@ -238,6 +239,9 @@ class MemoryLinks:
         self._mark: torch.Tensor | None = None
         self._cuda = None
         self.namespace = _pid_namespace()
+        # what `close` releases, also when the links are dropped without it (the containers are
+        # kept, only emptied: the finalizer holds them, not the links)
+        self._release = weakref.finalize(self, _release, self.out, self.inn, self.pidfds, self.created)
 
     # ---- connecting -------------------------------------------------------------------
     def _get(self, key: str, deadline: float, peer: int, what: str) -> str:
@@ -312,7 +316,7 @@ class MemoryLinks:
                 time.sleep(NAP)
         for path in self.created:
             _unlink(path)
-        self.created = []
+        self.created.clear()
         for key in [f"{self.prefix}/who/{self.me}"] + [f"{self.prefix}/ch/{p}/{self.me}" for p in self.peers]:
             try:  # every peer read them (it mapped this rank's channels after reading both)
                 self.store.delete_key(key)
@@ -354,6 +358,7 @@ class MemoryLinks:
     def post(self, messages: list[Message]) -> list[Work]:
         """Post messages, in order (never blocks): sends go into their FIFOs (or queue)."""
         works = []
+        synced = set()
         for m in messages:
             ch = (self.out if m.sending else self.inn).get(m.peer)
             if ch is None:
@@ -363,8 +368,9 @@ class MemoryLinks:
             ch.queue.append(w)
             works.append(w)
             if m.sending:
-                if w.kind == CUDA:
-                    torch.cuda.current_stream(m.tensor.device).synchronize()  # its bytes are written
+                if w.kind == CUDA and m.tensor.device not in synced:  # its bytes are written before a peer reads
+                    torch.cuda.current_stream(m.tensor.device).synchronize()
+                    synced.add(m.tensor.device)
                 self._push(ch)
         return works
 
@@ -522,21 +528,26 @@ class MemoryLinks:
 
     def close(self) -> None:
         """Unmap every channel, unlink any file not yet unlinked, stop watching the peers."""
-        for path in self.created:
-            _unlink(path)
-        self.created = []
-        for ch in list(self.out.values()) + list(self.inn.values()):
-            ch.queue.clear()
-            ch.unacked.clear()
-            ch.seg.close()
-        self.out, self.inn = {}, {}
-        for fd in self.pidfds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.pidfds = {}
+        _release(self.out, self.inn, self.pidfds, self.created)
         self._cuda = None
+
+
+def _release(out: dict, inn: dict, pidfds: dict, created: list) -> None:
+    for path in created:
+        _unlink(path)
+    created.clear()
+    for ch in list(out.values()) + list(inn.values()):
+        ch.queue.clear()
+        ch.unacked.clear()
+        ch.seg.close()
+    out.clear()
+    inn.clear()
+    for fd in pidfds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    pidfds.clear()
 
 
 def _unlink(path: str) -> None:
