@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from layoutlang.compiler import compile_plan
+from layoutlang.diagnostics import UsageError
 from layoutlang.runtime import cma, memlinks
 from layoutlang.runtime.launch import launch
 from layoutlang.runtime.transport import transport_class
@@ -99,8 +100,11 @@ def test_every_case_is_exact_on_the_memory_transport(suite, kind):
 
 def test_the_registry_builds_it_and_the_mode_is_checked():
     assert transport_class("memory") is MemoryTransport
-    with pytest.raises(ValueError, match="'cma' or 'ring'"):
+    with pytest.raises(UsageError) as err:
         MemoryTransport(mode="fast")
+    assert str(err.value).splitlines() == [
+        "error: memory transport mode 'fast': known are \"cma\" and \"ring\"",
+        "help: leave it out (and LAYOUTLANG_MEMORY_MODE unset) for the best each pair of ranks can"]
     assert MemoryTransport(mode="ring").mode is None  # (nothing connected yet)
 
 

@@ -125,8 +125,10 @@ class Refitter:
     this one's fly, with buckets cut at half the budget (every rank must
     pass the same `budget_bytes` and `overlap`: they are part of the agreement).
     `transport`: how messages move (layoutlang/runtime/transport.py): "group" (the default; "auto" is
-    "group" until a second transport exists) is `group`'s backend, gloo or NCCL; a name
-    registered with `transport.register`, or a `Transport` instance (the jobs' walk passes its own).
+    "group" for now) is `group`'s backend, gloo or NCCL; "memory" moves them through shared
+    memory between the ranks of one host (layoutlang/runtime/transport_memory.py; connected at the
+    first step, `close()` tears it down); a name registered with `transport.register`, or a
+    `Transport` instance (the jobs' walk passes its own).
     `keep_staging`: carve staging buffers from arenas kept between steps (layoutlang/runtime/staging.py;
     they hold the largest bucket's staging, at most the budget, until `release_staging()`).
     By default only on CPU, where fresh buffers are fresh pages every step.

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from layoutlang.diagnostics import UsageError
+
 from .memlinks import LinkError, MemoryLinks, Message
 from .transport_group import CAUSE_GRACE, GroupTransport
 
@@ -42,7 +44,8 @@ class MemoryTransport(GroupTransport):
         super().__init__(group)
         self.force = mode or os.environ.get(ENV_MODE) or None
         if self.force not in (None, "cma", "ring"):
-            raise ValueError(f"memory transport mode {self.force!r}: 'cma' or 'ring' (or None: the best each pair can)")
+            raise UsageError(f"memory transport mode {self.force!r}: known are \"cma\" and \"ring\"",
+                             help="leave it out (and LAYOUTLANG_MEMORY_MODE unset) for the best each pair of ranks can")
         self.ring_bytes = ring_bytes
         self.links: MemoryLinks | None = None
         self.staging_device = torch.device("cpu")
