@@ -150,7 +150,10 @@ class NixlTransport(GroupTransport):
         self.inbox: dict[int, dict[int, Work]] = {}                  # peer -> seq -> a receive's work
         self.tables_out: dict[int, dict[tuple, int]] = {}  # peer -> descriptor list -> its number (receiver)
         self.tables_in: dict[int, dict[int, tuple]] = {}   # peer -> number -> descriptor list (sender)
-        self.inflight: list[tuple[object, int, list[Work]]] = []    # (transfer, peer, its works)
+        self.inflight: list[tuple[object, tuple, list[Work]]] = []  # (transfer, its key, its works)
+        self.xfers: dict[tuple, object] = {}     # (peer, local descs, remote descs, ...) -> a transfer to post again
+        self.epoch = 0                           # local storages deregistered so far
+        self.peer_epoch: dict[int, int] = {}     # peer -> metadata loads from it (a storage it registered)
         self.dirty: set[int] = set()             # peers with new sends or a new "ready" to match
 
     def _agent_key(self, rank: int) -> str:
@@ -253,9 +256,9 @@ class NixlTransport(GroupTransport):
         agent, self.agent = getattr(self, "agent", None), None
         if agent is None:
             return
-        for handle, _, _ in self.inflight:
+        for handle in [h for h, _, _ in self.inflight] + list(self.xfers.values()):
             _quietly(handle.release)
-        self.inflight = []
+        self.inflight, self.xfers = [], {}
         for reg in self.regs.values():
             _quietly(agent.deregister_memory, reg.descs)
         self.regs = {}
@@ -290,6 +293,8 @@ class NixlTransport(GroupTransport):
             return reg, desc
         # new, or its memory was freed and taken again: drop every registration whose storage is gone
         for k in [k for k, r in self.regs.items() if r.storage() is None or k == key]:
+            self.epoch += 1
+            self._forget_xfers()  # (a kept transfer may name it)
             _quietly(self.agent.deregister_memory, self.regs.pop(k).descs)
         where = (key[0], key[1], desc[2], desc[3])
         descs = self.agent.register_memory([(*where[:3], "")], SEGMENTS[desc[3]])
@@ -329,7 +334,10 @@ class NixlTransport(GroupTransport):
             at += count * DESC.size
         else:
             descs = self.tables_in[peer][number]
-        while at < len(msg):  # metadata of storages registered since
+        if at < len(msg):  # metadata of storages registered since (a kept transfer may name one it replaced)
+            self.peer_epoch[peer] = self.peer_epoch.get(peer, 0) + 1
+            self._forget_xfers(peer)
+        while at < len(msg):
             (size,) = struct.unpack_from("<I", msg, at)
             self.agent.add_remote_agent(msg[at + 4:at + 4 + size])
             at += 4 + size
@@ -358,12 +366,12 @@ class NixlTransport(GroupTransport):
             self._write(self.dirty.pop())
         if self.inflight:
             still = []
-            for handle, peer, works in self.inflight:
+            for handle, key, works in self.inflight:
                 state = self.agent.check_xfer_state(handle)
                 if state == "PROC":
-                    still.append((handle, peer, works))
+                    still.append((handle, key, works))
                     continue
-                self._finish(handle, works, state)
+                self._finish(handle, key, works, state)
             self.inflight = still
 
     def _write(self, peer: int) -> None:
@@ -391,33 +399,49 @@ class NixlTransport(GroupTransport):
                     local.append(mine[:3])
                     target.append(theirs[:3])
             if any(w.error for w in works):
+                for w in works:
+                    w.error = w.error or "another message of its transfer failed"
                 continue
             if not local:
                 for w in works:
                     w.done = True
                 continue
-            notif = RUN.pack(DATA, run[0], len(run))
+            key = (peer, tuple(local), tuple(target), segment, theirs_segment, self.epoch,
+                   self.peer_epoch.get(peer, 0))
             try:
-                handle = self.agent.initialize_xfer(
-                    "WRITE", self.agent.get_xfer_descs(local, SEGMENTS[segment]),
-                    self.agent.get_xfer_descs(target, SEGMENTS[theirs_segment]), self.names[peer], notif)
-                state = self.agent.transfer(handle)
+                handle = self.xfers.pop(key, None)  # (out of the cache while it flies)
+                if handle is None:
+                    handle = self.agent.initialize_xfer(
+                        "WRITE", self.agent.get_xfer_descs(local, SEGMENTS[segment]),
+                        self.agent.get_xfer_descs(target, SEGMENTS[theirs_segment]), self.names[peer])
+                state = self.agent.transfer(handle, RUN.pack(DATA, run[0], len(run)))
             except Exception as exc:  # noqa: BLE001 - the works carry it to their wait
                 for w in works:
                     w.error = f"NIXL: {first_line(exc)}"
                 continue
             if state == "PROC":
-                self.inflight.append((handle, peer, works))
+                self.inflight.append((handle, key, works))
             else:
-                self._finish(handle, works, state)
+                self._finish(handle, key, works, state)
 
-    def _finish(self, handle, works: list[Work], state: str) -> None:
+    def _finish(self, handle, key: tuple, works: list[Work], state: str) -> None:
+        """A transfer ended: its works done (or failed); a done one is kept to post again
+        (a steady step writes the same runs: its descriptors are checked and prepared once)."""
         for w in works:
             if state == "DONE":
                 w.done = True
             else:
                 w.error = "NIXL reported the transfer failed"
-        _quietly(handle.release)
+        current = key[-2:] == (self.epoch, self.peer_epoch.get(key[0], 0))
+        if state != "DONE" or not current or key in self.xfers or len(self.xfers) >= TABLES:
+            _quietly(handle.release)
+        else:
+            self.xfers[key] = handle
+
+    def _forget_xfers(self, peer: int | None = None) -> None:
+        """Release the kept transfers (to `peer`, or all): a storage they name was registered anew."""
+        for key in [k for k in self.xfers if peer is None or k[0] == peer]:
+            _quietly(self.xfers.pop(key).release)
 
 
 def _segments(outbox, remote, seq: int) -> tuple[int, int]:
