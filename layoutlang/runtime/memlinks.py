@@ -47,6 +47,7 @@ import socket
 import time
 import weakref
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -560,6 +561,47 @@ def _unlink(path: str) -> None:
             raise
 
 
+@dataclass(frozen=True)
+class IpcHandle:
+    """What a receiver needs to open a sender's CUDA storage (`UntypedStorage._share_cuda_`'s
+    fields), and where the message starts in it (`start`, bytes)."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref: bytes
+    ref_offset: int
+    event: bytes | None
+    sync: bool
+    start: int
+
+    def encode(self) -> bytes:
+        """The handle as a slot's blob carries it, and back (`decode`).
+
+        >>> h = IpcHandle(1, b"h" * 64, 4096, 512, b"/torch_1_2", 8, None, False, 128)
+        >>> IpcHandle.decode(h.encode() + bytes(100)) == h
+        True
+        """
+        parts = [self.handle, self.ref, self.event or b""]
+        ints = [self.device, self.size, self.offset, self.ref_offset, int(self.sync), self.start,
+                int(self.event is not None)]
+        return b"".join(len(p).to_bytes(2, "little") + p for p in parts) + b"".join(
+            i.to_bytes(8, "little", signed=True) for i in ints)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "IpcHandle":
+        parts, at = [], 0
+        for _ in range(3):
+            n = int.from_bytes(raw[at:at + 2], "little")
+            parts.append(bytes(raw[at + 2:at + 2 + n]))
+            at += 2 + n
+        device, size, offset, ref_offset, sync, start, has_event = (
+            int.from_bytes(raw[at + 8 * i:at + 8 * i + 8], "little", signed=True) for i in range(7))
+        handle, ref, event = parts
+        return cls(device, handle, size, offset, ref, ref_offset, event if has_event else None, bool(sync), start)
+
+
 class _CudaIpc:
     """CUDA tensors between processes of one host: the sender publishes its storage's IPC
     handle (`UntypedStorage._share_cuda_`) in the slot's blob, the receiver opens it
@@ -568,45 +610,35 @@ class _CudaIpc:
     into its buffer and synchronizes before it acknowledges. Correct by design; no GPU here."""
 
     def __init__(self):
-        self.opened: OrderedDict = OrderedDict()  # (pid, handle, offset) -> storage
+        self.opened: OrderedDict = OrderedDict()  # (pid, handle, offset, size) -> storage
 
     @staticmethod
     def publish(work: Work, blob: int) -> None:
         t = work.tensor
-        storage = t.untyped_storage()
-        device, handle, size, offset, ref, ref_offset, event, sync = storage._share_cuda_()
-        parts = [bytes(handle), bytes(ref or b""), bytes(event or b"")]
-        ints = [device, size, offset, ref_offset, int(bool(sync)), t.storage_offset() * t.element_size()]
-        raw = b"".join(len(p).to_bytes(2, "little") + p for p in parts) + b"".join(
-            int(i).to_bytes(8, "little", signed=True) for i in ints)
+        device, handle, size, offset, ref, ref_offset, event, sync = t.untyped_storage()._share_cuda_()
+        raw = IpcHandle(int(device), bytes(handle), int(size), int(offset), bytes(ref or b""), int(ref_offset),
+                        None if event is None else bytes(event), bool(sync),
+                        t.storage_offset() * t.element_size()).encode()
         if len(raw) > SLOT_BYTES - 64:
             raise ValueError(f"a CUDA IPC handle of {len(raw)} bytes does not fit a slot")
         ctypes.memmove(blob, raw, len(raw))
 
     def take(self, work: Work, blob: int, pid: int) -> None:
-        raw = ctypes.string_at(blob, SLOT_BYTES - 64)
-        parts, at = [], 0
-        for _ in range(3):
-            n = int.from_bytes(raw[at:at + 2], "little")
-            parts.append(raw[at + 2:at + 2 + n])
-            at += 2 + n
-        device, size, offset, ref_offset, sync, start = (
-            int.from_bytes(raw[at + 8 * i:at + 8 * i + 8], "little", signed=True) for i in range(6))
-        handle, ref, event = parts
-        key = (pid, handle, offset)
+        h = IpcHandle.decode(ctypes.string_at(blob, SLOT_BYTES - 64))
+        key = (pid, h.handle, h.offset, h.size)
         storage = self.opened.get(key)
         if storage is None:
             torch.cuda._lazy_init()
-            storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, ref, ref_offset,
-                                                             event or None, bool(sync))
+            storage = torch.UntypedStorage._new_shared_cuda(h.device, h.handle, h.size, h.offset, h.ref,
+                                                             h.ref_offset, h.event, h.sync)
             self.opened[key] = storage
             while len(self.opened) > CUDA_CACHE:
                 self.opened.popitem(last=False)
         else:  # (already counted: the producer's new counter goes back, as torch does)
             self.opened.move_to_end(key)
-            torch.UntypedStorage._release_ipc_counter(ref, ref_offset, device=device)
-        source = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))
-        source.set_(storage, start, (work.nbytes,))
+            torch.UntypedStorage._release_ipc_counter(h.ref, h.ref_offset, device=h.device)
+        source = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", h.device))
+        source.set_(storage, h.start, (work.nbytes,))
         target = work.tensor.reshape(-1).view(torch.uint8)
         target.copy_(source)
         torch.cuda.current_stream(target.device).synchronize()
