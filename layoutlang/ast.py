@@ -153,9 +153,10 @@ class Pad:
 
 @dataclass(frozen=True, slots=True)
 class FlatKey:
-    """`[E, ...] as KEY` inside `flat(...)`: one whole key and its logical shape."""
+    """`[M, ...] as KEY` inside `flat(...)`: one whole key, a mode per dim (plain extents, or
+    products and parts without padding: rotary halves `(Q, (re: D/2 | im: D/2))`)."""
 
-    shape: tuple[Expr, ...]
+    shape: tuple["Mode", ...]
     key: NameTemplate
     span: Span = _span()
 

@@ -130,7 +130,7 @@ def format_mode(mode: ast.Mode) -> str:
                 raise ValueError("a one-part concatenation must name its part: `(x: M)`")
             return f"({' | '.join(_part(p) for p in parts)})"
         case ast.Flat(keys=keys, align=align):
-            inner = " | ".join(f"[{', '.join(format_expr(e) for e in k.shape)}] as {k.key.text}" for k in keys)
+            inner = " | ".join(f"[{', '.join(format_mode(m) for m in k.shape)}] as {k.key.text}" for k in keys)
             return f"flat({inner})" + (f" align {format_expr(align)}" if align is not None else "")
         case ast.Pad(inner=inner, multiple=multiple):
             text = format_mode(inner)

@@ -224,40 +224,86 @@ class PadM:
 
 
 @dataclass(frozen=True)
+class KeyM:
+    """One whole key inside a flat dim (docs/language.md 14.9): its dims' modes (no padding),
+    stored row-major in STORAGE order of each dim; logically its elements in row-major order of
+    each dim's LOGICAL index (the dims' hoisted orders, section 3). Plain dims: both the same."""
+
+    __hash__ = cached_hash  # structural, computed once: modes key templates
+    dims: tuple["ModeIR", ...]
+    origin: object = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def logical(self) -> int:
+        n = 1
+        for m in self.dims:
+            n *= m.logical
+        return n
+
+    @cached_property
+    def stored(self) -> int:
+        return self.logical
+
+    @cached_property
+    def leaf_extents(self) -> tuple[int, ...]:
+        return (self.logical,)
+
+    @cached_property
+    def identity(self) -> bool:
+        return all(m.identity for m in self.dims)
+
+    @cached_property
+    def part_tree(self) -> PartTree:
+        return Leaf(self.logical)
+
+    @cached_property
+    def strides(self) -> tuple[int, ...]:
+        out, acc = [], 1
+        for m in reversed(self.dims):
+            out.append(acc)
+            acc *= m.logical
+        return tuple(reversed(out))
+
+    @cached_property
+    def dim_runs(self) -> tuple[tuple["Run", ...], ...]:
+        """Per dim: its storage index -> logical index, as runs."""
+        return tuple(runs(m, [(0, m.stored)], 0) for m in self.dims)
+
+
+@dataclass(frozen=True)
 class FlatM:
-    """`flat(SHAPE as KEY | ...) [align A]` (docs/language.md 14.9): whole keys flattened row-major,
-    one after another in written order, each starting at a multiple of `align` (the elements
-    skipped are padding; none after the last key). Logically the keys' elements in order.
+    """`flat(SHAPE as KEY | ...) [align A]` (docs/language.md 14.9): whole keys (`KeyM`) flattened
+    row-major, one after another in written order, each starting at a multiple of `align` (the
+    elements skipped are padding; none after the last key). Logically the keys' elements in order.
 
-    It stores what the concatenation `(n0 pad A | n1 pad A | ... | n_last)` stores (n_i the keys'
-    element counts), but `over` cuts its STORED extent contiguously, as it cuts `M pad K`.
+    It stores what the concatenation `(k0 pad A | k1 pad A | ... | k_last)` stores, but `over`
+    cuts its STORED extent contiguously, as it cuts `M pad K`.
 
-    >>> f = FlatM(((3, 5), (3,), (7, 3), (7,)), 4)
-    >>> f.logical, f.stored, f.starts
-    (46, 51, (0, 16, 20, 44))
+    >>> f = FlatM(tuple(KeyM(tuple(PlainM(n) for n in s)) for s in ((3, 5), (3,), (7, 3), (7,))), 4)
+    >>> f.logical, f.stored, f.starts, f.shapes[2]
+    (46, 51, (0, 16, 20, 44), (7, 3))
     """
 
     __hash__ = cached_hash  # structural, computed once: modes key templates
-    shapes: tuple[tuple[int, ...], ...]
+    keys: tuple[KeyM, ...]
     align: int
     origin: object = field(default=None, compare=False, repr=False)
 
     @cached_property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Each key's logical shape."""
+        return tuple(tuple(m.logical for m in k.dims) for k in self.keys)
+
+    @cached_property
     def numels(self) -> tuple[int, ...]:
-        out = []
-        for shape in self.shapes:
-            n = 1
-            for e in shape:
-                n *= e
-            out.append(n)
-        return tuple(out)
+        return tuple(k.logical for k in self.keys)
 
     @cached_property
     def concat(self) -> "ConcatM":
         """The same storage as a concatenation of one part per key, each but the last padded to `align`."""
-        last = len(self.numels) - 1
-        return ConcatM(tuple(PartM(None, PadM(PlainM(n), self.align) if i < last and self.align > 1 else PlainM(n))
-                             for i, n in enumerate(self.numels)))
+        last = len(self.keys) - 1
+        return ConcatM(tuple(PartM(None, PadM(k, self.align) if i < last and self.align > 1 else k)
+                             for i, k in enumerate(self.keys)))
 
     @cached_property
     def starts(self) -> tuple[int, ...]:
@@ -282,14 +328,14 @@ class FlatM:
 
     @cached_property
     def identity(self) -> bool:
-        return self.stored == self.logical
+        return self.stored == self.logical and all(k.identity for k in self.keys)
 
     @cached_property
     def part_tree(self) -> PartTree:
         return self.concat.part_tree
 
 
-ModeIR = PlainM | ProductM | ConcatM | PadM | FlatM
+ModeIR = PlainM | ProductM | ConcatM | PadM | FlatM | KeyM
 
 
 def fragments(mode: ModeIR) -> int:
@@ -305,6 +351,11 @@ def fragments(mode: ModeIR) -> int:
             return n * fragments(inner)
         case FlatM():
             return fragments(mode.concat)
+        case KeyM(dims=dims):
+            n = 1
+            for m in dims:
+                n *= fragments(m) if not m.identity else 1
+            return n
     return 1
 
 
@@ -578,6 +629,8 @@ def _walk(mode: ModeIR, a: int, b: int) -> Iterator[tuple[int, int, int, int] | 
                     break
         case FlatM():
             yield from _walk(mode.concat, a, b)
+        case KeyM():
+            yield from _key_walk(mode, 0, a, b, 0, 0)
         case ProductM(inner=inner):
             size, ext = inner.stored, inner.leaf_extents
             first, last = a // size, (b - 1) // size
@@ -591,6 +644,26 @@ def _walk(mode: ModeIR, a: int, b: int) -> Iterator[tuple[int, int, int, int] | 
                         yield (piece[0] + base, piece[1])
         case _:
             raise AssertionError(mode)
+
+
+def _key_walk(key: KeyM, d: int, a: int, b: int, sbase: int, lbase: int):
+    """Data pieces of stored [a, b) of the block of `key` at dim d (at stored offset sbase of
+    the key, logical offset lbase): dim d's runs map its storage index k to logical index
+    k + (logical_start - local_start); where every dim after d is plain, a run's whole rows
+    continue in storage and logically alike, else each index is walked on."""
+    s = key.strides[d]
+    inner = all(m.identity for m in key.dims[d + 1:])
+    for run in key.dim_runs[d]:
+        x, y = max(a, run.local_start * s), min(b, (run.local_start + run.length) * s)
+        if x >= y:
+            continue
+        delta = (run.logical_start - run.local_start) * s
+        if inner:
+            yield (sbase + x, 0, lbase + x + delta, y - x)
+            continue
+        for k in range(x // s, (y - 1) // s + 1):
+            lo, hi = max(x, k * s), min(y, (k + 1) * s)
+            yield from _key_walk(key, d + 1, lo - k * s, hi - k * s, sbase + k * s, lbase + k * s + delta)
 
 
 def runs(mode: ModeIR, intervals: list[tuple[int, int]], tail_pad: int) -> tuple[RunLike, ...]:

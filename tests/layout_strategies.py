@@ -467,14 +467,31 @@ class ModelSide:
 
 
 @st.composite
-def flat_key_shapes(draw, max_keys: int = 4) -> tuple[tuple[int, ...], ...]:
+def key_dims(draw) -> int | Mode:
+    """One dim of a key: a plain extent, or now and then rotary-like structure: `(N, (x: a | y: b))`."""
+    if draw(st.integers(0, 5)):
+        return draw(st.integers(1, 5))
+    inner = Concat((("x", Plain(draw(st.integers(1, 2)))), ("y", Plain(draw(st.integers(1, 2))))))
+    return Product(draw(st.integers(1, 3)), inner)
+
+
+@st.composite
+def flat_key_shapes(draw, max_keys: int = 4) -> tuple[tuple[int | Mode, ...], ...]:
     n = draw(st.integers(1, max_keys))
-    return tuple(tuple(draw(st.lists(st.integers(1, 5), min_size=nd, max_size=nd)))
+    return tuple(tuple(draw(key_dims()) for _ in range(nd))
                  for nd in (draw(st.sampled_from([1, 2, 2, 3, 1, 0])) for _ in range(n)))
 
 
-def _shape_text(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"
+def _dim_text(d: int | Mode) -> str:
+    return str(d) if isinstance(d, int) else render_mode(Style(), d)
+
+
+def _shape_text(shape: tuple[int | Mode, ...]) -> str:
+    return "[" + ", ".join(map(_dim_text, shape)) + "]"
+
+
+def _logical_shape(shape: tuple[int | Mode, ...]) -> tuple[int, ...]:
+    return Flat((shape,)).key_shape(0)
 
 
 @st.composite
@@ -490,10 +507,11 @@ def flat_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) -
     holders = tuple(range(mesh.offset, mesh.offset + mesh.size))
     lines, tensors, valid = [], [], True
     kinds = set()
+    sloppy = draw(st.integers(0, 4)) == 0  # about one side in five may leave a split indivisible
     for j, unit in enumerate(units):
         unit_shapes = tuple(shapes[i] for i in unit)
         align = draw(st.sampled_from([None, None, 1, 2, 4, 8]))
-        pad = draw(st.sampled_from(["dp", "dp", "dp", "dp", "dp", None, 3, 8]))
+        pad = draw(st.sampled_from(["dp", None, 3, 8])) if sloppy else "dp"
         ragged = draw(st.integers(0, 9)) == 0
         chunk = r > 1 and draw(st.integers(0, 4)) == 0  # `chunk r`: the replica axis cuts each rank's storage
         chunk_align = draw(st.sampled_from([None, 1, 2])) if chunk and not ragged else None
@@ -509,7 +527,7 @@ def flat_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) -
         lines.append(f"tensor u{j} [{text}]")
         ranges = flat_key_ranges(mode.inner if isinstance(mode, Pad) else mode)
         tensors.append(ModelTensor(f"u{j}", f"u{j}", (dim,), holders,
-                                   tuple((f"k{i}", rng, shapes[i]) for i, rng in zip(unit, ranges))))
+                                   tuple((f"k{i}", rng, _logical_shape(shapes[i])) for i, rng in zip(unit, ranges))))
         kinds.add("zero3" if len(unit) == 1 else "fsdp1")
     text = f"mesh m ({', '.join(f'{a}={n}' for a, n in axes)}) at {mesh.offset}\ndefault dtype fp32\n" \
         + "\n".join(lines) + "\n"
@@ -523,13 +541,17 @@ def plain_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) 
     mesh = MeshSpec("m", (("dp", dp), ("tp", tp)), draw(st.integers(0, offset_max)))
     holders = tuple(range(mesh.offset, mesh.offset + mesh.size))
     lines, tensors, valid = [], [], True
+    sloppy = draw(st.integers(0, 4)) == 0  # about one side in five may leave a split indivisible
     for i, shape in enumerate(shapes):
         split = draw(st.integers(-1, len(shape) - 1)) if shape else -1
-        how = draw(st.sampled_from(["pad", "pad", "even", "ragged"]))
+        how = draw(st.sampled_from(["pad", "even", "ragged"] if sloppy else ["pad", "ragged"]))
         second = draw(st.integers(-1, len(shape) - 1)) if shape else -1  # a second dim over dp
         texts, specs = [], []
         for d, n in enumerate(shape):
-            if d == second and d != split:
+            if not isinstance(n, int):  # a structured dim: written as the flat side writes it, whole
+                texts.append(_dim_text(n))
+                specs.append(Dim(n))
+            elif d == second and d != split:
                 texts.append(f"{n} pad dp over dp")
                 specs.append(Dim(Pad(Plain(n), dp), ("dp",)))
             elif d != split:

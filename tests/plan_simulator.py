@@ -269,14 +269,16 @@ def _materialize_regions(maps: LocalMap, regions, shapes, base) -> tuple[torch.T
     shape = [len(xs) for xs in maps]
     values = torch.zeros(shape, dtype=torch.float64)
     owned = torch.zeros(shape, dtype=torch.int64)
+    # per dim, the logical index of each local element (-1: padding), made once for every region
+    logical = [torch.tensor([-1 if x is None else x for x in xs], dtype=torch.int64) for xs in maps]
     for r in regions:
         inside = torch.ones(shape, dtype=torch.bool)
         idx = torch.full(shape, float(base[r.key] + 1), dtype=torch.float64)
-        for d, (xs, (lo, hi), stride) in enumerate(zip(maps, r.box, _key_strides(r))):
+        for d, (xs, (lo, hi), stride) in enumerate(zip(logical, r.box, _key_strides(r))):
             view = [1] * len(shape)
             view[d] = len(xs)
-            inside = inside & torch.tensor([x is not None and lo <= x < hi for x in xs], dtype=torch.bool).view(view)
-            idx = idx + torch.tensor([0 if x is None else (x - lo) * stride for x in xs], dtype=torch.float64).view(view)
+            inside = inside & ((xs >= lo) & (xs < hi)).view(view)
+            idx = idx + torch.where(xs >= 0, (xs - lo) * stride, 0).to(torch.float64).view(view)
         values = torch.where(inside, idx, values)
         owned = owned + inside.to(torch.int64)
     assert owned.numel() == 0 or int(owned.max()) <= 1, "two keys' boxes overlap"

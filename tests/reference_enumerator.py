@@ -88,14 +88,23 @@ class Pad:
 
 @dataclass(frozen=True)
 class Flat:
-    """`flat(SHAPE as KEY | ...) [align A]` (docs/language.md 14.9): whole keys, each flattened
-    row-major, one after another in written order. Key 0 starts at stored element 0; key i+1
-    starts at the first multiple of `align` at or after the end of key i (the elements skipped
-    are padding); nothing follows the last key. Logically: key 0's elements, then key 1's, ...
-    (the padding is not logical). `over` cuts its stored elements like a padded extent's."""
+    """`flat(SHAPE as KEY | ...) [align A]` (docs/language.md 14.9): whole keys, each stored
+    row-major in the storage order of its dims, one after another in written order. Key 0
+    starts at stored element 0; key i+1 starts at the first multiple of `align` at or after the
+    end of key i (the elements skipped are padding); nothing follows the last key. Logically:
+    key 0's elements in row-major order of its dims' LOGICAL indices, then key 1's, ... (the
+    padding is not logical). `over` cuts its stored elements like a padded extent's.
 
-    shapes: tuple[tuple[int, ...], ...]
+    A key's dim is an int (a plain extent) or a mode without padding (`(2, (x: 1 | y: 2))`)."""
+
+    shapes: tuple[tuple[int | Mode, ...], ...]
     align: int = 1
+
+    def key_dims(self, i: int) -> tuple[Mode, ...]:
+        return tuple(Plain(d) if isinstance(d, int) else d for d in self.shapes[i])
+
+    def key_shape(self, i: int) -> tuple[int, ...]:
+        return tuple(logical_extent(m) for m in self.key_dims(i))
 
 
 Mode = Plain | Product | Concat | Pad | Flat
@@ -167,10 +176,13 @@ def labels(mode: Mode) -> list[Stored]:
             return body + [None] * (-len(body) % k)
         case Flat(shapes, align):
             out: list[Stored] = []
-            for i, shape in enumerate(shapes):
+            for i in range(len(shapes)):
                 while out and len(out) % align:  # key i starts at a multiple of `align`
                     out.append(None)
-                out += [Label((i,), (j,)) for j in range(math.prod(shape))]
+                # storage order: row-major over each dim's stored elements; the label: the
+                # LOGICAL index of each (its position in logical(hoist(dim)))
+                per_dim = [storage(m) for m in mode.key_dims(i)]
+                out += [Label((i,), digits) for digits in itertools.product(*per_dim)]
             return out
         case _:
             assert_never(mode)
@@ -183,8 +195,8 @@ def flat_key_ranges(mode: Flat) -> list[tuple[int, int]]:
     [(0, 15), (15, 18), (18, 39), (39, 46)]
     """
     out, at = [], 0
-    for shape in mode.shapes:
-        n = math.prod(shape)
+    for i in range(len(mode.shapes)):
+        n = math.prod(mode.key_shape(i))
         out.append((at, at + n))
         at += n
     return out
@@ -218,8 +230,8 @@ def hoist(mode: Mode) -> HNode:
             return HLeaf((e,))
         case Pad(inner, _):
             return hoist(inner)
-        case Flat(shapes, _):  # key i is part i; inside it, its row-major index
-            return HConcat(tuple((None, HLeaf((math.prod(shape),))) for shape in shapes))
+        case Flat(shapes, _):  # key i is part i; inside it, row-major over its dims' logical indices
+            return HConcat(tuple((None, HLeaf(mode.key_shape(i))) for i in range(len(shapes))))
         case Concat(parts):
             return HConcat(tuple((name, hoist(m)) for name, m in parts))
         case Product(n, inner):

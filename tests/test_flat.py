@@ -137,6 +137,8 @@ def test_random_flat_dims_hold_what_the_rule_says(data):
 def test_random_flat_pairs_plan_exactly(pair):
     src_side, dst_side = pair
     event(" -> ".join(side.kind.split(" W=")[0] for side in pair))
+    if "x:" in src_side.text:
+        event("keys with structured dims (products, parts)")
     try:
         src, dst = loads(src_side.text, "src.layout"), loads(dst_side.text, "dst.layout")
     except LayoutError:

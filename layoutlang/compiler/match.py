@@ -104,13 +104,25 @@ def key_trees(t: TensorIR, region: KeyRegion | None) -> list[PartTree]:
     """The key's hoisted part tree per dim: a keyed dim contributes the keyed part's subtree."""
     if region is None:
         return [d.part_tree for d in t.dims]
-    if region.shape is not None:  # a flat dim's key (docs/language.md 14.9): its dims are plain
-        return [Leaf(n) for n in region.shape]
+    if region.shape is not None:  # a flat dim's key (docs/language.md 14.9): its own dims' trees
+        return [m.part_tree for m in flat_key(t, region).dims]
     out = []
     for i, (d, (lo, hi)) in enumerate(zip(t.dims, region.box)):
         if i not in region.stacked:  # a stacked dim is not a dim of the key
             out.append(keyed_part(d.part_tree, lo, hi) if i == region.part_dim else d.part_tree)
     return out[::-1] if region.transposed else out
+
+
+def flat_key(t: TensorIR, region: KeyRegion):
+    """The KeyM of a flat dim's key (its region starts where the key's logical elements do)."""
+    mode = t.dims[0].mode
+    mode = getattr(mode, "inner", mode)  # `flat(...) pad K`
+    lo, at = region.box[0][0], 0
+    for k in mode.keys:
+        if at == lo and k.logical == region.box[0][1] - lo:
+            return k
+        at += k.logical
+    raise AssertionError((t.name, region))
 
 
 def keyed_part(tree: PartTree, lo: int, hi: int) -> PartTree:

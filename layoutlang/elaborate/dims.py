@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .. import ast
 from ..diagnostics import ElaborationError, Note, did_you_mean
 from ..ir import ChunkSplit, DimIR, Mesh, Split, storage_bytes
-from ..modes import MAX_RUNS, ConcatM, FlatM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
+from ..modes import MAX_RUNS, ConcatM, FlatM, KeyM, PadM, PartM, PlainM, ProductM, SplitError, check_split, fragments
 from ..vocabulary import DTYPE
 from . import limits
 from .meshes import AxisClaims
@@ -152,9 +152,27 @@ class Dims:
                         raise ElaborationError(f"`align {a}` must be at least 1", align.span,
                                                help="each key starts at a multiple of A elements; "
                                                     "`align 1` (or none) packs them")
-                shapes = tuple(tuple(self.extent(e, "extent") for e in k.shape) for k in keys)
-                return _checked(FlatM(shapes, a, node))
+                return _checked(FlatM(tuple(KeyM(tuple(self.key_dim(m) for m in k.shape), k) for k in keys), a, node))
         raise AssertionError(node)
+
+    def key_dim(self, node: ast.Mode):
+        """One dim of a flat dim's key: a mode without padding or part keys (docs/language.md 14.9)."""
+        stack = [node]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, ast.Pad):
+                raise ElaborationError("a key of a flat dim has no padding: `pad` is storage of a stored dim",
+                                       x.span, help="write the key's logical extent; `align` and the flat "
+                                                    "dim's own `pad` place the padding")
+            if isinstance(x, ast.Product):
+                stack.append(x.inner)
+            elif isinstance(x, ast.Concat):
+                for p in x.parts:
+                    if p.key is not None:
+                        raise ElaborationError("a part of a flat dim's key has no key of its own", p.key.span,
+                                               help="name the key once, after `as`; its parts are rows of it")
+                    stack.append(p.mode)
+        return self.mode(node)
 
     def stack(self, node: ast.Stack) -> PlainM:
         """`e in A..B`: stored like a plain extent B - A (LANGUAGE.md 8.2)."""
