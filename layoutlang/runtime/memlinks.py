@@ -32,8 +32,8 @@ both ends have mapped them (`connect`); a process killed before that leaves file
 its pid namespace and pid, which the next `connect` on the host removes.
 
 The header's words are written with single aligned 8-byte stores through a memoryview: a
-slot is written before the head that publishes it, an acknowledgement after the copy,
-which the x86-64 memory order keeps in that order for the other process.
+slot is written before the head that publishes it, an acknowledgement after the copy, in
+that order for the other process (`_fence`: nothing to do on x86-64, a barrier on aarch64).
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import platform
 import select
 import socket
+import threading
 import time
 import weakref
 from collections import OrderedDict, deque
@@ -84,6 +86,34 @@ _as_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _as_memory.restype = ctypes.py_object
 _as_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
 PROT_RW, MAP_SHARED, PYBUF_WRITE = 0x1 | 0x2, 0x01, 0x200
+
+
+def _memory_fence():
+    """A full memory barrier between this thread's accesses to a channel, where the
+    processor needs one: x86-64 keeps stores in order and loads before later accesses (no
+    call); elsewhere (aarch64) a mutex of the thread's own unlocked and locked again, whose
+    release and acquire (in that order) order every access before them before every access
+    after them."""
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return lambda: None
+    try:
+        lock, unlock = _libc.pthread_mutex_lock, _libc.pthread_mutex_unlock
+    except AttributeError:  # (a libc without them: sched_yield, a system call, at least)
+        return os.sched_yield
+    mine = threading.local()
+
+    def fence() -> None:
+        mutex = getattr(mine, "mutex", None)
+        if mutex is None:
+            mutex = mine.mutex = ctypes.create_string_buffer(64)  # PTHREAD_MUTEX_INITIALIZER: zeros
+            lock(mutex)
+        unlock(mutex)
+        lock(mutex)
+
+    return fence
+
+
+_fence = _memory_fence()
 
 
 class LinkError(Exception):
@@ -388,6 +418,7 @@ class MemoryLinks:
                     self._cuda_ipc().publish(work, ch.seg.blob(ch.slots))
                 w[s + S_SEQ], w[s + S_KIND], w[s + S_A], w[s + S_B] = work.seq, work.kind or CMA, work.addr, work.nbytes
                 ch.slots += 1
+                _fence()  # (the slot before the head that publishes it)
                 w[W_HEAD] = ch.slots
                 work.end = ch.slots
                 ch.queue.popleft()
@@ -397,6 +428,7 @@ class MemoryLinks:
             want = min(left, ch.chunk)
             if ch.ring_bytes - (ch.ring_at - w[W_FREED]) < want:
                 return
+            _fence()  # (the receiver's copy out of this space before this copy in)
             at = ch.ring_at % ch.ring_bytes
             n = min(want, ch.ring_bytes - at)
             if n:
@@ -404,6 +436,7 @@ class MemoryLinks:
             w[s + S_SEQ], w[s + S_KIND], w[s + S_A], w[s + S_B], w[s + S_C], w[s + S_D] = (
                 work.seq, RING, at, n, work.nbytes, work.moved)
             ch.slots += 1
+            _fence()
             w[W_HEAD] = ch.slots
             ch.ring_at += n
             work.moved += n
@@ -413,6 +446,7 @@ class MemoryLinks:
 
     def _acked(self, ch: _Channel) -> None:
         tail = ch.seg.words[W_TAIL]
+        _fence()  # (the receiver's read of a buffer before its owner writes it again)
         while ch.unacked and ch.unacked[0].end <= tail:
             work = ch.unacked.popleft()
             work.done, work.tensor = True, None
@@ -421,6 +455,7 @@ class MemoryLinks:
         """Consume what arrived for a receiver's posted messages, in order; acknowledge each slot."""
         w = ch.seg.words
         head = w[W_HEAD]
+        _fence()  # (the slots the head publishes after it)
         while ch.slots < head and ch.queue:
             work = ch.queue[0]
             s = ch.seg.slot(ch.slots)
@@ -456,11 +491,13 @@ class MemoryLinks:
                     ctypes.memmove(work.addr + offset, ch.ring + at, n)
                 work.moved += n
                 ch.ring_at += n
+                _fence()  # (the copy out before the space is given back)
                 w[W_FREED] = ch.ring_at
                 if work.moved == work.nbytes:
                     work.done, work.tensor = True, None
                     ch.queue.popleft()
             ch.slots += 1
+            _fence()
             w[W_TAIL] = ch.slots
 
     def progress(self) -> None:
