@@ -104,3 +104,86 @@ def test_every_trainer_sends_its_fair_share_where_the_nccl_path_sends_all_from_r
 def test_ray_session_leaves_no_process(run):
     (down,) = [x for x in run if x.get("ray") == "down"]
     assert down["left"] == []
+
+
+# ---- without Ray: the topology and the refusals, through verl's registry ----------------------------
+
+def _engine(**kwargs):
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    import_external_libs("layoutlang.integrations.verl")  # what verl does with custom_backend_module
+    return CheckpointEngineRegistry.new("layoutlang", bucket_size=1 << 20, **kwargs)
+
+
+def _metadata(ranks=(0, 1, 0, 1), layout="L"):
+    actors = [{"role": "trainer", "address": "10.0.0.1:4000", "prefix": "rollout"},
+              {"role": "trainer", "address": None, "prefix": "rollout"}]
+    return actors + [{"role": "rollout", "layout": layout, "ranks": 2, "rank": t} for t in ranks]
+
+
+def test_build_topology_places_replica_i_rank_t_at_plan_rank_n_plus_t_k_plus_i():
+    cls = type(_engine())
+    actor, rollout = cls.build_topology(2, 4, _metadata())
+    assert actor["rank"] == [0, 1] and actor["world_size"] == [2, 2]
+    assert actor["replicas"] == [["rollout-0", "rollout-1"]] * 2
+    assert actor["address"] == ["10.0.0.1:4000"] * 2 and actor["infer"] == ["L", "L"]
+    assert rollout["replica"] == ["rollout-0", "rollout-0", "rollout-1", "rollout-1"]
+    assert rollout["rank"] == [0, 1, 0, 1] and rollout["world_size"] == [2] * 4
+    # N=2 trainer ranks, K=2 replicas: replica i's rank t is plan rank 2 + 2t + i (docs/jobs.md)
+    assert rollout["plan_rank"] == [2, 4, 3, 5]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unbound", "rollout worker 1 has no parameters bound: call engine.bind_rollout(model, layout)"),
+    ("ranks", "rollout workers 0..1 (replica 0) are ranks [1, 1] of their replicas"),
+    ("layouts", "rollout worker 3 holds another layout than worker 0"),
+    ("stores", "0 actor workers host a store; exactly one"),
+    ("count", "3 rollout workers do not form replicas of 2 ranks"),
+])
+def test_build_topology_refuses_what_cannot_be_planned(case, message):
+    from layoutlang.integrations.verl import VerlEngineError
+
+    meta = _metadata()
+    if case == "unbound":
+        meta[3] = {"role": "trainer", "address": None}
+    elif case == "ranks":
+        meta[2]["rank"] = 1
+    elif case == "layouts":
+        meta[5]["layout"] = "M"
+    elif case == "stores":
+        meta[0]["address"] = None
+    else:
+        del meta[5]
+    with pytest.raises(VerlEngineError) as err:
+        type(_engine()).build_topology(2, len(meta) - 2, meta)
+    assert message in str(err.value)
+
+
+def test_bind_rollout_refuses_parameters_that_are_not_the_layout():
+    import torch
+
+    from layoutlang.integrations.verl import VerlEngineError
+
+    engine = _engine()
+    with pytest.raises(VerlEngineError) as err:
+        engine.bind_rollout({"w": torch.zeros(2, 3)}, "mesh e (tp=2)\ntensor w [4 over tp, 2] fp32\n", rank=1)
+    assert "`w`: the layout says [2, 2] fp32, the rollout holds [2, 3] float32" in str(err.value)
+
+
+def test_send_weights_never_reads_verls_full_tensor_generator():
+    import asyncio
+
+    from layoutlang.integrations.verl import VerlEngineError
+
+    read = []
+
+    def per_tensor_param():  # what get_per_tensor_param() returns: iterating it gathers
+        read.append("gathered")
+        yield "w", None
+
+    gen = per_tensor_param()
+    with pytest.raises(VerlEngineError) as err:
+        asyncio.run(_engine(is_master=False).send_weights(gen, global_steps=1))
+    assert "pass the training engine" in str(err.value)
+    assert read == [] and gen.gi_frame is None  # closed unread

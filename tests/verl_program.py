@@ -139,13 +139,35 @@ def expected(cfg: dict, ck: dict, r: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def checkpoint_shapes(cfg: dict) -> dict[str, torch.Tensor]:
+    """The model's checkpoint tensors on the meta device (names and shapes written out)."""
+    H, D, V = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                   p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                   p + "self_attn.q_proj.weight": (cfg["num_attention_heads"] * D, H),
+                   p + "self_attn.k_proj.weight": (cfg["num_key_value_heads"] * D, H),
+                   p + "self_attn.v_proj.weight": (cfg["num_key_value_heads"] * D, H),
+                   p + "self_attn.o_proj.weight": (H, cfg["num_attention_heads"] * D)}
+        if cfg["model_type"] == "qwen3_moe":
+            i = cfg["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], H)
+            for e in range(cfg["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                shapes |= {q + "gate_proj.weight": (i, H), q + "up_proj.weight": (i, H), q + "down_proj.weight": (H, i)}
+        else:
+            f = cfg["intermediate_size"]
+            shapes |= {p + "mlp.gate_proj.weight": (f, H), p + "mlp.up_proj.weight": (f, H),
+                       p + "mlp.down_proj.weight": (H, f)}
+    return {k: torch.empty(v, device="meta") for k, v in shapes.items()}
+
+
 def rollout_model(cfg: dict, r: int) -> torch.nn.Module:
     """A module tree with vLLM's parameter names and TP rank r's shapes, filled with NaN."""
-    with torch.device("meta"):
-        model = build_hf(cfg)
-    shapes = expected(cfg, hf_checkpoint(cfg, {n: p for n, p in model.named_parameters()}), r)
     module = torch.nn.Module()
-    for name, t in shapes.items():
+    for name, t in expected(cfg, checkpoint_shapes(cfg), r).items():
         *path, leaf = name.split(".")
         node = module
         for part in path:
@@ -278,7 +300,7 @@ def actor_classes():
             self.arch = None
 
         def pid(self):
-            return os.getpid()
+            return os.getpid(), time.process_time()
 
         def use(self, arch: str):
             self.arch = arch
@@ -354,7 +376,7 @@ def actor_classes():
             self.arch = None
 
         def pid(self):
-            return os.getpid()
+            return os.getpid(), time.process_time()
 
         def use(self, arch: str):
             self.arch = arch
@@ -459,7 +481,8 @@ def main(tmp: str, bench: bool) -> bool:
         port = free_port()
         trainers = [Trainer.remote(r, TRAINERS, port) for r in range(TRAINERS)]
         rollouts = [Rollout.remote(t) for _ in range(REPLICAS) for t in range(TP)]
-        say(ray="up", pids=ray.get([a.pid.remote() for a in trainers + rollouts]), seconds=time.monotonic() - began)
+        up = ray.get([a.pid.remote() for a in trainers + rollouts])
+        say(ray="up", pids=[p for p, _ in up], cpu=[round(c, 2) for _, c in up], seconds=time.monotonic() - began)
         actor_wg = RayWorkerGroup(worker_handles=trainers, ray_cls_with_init=RayClassWithInitArgs(cls=Trainer))
         log: list[str] = []
         replicas = [Replica(rollouts[i * TP:(i + 1) * TP], log) for i in range(REPLICAS)]

@@ -278,7 +278,6 @@ class LayoutlangCheckpointEngine(CheckpointEngine):
         """How a refit's blocking call runs off the worker's event loop (a thread)."""
         return asyncio.to_thread(fn, *args, **kwargs)
 
-    @torch.no_grad()
     async def send_weights(self, weights, global_steps: int | None = None) -> dict:
         """Refit every replica of the topology from this rank's own shards. `weights`: the
         training engine (or its module), or verl's full-tensor generator when a module was bound
