@@ -155,9 +155,10 @@ def fault_pair(tmp_path):
 def test_a_peer_killed_or_stalled_mid_bucket_is_named_by_every_survivor_in_time(fault_pair, fault):
     """tests/test_runtime_faults.py's pair (every rank sends in bucket 1) on "nixl": rank 1 is
     SIGKILLed 0.3 s into bucket 1, or sleeps there, while the others have posted theirs. Every
-    survivor fails step 1 in bucket 1 within timeout + 1 s naming rank 1 (its own write or
-    "ready" from rank 1 never came: the deadline, or the reason a survivor left at the fence),
-    and its Refitter says at once that it cannot be reused."""
+    survivor fails step 1 in bucket 1 within timeout + 1 s naming rank 1, itself or through the
+    reason a survivor left at the fence: a killed rank's agent is gone (a waiting rank's
+    notification to it fails), a stalled one's is there but owes its messages past the
+    deadline; and its Refitter says at once that it cannot be reused."""
     fault_job = {"die": {"rank": 1, "bucket": 1, "after": 0.3, "kill": True}} if fault == "killed" else {
         "stall": {"rank": 1, "bucket": 1, "seconds": 4}}
     results = launch({**fault_pair, "retry": True, **fault_job}, FAULT_NPROC, timeout=90)
@@ -170,7 +171,11 @@ def test_a_peer_killed_or_stalled_mid_bucket_is_named_by_every_survivor_in_time(
         assert first["seconds"] <= TIMEOUT + SLACK, first
         assert first["error"].startswith(f"error: rank {r.rank}: step 1, bucket 1: "), first
         assert first["peers"] == [1] and first["reusable"] is False, first
-        assert "with peer rank 1 failed: peer rank 1 did not complete it within 2 s" in first["error"], first
+        if fault == "killed":
+            assert "with peer rank 1 failed: peer rank 1's NIXL agent is gone (NIXL_ERR_REMOTE_DISCONNECT)" \
+                in first["error"], first
+        else:
+            assert "with peer rank 1 failed: peer rank 1 did not complete it within 2 s" in first["error"], first
         assert again["error"].startswith(f"error: rank {r.rank}: step 2, setup: this Refitter cannot be reused: "
                                          "step 1 failed in bucket 1: "), again
         assert again["seconds"] < SLACK, again

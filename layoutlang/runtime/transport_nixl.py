@@ -39,8 +39,11 @@ only grow, and a wait completes only on its own sequence's notification.
 
 **Waits** poll the agent (no progress thread: on a busy host it would take a core per
 rank) under the round's one deadline; a message not complete by then names its peer, as
-the process group's wait does (`GroupTransport.wait`'s words: a peer that died or stalled
-is named within the timeout). A transfer NIXL reports failed names its peer at once.
+the process group's wait does (`GroupTransport.wait`'s words). Every `PROBE` s a waiting
+rank notifies the peers it still waits for: where NIXL says a peer's agent is gone (its
+process died: UCX saw its connection close), what that peer sent before is taken and
+every message still owed by or to it fails at once, naming it. A transfer NIXL reports
+failed names its peer at once too; a stalled peer is named at the deadline.
 
 `close()` releases transfers, deregisters memory and drops the agent. NIXL is optional:
 `pip install 'layoutlang[nixl]'` (NIXL's own descriptor serialization pickles: nothing
@@ -65,7 +68,8 @@ from .transport_group import CAUSE_GRACE, GroupTransport
 
 MODULES = ("nixl", "nixl_cu12", "nixl_cu13")   # the meta package, then the CUDA variants' own
 TABLES = 4096       # descriptor lists a receiver keeps numbered per peer (then it numbers them anew)
-READY, DATA = b"R", b"D"
+READY, DATA, PING = b"R", b"D", b"P"
+PROBE = 0.1         # s between a waiting rank's notifications to the peers it waits for
 HEADER = struct.Struct("<cBQII")   # kind, flags (1: descriptors follow), first sequence, count, list number
 DESC = struct.Struct("<QQII")      # address, bytes, device, segment (0 DRAM, 1 VRAM)
 RUN = struct.Struct("<cQI")        # DATA, first sequence, count
@@ -155,6 +159,7 @@ class NixlTransport(GroupTransport):
         self.epoch = 0                           # local storages deregistered so far
         self.peer_epoch: dict[int, int] = {}     # peer -> metadata loads from it (a storage it registered)
         self.dirty: set[int] = set()             # peers with new sends or a new "ready" to match
+        self.failures = 0                        # works failed so far (a wait looks for its own then)
 
     def _agent_key(self, rank: int) -> str:
         return f"{self.namespace}/agent/{rank}"
@@ -207,8 +212,7 @@ class NixlTransport(GroupTransport):
                 try:
                     self._ready(sender, items)
                 except Exception as exc:  # noqa: BLE001 - that sender is gone: its receives' waits name it
-                    for _, _, _, work in items:
-                        work.error = work.error or f"NIXL: {first_line(exc)}"
+                    self._fail([work for _, _, _, work in items], f"NIXL: {first_line(exc)}")
             self._progress()
         except Exception as exc:  # noqa: BLE001 - named as the process group's post names it
             if isinstance(exc, RefitError):  # (the store never saw that peer's agent)
@@ -220,36 +224,69 @@ class NixlTransport(GroupTransport):
 
     def wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
         """Poll until every work is done, under ONE deadline; the first one late or failed names
-        its peer (the process group's words)."""
-        host = self.host
-        timeout = host.timeout.total_seconds()
+        its peer (the process group's words). Every `PROBE` s the peers still owed something are
+        sent a notification: one whose agent is gone (its process died) is named at once."""
+        timeout = self.host.timeout.total_seconds()
         if deadline is None:
             deadline = time.monotonic() + timeout
-        i, polls = 0, 0
+        probe = time.monotonic() + PROBE
+        i, polls, seen = 0, 0, -1
         while True:
             while i < len(works) and works[i].done:
                 i += 1
             if i == len(works):
                 return
-            work, op = works[i], ops[i]
-            peer = op.dst_rank if op.src_rank == host.rank else op.src_rank
-            failed = next(((w, o) for w, o in zip(works[i:], ops[i:]) if w.error), None)
-            if failed is not None:
-                w, o = failed
-                other = o.dst_rank if o.src_rank == host.rank else o.src_rank
-                raise host.failure(f"{what} of op {o.id} (`{o.key}`) with peer rank {other} failed: {w.error}",
-                                   peers=(other,), grace=CAUSE_GRACE)
-            if time.monotonic() >= deadline:
-                raise host.failure(f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} failed: peer rank "
-                                   f"{peer} did not complete it within {timeout:g} s", peers=(peer,), grace=0.0)
+            if seen != self.failures:  # a work failed since the last look: one of these?
+                seen = self.failures
+                for w, o in zip(works[i:], ops[i:]):
+                    if w.error:
+                        raise self._failed(o, what, w.error, CAUSE_GRACE)
+            now = time.monotonic()
+            if now >= deadline:
+                peer = self._peer(ops[i])
+                raise self._failed(ops[i], what, f"peer rank {peer} did not complete it within {timeout:g} s", 0.0)
+            if now >= probe:
+                probe = now + PROBE
+                self._probe({self._peer(o) for w, o in zip(works[i:], ops[i:]) if not w.done})
+                continue
             try:
                 self._progress()
             except Exception as exc:  # noqa: BLE001 - NIXL's own failure, as the peer's message's
-                raise host.failure(f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} failed: NIXL: "
-                                   f"{first_line(exc)}", peers=(peer,), grace=CAUSE_GRACE) from exc
+                raise self._failed(ops[i], what, f"NIXL: {first_line(exc)}", CAUSE_GRACE) from exc
             polls += 1
-            if not work.done and polls > 20:
+            if not works[i].done and polls > 20:
                 time.sleep(min(1e-3, 1e-5 * (polls - 20)))  # a few polls at once, then yield the core
+
+    def _peer(self, op) -> int:
+        return op.dst_rank if op.src_rank == self.host.rank else op.src_rank
+
+    def _failed(self, op, what: str, text: str, grace: float):
+        peer = self._peer(op)
+        return self.host.failure(f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} failed: {text}",
+                                 peers=(peer,), grace=grace)
+
+    def _fail(self, works, text: str) -> None:
+        for w in works:
+            if not w.done and not w.error:
+                w.error = text
+                self.failures += 1
+
+    def _probe(self, peers) -> None:
+        """Notify each of `peers`; where NIXL says its agent is gone, take what it sent before it
+        went, then fail every message still owed by or to it."""
+        gone = {}
+        for peer in sorted(peers):
+            try:
+                self.agent.send_notif(self.names[peer], PING)
+            except Exception as exc:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT: its process is gone
+                gone[peer] = first_line(exc)
+        if not gone:
+            return
+        self._progress()
+        for peer, text in gone.items():
+            owed = list(self.inbox.get(peer, {}).values()) + [w for w, _ in self.outbox.get(peer, {}).values()]
+            owed += [w for _, key, ws in self.inflight if key[0] == peer for w in ws]
+            self._fail(owed, f"peer rank {peer}'s NIXL agent is gone ({text})")
 
     def close(self) -> None:
         """Release transfers, deregister every storage, forget the peers, drop the agent."""
@@ -361,7 +398,10 @@ class NixlTransport(GroupTransport):
             if peer is None:
                 continue
             for msg in msgs:
-                (self._on_ready if msg[:1] == READY else self._on_data)(peer, msg)
+                if msg[:1] == READY:
+                    self._on_ready(peer, msg)
+                elif msg[:1] == DATA:
+                    self._on_data(peer, msg)
         while self.dirty:
             self._write(self.dirty.pop())
         if self.inflight:
@@ -394,13 +434,12 @@ class NixlTransport(GroupTransport):
                 theirs = remote.pop(s)
                 works.append(work)
                 if mine[1] != theirs[1]:
-                    work.error = f"message of {mine[1]} B where the receiver posted {theirs[1]} B"
+                    self._fail([work], f"message of {mine[1]} B where the receiver posted {theirs[1]} B")
                 elif mine[1]:
                     local.append(mine[:3])
                     target.append(theirs[:3])
             if any(w.error for w in works):
-                for w in works:
-                    w.error = w.error or "another message of its transfer failed"
+                self._fail(works, "another message of its transfer failed")
                 continue
             if not local:
                 for w in works:
@@ -416,8 +455,7 @@ class NixlTransport(GroupTransport):
                         self.agent.get_xfer_descs(target, SEGMENTS[theirs_segment]), self.names[peer])
                 state = self.agent.transfer(handle, RUN.pack(DATA, run[0], len(run)))
             except Exception as exc:  # noqa: BLE001 - the works carry it to their wait
-                for w in works:
-                    w.error = f"NIXL: {first_line(exc)}"
+                self._fail(works, f"NIXL: {first_line(exc)}")
                 continue
             if state == "PROC":
                 self.inflight.append((handle, key, works))
@@ -427,11 +465,11 @@ class NixlTransport(GroupTransport):
     def _finish(self, handle, key: tuple, works: list[Work], state: str) -> None:
         """A transfer ended: its works done (or failed); a done one is kept to post again
         (a steady step writes the same runs: its descriptors are checked and prepared once)."""
-        for w in works:
-            if state == "DONE":
+        if state == "DONE":
+            for w in works:
                 w.done = True
-            else:
-                w.error = "NIXL reported the transfer failed"
+        else:
+            self._fail(works, "NIXL reported the transfer failed")
         current = key[-2:] == (self.epoch, self.peer_epoch.get(key[0], 0))
         if state != "DONE" or not current or key in self.xfers or len(self.xfers) >= TABLES:
             _quietly(handle.release)
