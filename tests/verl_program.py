@@ -444,13 +444,22 @@ def session_processes(tmp: str) -> list[int]:
     """Every live process of the Ray session in folder `tmp` but this one (they name it)."""
     pids = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
+        if entry.name.isdigit() and int(entry.name) not in (os.getpid(), os.getppid()):
             try:
                 if tmp.encode() in (entry / "cmdline").read_bytes():
                     pids.append(int(entry.name))
             except OSError:
                 continue
     return pids
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (0 when it is gone)."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_gone(tmp: str, seconds: float = 20.0) -> list[int]:
@@ -513,6 +522,8 @@ def main(tmp: str, bench: bool) -> bool:
                     layoutlang_peak=max(m["peak"] for m in meters), standin_peak=max(s["peak"] for s in standin))
         ray.get([a.close.remote() for a in rollouts])
         ray.get([a.close.remote() for a in trainers])
+        pids = [p for p, _ in up] + session_processes(tmp) + [os.getpid()]
+        say(cpu_seconds=round(sum(cpu_of(p) for p in set(pids)), 1), wall=round(time.monotonic() - began, 1))
     except Exception:  # noqa: BLE001 - reported as the program's failure
         traceback.print_exc()
         ok = False
