@@ -441,7 +441,8 @@ def case_of(spec: LayoutSpec) -> Case:
 # key per unit: ZeRO-3; several: FSDP1), each `flat(...) [align A] [pad P] over dp [ragged]` on
 # `mesh m (dp=W[, r=R])` with W in 1..8 (R a replica axis); small keys over many ranks leave
 # ranks holding only padding, and keys straddle ranks. A plain side stores each key as its
-# own v1 tensor, one dim split over `tp` (padded, even, or ragged) or none, another maybe over
+# own v1 tensor, one dim split over `tp` (padded, even, ragged or cyclic: a rank's rows every
+# tp-th, strided entries on the flat side) or none, another maybe over
 # `dp` (two inner dims of a 3-d key cut: the flat side's block needs more than one strided level).
 
 
@@ -470,7 +471,7 @@ class ModelSide:
 def key_dims(draw) -> int | Mode:
     """One dim of a key: a plain extent, or now and then rotary-like structure: `(N, (x: a | y: b))`."""
     if draw(st.integers(0, 5)):
-        return draw(st.integers(1, 5))
+        return draw(st.integers(1, 5) if draw(st.integers(0, 4)) else st.integers(8, 12))  # long: 4+ cyclic rows
     inner = Concat((("x", Plain(draw(st.integers(1, 2)))), ("y", Plain(draw(st.integers(1, 2))))))
     return Product(draw(st.integers(1, 3)), inner)
 
@@ -544,7 +545,7 @@ def plain_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) 
     sloppy = draw(st.integers(0, 4)) == 0  # about one side in five may leave a split indivisible
     for i, shape in enumerate(shapes):
         split = draw(st.integers(-1, len(shape) - 1)) if shape else -1
-        how = draw(st.sampled_from(["pad", "even", "ragged"] if sloppy else ["pad", "ragged"]))
+        how = draw(st.sampled_from(["pad", "even", "ragged", "cyclic"] if sloppy else ["pad", "ragged", "cyclic"]))
         second = draw(st.integers(-1, len(shape) - 1)) if shape else -1  # a second dim over dp
         texts, specs = [], []
         for d, n in enumerate(shape):
@@ -561,8 +562,8 @@ def plain_sides(draw, shapes: tuple[tuple[int, ...], ...], offset_max: int = 8) 
                 texts.append(f"{n} pad tp over tp")
                 specs.append(Dim(Pad(Plain(n), tp), ("tp",)))
             else:
-                texts.append(f"{n} over tp" + (" ragged" if how == "ragged" else ""))
-                specs.append(Dim(Plain(n), ("tp",), ragged=how == "ragged"))
+                texts.append(f"{n} over tp" + (f" {how}" if how in ("ragged", "cyclic") else ""))
+                specs.append(Dim(Plain(n), ("tp",), ragged=how in ("ragged", "cyclic"), placement=how))
         valid = valid and all(dim_is_valid(x, mesh.sizes) for x in specs)
         lines.append(f"tensor t{i} as k{i} [{', '.join(texts)}]")
         tensors.append(ModelTensor(f"t{i}", f"k{i}", tuple(specs), holders, None))

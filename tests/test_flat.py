@@ -93,6 +93,15 @@ def test_a_flat_key_cut_on_two_inner_dims_is_cut_into_entries():
     assert rank1 == [(((0, 1), (0, 2), (0, 2)), ((0, 5, 4, 2),)), (((1, 2), (0, 2), (0, 2)), ((16, 21, 4, 2),))]
 
 
+def test_every_other_row_of_a_flat_key_is_one_strided_entry():
+    # an [8, 3] key whole on one rank against `8 over tp cyclic` (tp = 2): tp 0 holds rows 0, 2, 4, 6,
+    # flat elements 0..2, 6..8, 12..14, 18..20 (blocks of 3 every 6), tp 1 the same from 3
+    src = loads("mesh z (dp=1)\ntensor u [flat([8, 3] as k)]\n", "z.layout")
+    dst = loads("mesh e (tp=2) at 1\ntensor t as k [8 over tp cyclic, 3]\n", "e.layout")
+    got = sorted((op.dst_rank, op.src_slice, op.dst_slice) for op in compile_plan(src, dst).ops)
+    assert got == [(1, ((0, 19, 6, 3),), ((0, 4), (0, 3))), (2, ((3, 22, 6, 3),), ((0, 4), (0, 3)))]
+
+
 # ---------------------------------------------------------------------------
 # Random flat layouts against the reference enumerator and the simulator
 
@@ -152,3 +161,29 @@ def test_random_flat_pairs_plan_exactly(pair):
     report = simulate(ModelView(src, _model(src_side)), ModelView(dst, _model(dst_side)), plan)
     check_stats(plan, report)
     check_plan_views(plan, range(plan.world))
+
+
+# ---------------------------------------------------------------------------
+# On gloo: two processes, torch FSDP1's flat parameter (use_orig_params=True, fp32: `align 4`)
+# into a TP2 engine layout on the same two ranks and back; every destination element checked
+# by the worker against the fill rule (value by key and row-major index in the key), padding zero
+
+FSDP1_TEXT = f"mesh train (dp=2)\ntensor _fsdp_wrapped_module._flat_param [flat({LINEARS}) align 4 pad dp over dp] fp32\n"
+TP2_TEXT = ("mesh infer (tp=2)\n"
+            "tensor 0.weight [3 pad 2 over tp, 5] fp32\n"         # rows of the first Linear, tp 1 one padding row
+            "tensor 0.bias [3 pad 2 over tp] fp32\n"
+            "tensor 1.weight [7, 3 pad 2 over tp] fp32\n"         # columns of the second: strided flat entries
+            "tensor 1.bias [7] fp32\n")
+
+
+def test_fsdp1_flat_parameter_refits_into_tp2_and_back_on_gloo(tmp_path):
+    from layoutlang.runtime.launch import launch
+
+    (tmp_path / "fsdp1.layout").write_text(FSDP1_TEXT)
+    (tmp_path / "tp2.layout").write_text(TP2_TEXT)
+    for src, dst in (("fsdp1", "tp2"), ("tp2", "fsdp1")):
+        job = {"src": str(tmp_path / f"{src}.layout"), "dst": str(tmp_path / f"{dst}.layout"), "args": {},
+               "verify": True, "budget": None}
+        results = launch(job, 2, timeout=120)
+        for r in results:
+            assert r.ok, f"{src} -> {dst}, rank {r.rank}: {r.error}"
