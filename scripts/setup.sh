@@ -27,9 +27,10 @@ if [ ! -f "$stamp" ]; then
   "${pip[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" "triton==$TRITON"
   "${pip[@]}" -e '.[dev,megatron,hf]'
   # verl (layoutlang.integrations.verl; pyproject's `verl` extra): --no-deps (it pins transformers<5.11
-  # and a trainer's stack), then what importing its checkpoint engine and manager needs
+  # and a trainer's stack), then what importing its checkpoint engine and manager needs, and its
+  # actor worker (verl.workers.engine_workers: datasets, pillow), whose update_weights the hook wraps
   "${pip[@]}" --no-deps "verl==$(grep -E '^verl==' constraints.txt | cut -d= -f3)"
-  "${pip[@]}" tensordict omegaconf codetiming uvicorn fastapi pyzmq   # (ray: the line below)
+  "${pip[@]}" tensordict omegaconf codetiming uvicorn fastapi pyzmq datasets pillow   # (ray: the line below)
   "${pip[@]}" ray   # the `ray` extra (layoutlang.integrations.ray, tests/test_ray_jobs.py), pinned in constraints.txt
   "${pip[@]}" nixl-cu12   # the `nixl` extra (runtime/transport_nixl.py, tests/test_transport_nixl.py), pinned in constraints.txt
   rm -f .venv/.installed-*

@@ -187,3 +187,34 @@ def test_send_weights_never_reads_verls_full_tensor_generator():
         asyncio.run(_engine(is_master=False).send_weights(gen, global_steps=1))
     assert "pass the training engine" in str(err.value)
     assert read == [] and gen.gi_frame is None  # closed unread
+
+
+def test_verls_actor_worker_hands_its_training_engine_to_the_layoutlang_backend():
+    """verl's own ActorRolloutRefWorker.update_weights, as the hook leaves it: the training
+    engine reaches send_weights; get_per_tensor_param (a gather) is never called."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch
+    from verl.workers import engine_workers
+
+    from layoutlang.integrations.verl import VerlEngineError, patch_actor_worker
+
+    patch_actor_worker()  # (applied at the hook's import where engine_workers was loaded first)
+    cls = engine_workers.ActorRolloutRefWorker
+    assert getattr(cls.update_weights, MAGIC_ATTR)["dispatch_mode"] == Dispatch.ONE_TO_ALL  # verl still dispatches it
+
+    class TrainingEngine:
+        module = torch.nn.Linear(2, 2)
+
+        def get_per_tensor_param(self, **kwargs):
+            raise AssertionError("verl's gathering path was taken")
+
+    worker = object.__new__(cls)
+    worker.checkpoint_engine = _engine(is_master=False)
+    worker.actor = SimpleNamespace(engine=TrainingEngine())
+    with pytest.raises(VerlEngineError) as err:  # no topology yet: it stops right after taking the module
+        asyncio.run(cls.update_weights(worker, global_steps=1))
+    assert "send_weights before init_process_group" in str(err.value)
+    assert worker.checkpoint_engine.module is TrainingEngine.module
