@@ -61,13 +61,12 @@ dist.destroy_process_group()
 
 def test_the_registry_names_what_exists():
     assert transport_class("group") is GroupTransport
-    assert transport_class("auto") is GroupTransport  # ("auto" picks "group" until there is a second)
     with pytest.raises(UsageError) as err:
         transport_class("pigeon")
     first, help_ = str(err.value).splitlines()
-    known = sorted(TRANSPORTS) + ["auto"]
+    known = sorted(TRANSPORTS)
     assert first == "error: unknown transport 'pigeon': known are " + ", ".join(f'"{n}"' for n in sorted(known))
-    assert {"auto", "group", "memory"} <= set(known)
+    assert {"auto", "group", "memory", "nixl"} <= set(known)
     assert help_.endswith("register a transport of your own with layoutlang.runtime.transport.register(name, cls)")
     assert all(isinstance(v, str) for v in TRANSPORTS.values())  # import paths: loaded when chosen
     assert issubclass(GroupTransport, Transport)

@@ -256,11 +256,15 @@ class MemoryLinks:
     read: "cma", else "ring") or "ring" (every channel a ring, as a test forces)."""
 
     def __init__(self, store, prefix: str, me: int, peers, *, mode: str | None = None,
-                 ring_bytes: int = RING_BYTES):
+                 ring_bytes: int = RING_BYTES, local_only: bool = False):
         if mode not in (None, "cma", "ring"):
             raise ValueError(f"mode {mode!r}: None, 'cma' or 'ring'")
         self.store, self.prefix, self.me = store, prefix, me
         self.peers = sorted(set(peers) - {me})
+        # local_only ("auto"): a peer on another host or in another pid namespace is no error but
+        # not linked: `elsewhere` says why (both ends of a pair decide alike, from what both published)
+        self.local_only = local_only
+        self.elsewhere: dict[int, str] = {}
         self.force, self.ring_bytes = mode, ring_bytes
         self.out: dict[int, _Channel] = {}
         self.inn: dict[int, _Channel] = {}
@@ -306,9 +310,17 @@ class MemoryLinks:
         boot, host = _boot_id(), socket.gethostname()
         mine = f"{os.getpid()} {self._mark.data_ptr()} {nonce} {boot} {self.namespace} {host}"
         self.store.set(f"{self.prefix}/who/{self.me}", mine)
+        who = {peer: self._get(f"{self.prefix}/who/{peer}", deadline, peer, "connect").split(" ")
+               for peer in self.peers}
+        if self.local_only:
+            for peer, (_, _, _, their_boot, their_ns, their_host) in who.items():
+                if their_boot != boot:
+                    self.elsewhere[peer] = f"on another host ({their_host})"
+                elif their_ns != self.namespace:
+                    self.elsewhere[peer] = "in another pid namespace (another container)"
+            self.peers = [p for p in self.peers if p not in self.elsewhere]
         for peer in self.peers:  # the channel peer -> me: this rank receives, so it reads the peer
-            pid, addr, mark, their_boot, their_ns, their_host = self._get(
-                f"{self.prefix}/who/{peer}", deadline, peer, "connect").split(" ")
+            pid, addr, mark, their_boot, their_ns, their_host = who[peer]
             pid = int(pid)
             if their_boot != boot:
                 raise LinkError(peer, f"rank {peer} runs on another host ({their_host}, this rank on {host}): the "
@@ -348,7 +360,9 @@ class MemoryLinks:
         for path in self.created:
             _unlink(path)
         self.created.clear()
-        for key in [f"{self.prefix}/who/{self.me}"] + [f"{self.prefix}/ch/{p}/{self.me}" for p in self.peers]:
+        # (a peer elsewhere may not have read this rank's `who` yet: it stays, one key per connect)
+        mine = [] if self.elsewhere else [f"{self.prefix}/who/{self.me}"]
+        for key in mine + [f"{self.prefix}/ch/{p}/{self.me}" for p in self.peers]:
             try:  # every peer read them (it mapped this rank's channels after reading both)
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - a key left in the store costs nothing more

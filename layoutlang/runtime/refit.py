@@ -124,11 +124,14 @@ class Refitter:
     bucket's transfers fly, and stages the next bucket (its sends packed and copied) while
     this one's fly, with buckets cut at half the budget (every rank must
     pass the same `budget_bytes` and `overlap`: they are part of the agreement).
-    `transport`: how messages move (layoutlang/runtime/transport.py): "group" (the default; "auto" is
-    "group" for now) is `group`'s backend, gloo or NCCL; "memory" moves them through shared
-    memory between the ranks of one host (layoutlang/runtime/transport_memory.py; connected at the
-    first step, `close()` tears it down); a name registered with `transport.register`, or a
-    `Transport` instance (the jobs' walk passes its own).
+    `transport`: how messages move (layoutlang/runtime/transport.py): "auto" (the default) moves
+    the messages of a pair of ranks on one host through shared memory and every other pair's
+    through `group` (layoutlang/runtime/transport_auto.py); "group" is `group`'s backend, gloo
+    or NCCL, for every pair; "memory" shared memory for every pair (one host: an error naming
+    the pair otherwise; layoutlang/runtime/transport_memory.py); "nixl" NIXL's one-sided writes;
+    a name registered with `transport.register`, or a `Transport` instance (the jobs' walk
+    passes its own). A transport connects at the first step; `close()` tears it down, and
+    `transports` says what moves this rank's messages with each peer.
     `keep_staging`: carve staging buffers from arenas kept between steps (layoutlang/runtime/staging.py;
     they hold the largest bucket's staging, at most the budget, until `release_staging()`).
     By default only on CPU, where fresh buffers are fresh pages every step.
@@ -146,7 +149,7 @@ class Refitter:
     def __init__(self, plan: Plan, *, group=None, device=None, budget_bytes: int | None = None,
                  timeout: timedelta | float = timedelta(seconds=60), verify: bool = False,
                  hooks: RefitHooks | None = None, overlap: bool = False, keep_staging: bool | None = None,
-                 steady: bool = False, transport: str | Transport = "group"):
+                 steady: bool = False, transport: str | Transport = "auto"):
         self.plan = plan
         self.group = group
         self.transport = make_transport(transport, group)
@@ -379,6 +382,14 @@ class Refitter:
             err = self._bucket_failed(step, fence, exc)
             raise err from (None if err is exc else exc)
         self._connected = True
+
+    @property
+    def transports(self) -> dict[int, str]:
+        """Plan rank of each peer this rank exchanges messages with -> what moves them, e.g.
+        {1: "memory (cma)", 5: "group (gloo)"} (before the first step: the transport's name)."""
+        peers = sorted({op.dst_rank if op.src_rank == self.rank else op.src_rank
+                        for op in self.ops if op.src_rank != op.dst_rank})
+        return {p: self.transport.carrier(p) for p in peers}
 
     def close(self) -> None:
         """Tear down what the transport set up (`Transport.close`: the memory transport's

@@ -6,8 +6,10 @@ point-to-point messages to its `Transport`. A transport decides nothing about wh
 it connects this rank to the peers the plan's ops name, posts a round, waits for it by one
 deadline and names the peer that failed, and tears down. One module per transport:
 
+- "auto" (layoutlang/runtime/transport_auto.py, `Refitter`'s default): "memory" for the pairs
+  of ranks on one host (CPU tensors), "group" for every other pair.
 - "group" (layoutlang/runtime/transport_group.py): a torch.distributed process group, gloo or NCCL,
-  one code path; what `Refitter(plan)` uses (`transport="auto"` is "group" for now).
+  one code path.
 - the per-replica groups of jobs (`ReplicaTransport`, layoutlang/runtime/jobgroups.py): one process
   group per engine replica; a failure drops that replica, not the refit.
 - the loopback (`LoopbackTransport`, layoutlang/runtime/loopback.py): every rank in one process, a
@@ -45,10 +47,11 @@ from layoutlang.diagnostics import UsageError
 # name -> "module:Class"; the class is built as Class(group) by `Refitter(plan, transport=name)`
 TRANSPORTS: dict[str, str] = {
     "group": "layoutlang.runtime.transport_group:GroupTransport",
+    "auto": "layoutlang.runtime.transport_auto:AutoTransport",
     "memory": "layoutlang.runtime.transport_memory:MemoryTransport",
     "nixl": "layoutlang.runtime.transport_nixl:NixlTransport",
 }
-ALIASES = {"auto": "group"}   # "auto" picks per pair once there is more than one to pick from
+ALIASES: dict[str, str] = {}   # another name for a registered one
 
 
 class Transport(ABC):
@@ -89,6 +92,11 @@ class Transport(ABC):
     def connect(self, ops, device: torch.device, deadline: float) -> None:
         """Connect this rank to the other ends of its `ops` by `deadline` (time.monotonic()).
         Default: nothing (a process group connects on its own)."""
+
+    def carrier(self, peer: int) -> str:
+        """What moves this rank's messages with plan rank `peer` (the Refitter's `transports`
+        and the jobs' `JobReport` show it): e.g. "group (gloo)", "memory (cma)"."""
+        return self.name
 
     def register(self, buffers) -> None:
         """The tensors a one-sided transport reads or writes in this rank's memory. Default:

@@ -62,6 +62,12 @@ class GroupTransport(Transport):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def carrier(self, peer: int) -> str:
+        try:
+            return f"group ({dist.get_backend(self.group)})"
+        except Exception:  # noqa: BLE001 - a group already destroyed
+            return "group"
+
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 

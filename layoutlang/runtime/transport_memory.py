@@ -39,6 +39,7 @@ class MemoryTransport(GroupTransport):
     ring) or "cma" (an error where a pair cannot read); `ring_bytes`: a ring's size."""
 
     name = "memory"
+    local_only = False   # "auto" (runtime/transport_auto.py): pairs on other hosts keep the group
 
     def __init__(self, group=None, *, mode: str | None = None, ring_bytes: int | None = None):
         super().__init__(group)
@@ -77,13 +78,21 @@ class MemoryTransport(GroupTransport):
         generation = store.add(f"{base}/generation/{me}", 1)
         kwargs = {} if self.ring_bytes is None else {"ring_bytes": self.ring_bytes}
         self.staging_device = device
-        self.links = MemoryLinks(store, f"{base}/{generation}", me, peers, mode=self.force, **kwargs)
+        self.links = MemoryLinks(store, f"{base}/{generation}", me, peers, mode=self.force,
+                                 local_only=self.local_only, **kwargs)
         try:
             self.links.connect(deadline)
         except LinkError as exc:
             self.links = None
             raise self.host.failure(f"the memory transport cannot connect ranks {me} and {exc.peer}: {exc.reason}",
                                     peers=(exc.peer,), grace=0.0 if exc.timed_out else CAUSE_GRACE) from None
+
+    def carrier(self, peer: int) -> str:
+        if self.staging_device.type == "cuda":
+            return "memory (cuda-ipc)"
+        modes = self.modes
+        mode = modes.get((peer, self.host.rank)) or modes.get((self.host.rank, peer))
+        return f"memory ({mode})" if mode else "memory"
 
     def message(self, sending: bool, buf: torch.Tensor, rank: int) -> Message:
         return Message(sending, buf, rank)
