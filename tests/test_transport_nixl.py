@@ -141,6 +141,58 @@ def test_a_write_notification_completes_only_its_own_sequences():
     assert [works[s].done for s in (7, 8, 9)] == [True, True, False]
 
 
+STEADY = """
+import json, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from layoutlang.compiler import compile_plan
+from layoutlang.runtime import Refitter
+
+job = json.load(open(sys.argv[1]))
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+refitter = Refitter(compile_plan(job["src"], job["dst"]), transport="nixl", steady=True, timeout=30)
+t = refitter.transport
+full = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16).to(torch.bfloat16)
+src = {"w": torch.empty(8, 8, dtype=torch.bfloat16)}
+dst = {"w": torch.zeros(4, 16, dtype=torch.bfloat16)}
+seen = []
+for step in range(1, job["steps"] + 1):
+    src["w"].copy_(full[:, 8 * rank:8 * rank + 8] * step)   # the trainer's weights, rewritten in place
+    refitter.refit(src, dst)
+    seen.append({"exact": torch.equal(dst["w"], full[4 * rank:4 * rank + 4] * step),
+                 "registrations": t.registrations, "kept": len(t.xfers), "replayed": refitter.replayed})
+refitter.close()
+json.dump({"ok": True, "steps": seen, "closed": t.agent is None and not t.regs}, open(sys.argv[2], "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_steady_steps_register_nothing_and_post_the_kept_transfers_again(tmp_path):
+    """Two ranks, tests/test_transport.py's pair (rank r holds columns 8r..8r+8, receives rows
+    4r..4r+4: its block from the other rank lands in a staged buffer), steady steps with the
+    sources rewritten in place: every step exact (by hand); the storages (sources, staging)
+    are registered in the walked steps, never again while steps replay, and
+    the transfer of each pair's round is kept and posted again; `close` deregisters them."""
+    _nixl_or_skip()
+    (tmp_path / "src.layout").write_text("mesh s (tp=2)\ntensor w [8, 16 over tp]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (tp=2)\ntensor w [8 over tp, 16]\n")
+    (tmp_path / "prog.py").write_text(STEADY)
+    job = {"src": str(tmp_path / "src.layout"), "dst": str(tmp_path / "dst.layout"), "steps": 5}
+    results = launch(job, 2, timeout=100, program=str(tmp_path / "prog.py"))
+    assert all(r.ok for r in results), "\n".join(f"rank {r.rank}: {r.error} {r.stderr[-800:]}" for r in results)
+    for r in results:
+        steps = r.result["steps"]
+        assert [s["exact"] for s in steps] == [True] * 5
+        assert [s["replayed"] for s in steps] == [0, 0, 1, 2, 3]  # steps 3-5 run step 2's record
+        assert steps[0]["registrations"] >= 2  # its source and its staged receive's buffer at least
+        # (step 2 carves the staging arena that step 1 sized: its block is registered then)
+        assert len({s["registrations"] for s in steps[1:]}) == 1, steps
+        assert all(s["kept"] >= 1 for s in steps)
+        assert r.result["closed"]
+
+
 @pytest.fixture
 def fault_pair(tmp_path):
     _nixl_or_skip()
@@ -179,3 +231,20 @@ def test_a_peer_killed_or_stalled_mid_bucket_is_named_by_every_survivor_in_time(
         assert again["error"].startswith(f"error: rank {r.rank}: step 2, setup: this Refitter cannot be reused: "
                                          "step 1 failed in bucket 1: "), again
         assert again["seconds"] < SLACK, again
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_dead_in_a_replayed_steady_step_is_named_by_its_receivers(fault_pair):
+    """`steady=True`: step 1 meets, step 2 is walked and recorded, step 3 replays the record (no
+    meeting, the kept transfers posted again); rank 2, a sender only, exits as step 3 starts.
+    Ranks 0 and 1 receive from it: each fails step 3 within the timeout naming rank 2."""
+    results = launch({**fault_pair, "steps": 4, "retry": True, "steady": True,
+                      "die_before": {"rank": 2, "step": 3, "after": 0.5}}, FAULT_NPROC, timeout=90)
+    assert results[2].returncode == 3
+    for r in results[:2]:
+        *ok, failed, again = r.result["outcomes"]
+        assert len(ok) == 2 and all(o["error"] is None for o in ok), ok
+        assert failed["error"].startswith(f"error: rank {r.rank}: step 3, bucket "), failed
+        assert "peer rank 2" in failed["error"] and failed["peers"] == [2], failed
+        assert failed["seconds"] <= 0.5 + TIMEOUT + SLACK, failed
+        assert r.result["replayed"] == 1  # step 3 ran from step 2's record

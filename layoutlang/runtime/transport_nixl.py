@@ -160,6 +160,7 @@ class NixlTransport(GroupTransport):
         self.peer_epoch: dict[int, int] = {}     # peer -> metadata loads from it (a storage it registered)
         self.dirty: set[int] = set()             # peers with new sends or a new "ready" to match
         self.failures = 0                        # works failed so far (a wait looks for its own then)
+        self.registrations = 0                   # storages registered so far (steady steps add none)
 
     def _agent_key(self, rank: int) -> str:
         return f"{self.namespace}/agent/{rank}"
@@ -335,6 +336,7 @@ class NixlTransport(GroupTransport):
             _quietly(self.agent.deregister_memory, self.regs.pop(k).descs)
         where = (key[0], key[1], desc[2], desc[3])
         descs = self.agent.register_memory([(*where[:3], "")], SEGMENTS[desc[3]])
+        self.registrations += 1
         reg = self.regs[key] = Registration(storage, descs, where)
         return reg, desc
 
