@@ -136,6 +136,10 @@ class NixlTransport(GroupTransport):
         nixl = nixl_module()
         self.rank = self.place()[0]
         self.store, ranks = self.meeting()
+        if self.store is None:
+            raise RefitError.at(self.rank, 0, "setup", "the \"nixl\" transport publishes its agent in the process "
+                                "group's store, and there is none (initialize the process group with "
+                                "torch.distributed.init_process_group)", reusable=False)
         members = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:8]
         base = f"layoutlang-nixl/{members}"
         generation = self.store.add(f"{base}/generation/{self.rank}", 1)
