@@ -213,6 +213,8 @@ SHOWN_STORED = 8  # stored tensors holding keys (v2) listed by `layoutc check`, 
 def _has_parts(t) -> bool:
     """Does a v2 tensor cut a non-stacked dim into several keys (part keys)?"""
     r = t.regions[0]
+    if r.shape is not None:  # a flat dim's keys (docs/language.md 14.9)
+        return False
     return any(hi - lo != t.logical_shape[i] for i, (lo, hi) in enumerate(r.box) if i not in r.stacked)
 
 
@@ -234,7 +236,8 @@ def summarize(layout, out: Console) -> None:
     out.print(f"  tensors  {len(layout.tensors)} instances, {keys} keys", markup=False)
     for t in stored[:SHOWN_STORED]:
         kinds = [w for w, on in (("part keys", _has_parts(t)), ("stacked", bool(t.regions[0].stacked)),
-                                 ("transposed", t.regions[0].transposed)) if on]
+                                 ("transposed", t.regions[0].transposed),
+                                 ("flat", t.regions[0].shape is not None)) if on]
         out.print(f"  holds    {t.name}: {len(t.regions)} key{'s' if len(t.regions) != 1 else ''} "
                   f"({', '.join(kinds)})", markup=False)
     if len(stored) > SHOWN_STORED:

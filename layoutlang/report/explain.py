@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from layoutlang.compiler.match import key_items
+from layoutlang.compiler.flat import clip_flat, row_major_strides, source_shards
 from layoutlang.compiler.plan import clip_shards
 from layoutlang.compiler.shards import placement_of, shards
 from layoutlang.diagnostics import UsageError
@@ -83,7 +84,10 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
     for t, region in _instances(layout, key):
         p = placement_of(t)
         shard_list = shards(p)
-        if region is not None:  # the key inside its stored tensor: shards seen by the key
+        flat = region is not None and region.shape is not None  # a flat dim's key (docs/language.md 14.9)
+        if flat:  # each rank's range of the key as boxes of the key, one row each
+            shard_list = source_shards(clip_flat(shard_list, region.box, region.shape))
+        elif region is not None:  # the key inside its stored tensor: shards seen by the key
             shard_list = clip_shards(shard_list, region.box, region.stacked, region.transposed)
         axes = ", ".join(f"{a.name}={a.size}" for a in t.mesh.axes)
         out.append(Text.assemble((f"{title} ", "bold"), f"{layout.path}: ", (t.name, "bold"),
@@ -93,7 +97,11 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
             box = ", ".join(f"{a}:{b}" for a, b in region.box)
             how = "".join((f", stacked dims {list(region.stacked)}" if region.stacked else "",
                            ", stored transposed" if region.transposed else ""))
-            out.append(Text(f"  holds this key at [{box}] of its logical tensor{how}; below, in the key's dims"))
+            if flat:
+                out.append(Text(f"  holds this key at [{box}] of its flat dim, row-major; below, each rank's "
+                                "boxes of the key and where they lie in its flat storage"))
+            else:
+                out.append(Text(f"  holds this key at [{box}] of its logical tensor{how}; below, in the key's dims"))
         elif t.regions is not None:
             out.append(Text(f"  holds {len(t.regions)} keys: " + ", ".join(
                 f"{r.key} [{', '.join(f'{a}:{b}' for a, b in r.box)}]" for r in t.regions[:8])
@@ -106,8 +114,10 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
         table = Table(show_edge=False, box=None, pad_edge=False)
         table.add_column("shard", justify="right")
         table.add_column("ranks")
+        if flat:
+            table.add_column("local (flat)")
         for d in range(dims):
-            table.add_column(f"dim {d}: local -> logical")
+            table.add_column(f"dim {d}: logical" if flat else f"dim {d}: local -> logical")
         if rank is not None and not t.holds(rank):
             out.append(Text(f"  rank {rank} holds no part of it"))
             continue
@@ -115,6 +125,13 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
             if rank is not None and rank not in s.ranks:
                 continue
             cells = [_runs_text(runs) for runs in s.runs]
+            if flat:  # a box: its key ranges, and the flat local range that holds it
+                first = s.base + sum(r[0].local_start * st for r, st in zip(s.runs, row_major_strides(s.shape)))
+                n = 1
+                for r in s.runs:
+                    n *= r[0].length
+                cells = [f"{first}:{first + n}"] + [f"{r[0].logical_start}:{r[0].logical_start + r[0].length}"
+                                                    for r in s.runs]
             table.add_row(Text(GLYPHS[i % len(GLYPHS)], style=COLORS[i % len(COLORS)]),
                           rank_ranges(s.ranks, RANKS_WIDTH), *cells)
         # a rank may hold the stored tensor but no element of a key inside it
