@@ -313,3 +313,103 @@ def test_a_peer_on_another_host_or_unreadable_is_refused_naming_it():
         links.connect(time.monotonic() + 0.2)
     assert err.value.peer == 1 and err.value.timed_out
     assert _files_of_this_process() == []  # a failed connect leaves no file
+
+
+def test_sever_fails_the_other_ends_pending_and_later_messages_at_once():
+    """Rank 1 waits for a message rank 0 never sends; rank 0 severs its links: rank 1's wait fails
+    at once naming rank 0 (a 20 s deadline never comes near), and so does a later receive and a
+    send rank 1 posts to it. What was done before the sever stays done; rank 0 posts no more."""
+    import time
+
+    links = _pair(None)
+    try:
+        _exchange(links, [64, 0, 3000])  # done both ways before the sever: no error from them later
+        pending = links[1].post([memlinks.Message(False, torch.zeros(16, dtype=torch.uint8), 0)])
+        links[0].sever()
+        began = time.monotonic()
+        with pytest.raises(memlinks.LinkError) as err:
+            links[1].wait(pending, time.monotonic() + 20)
+        assert time.monotonic() - began < 2.0
+        assert (err.value.peer, err.value.index, err.value.closed) == (0, 0, True)
+        assert err.value.reason == "rank 0 closed the link"
+        later = links[1].post([memlinks.Message(True, torch.ones(8, dtype=torch.uint8), 0)])
+        with pytest.raises(memlinks.LinkError) as err:
+            links[1].wait(later, time.monotonic() + 20)
+        assert err.value.reason == "rank 0 closed the link" and err.value.index == 0
+        with pytest.raises(memlinks.LinkError) as err:
+            links[0].post([memlinks.Message(True, torch.ones(8, dtype=torch.uint8), 1)])
+        assert err.value.reason == "this rank closed its link with rank 1"
+        assert not links[0].pending()
+    finally:
+        for link in links:
+            link.close()
+
+
+def test_wait_all_moves_the_other_links_while_it_waits_on_one():
+    """Rank 0 is linked to ranks 1 and 2 by two MemoryLinks (one per replica, as a trainer rank
+    is). It posts more messages to rank 2 than a channel has slots (the rest queue in rank 0's
+    process) and waits on a message from rank 1, which rank 1 sends only once rank 2 got all of
+    its own: the wait completes only if it moves rank 2's channel too (`also`)."""
+    import threading
+    import time
+
+    store = torch.distributed.HashStore()
+    a = [memlinks.MemoryLinks(store, "a", me, [1 - me]) for me in (0, 1)]
+    b = [memlinks.MemoryLinks(store, "b", me, [2 - me]) for me in (0, 2)]  # rank 0 and rank 2
+    threads = [threading.Thread(target=link.connect, args=(time.monotonic() + 20,)) for link in a + b]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    count = memlinks.SLOTS + 20
+    sent = [torch.full((8,), i % 251, dtype=torch.uint8) for i in range(count)]
+    got = [torch.zeros(8, dtype=torch.uint8) for _ in range(count)]
+    answer, errors = torch.zeros(4, dtype=torch.uint8), []
+
+    def rank2_then_rank1():
+        try:
+            b[1].wait(b[1].post([memlinks.Message(False, t, 0) for t in got]), time.monotonic() + 20)
+            a[1].wait(a[1].post([memlinks.Message(True, torch.full((4,), 7, dtype=torch.uint8), 0)]),
+                      time.monotonic() + 20)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        b[0].post([memlinks.Message(True, t, 2) for t in sent])
+        other = threading.Thread(target=rank2_then_rank1)
+        other.start()
+        works = a[0].post([memlinks.Message(False, answer, 1)])
+        memlinks.wait_all([(a[0], w) for w in works], time.monotonic() + 5, also=[b[0]])
+        other.join(20)
+        assert not errors, errors
+        assert answer.tolist() == [7] * 4 and all(torch.equal(x, y) for x, y in zip(sent, got))
+    finally:
+        for link in a + b:
+            link.close()
+
+
+def test_a_watched_peer_whose_process_is_stopped_fails_the_wait_naming_it():
+    """`watch_stopped`: rank 0's peer, as its links know it, is a process stopped with SIGSTOP
+    (a child of this test standing in for rank 1's process); a receive from it fails within
+    the watch's 0.1 s (well before the 20 s deadline), naming it; unwatched, it would wait."""
+    import signal
+    import time
+
+    links = _pair(None)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        links[0].pids[1] = child.pid
+        links[0].watch_stopped = 0.1
+        works = links[0].post([memlinks.Message(False, torch.zeros(4, dtype=torch.uint8), 1)])
+        began = time.monotonic()
+        with pytest.raises(memlinks.LinkError) as err:
+            links[0].wait(works, time.monotonic() + 20)
+        assert time.monotonic() - began < 2.0
+        assert err.value.peer == 1 and err.value.index == 0 and not err.value.timed_out
+        assert err.value.reason.startswith(f"peer rank 1 is stopped (process {child.pid} stopped for ")
+    finally:
+        child.kill()
+        child.wait()
+        for link in links:
+            link.close()

@@ -27,7 +27,11 @@ Progress never deadlocks: a post never blocks (what does not fit in the FIFO or 
 waits in the channel's queue), and every wait moves every channel's pending messages, not
 only those it waits for. A wait spins briefly, then sleeps at most `NAP` at a time, and
 watches each peer's process (`os.pidfd_open`): a peer that exits fails the wait at once;
-otherwise the deadline names the first message not done. The files are unlinked as soon as
+otherwise the deadline names the first message not done. `sever` closes every channel of a
+rank (a header word each end writes, `W_SCLOSED` / `W_RCLOSED`): the rank at the other end
+fails its pending and later messages with it at once ("rank P closed the link"), as a
+closed socket fails gloo's. `wait_all` waits on works of several `MemoryLinks` (a rank
+linked to several replicas' ranks), moving every one of them meanwhile. The files are unlinked as soon as
 both ends have mapped them (`connect`); a process killed before that leaves files named by
 its pid namespace and pid, which the next `connect` on the host removes.
 
@@ -69,12 +73,13 @@ CUDA_CACHE = 64        # opened CUDA IPC storages a receiver keeps
 
 # header words (int64 index): the receiver's constants, the sender's line, the receiver's line
 W_MAGIC, W_MODE, W_SLOTS, W_RING = 0, 1, 2, 3
-W_HEAD, W_MAPPED = 8, 9          # sender: slots published; it mapped the file
-W_TAIL, W_FREED = 16, 17         # receiver: slots consumed (acknowledged); ring bytes copied out
+W_HEAD, W_MAPPED, W_SCLOSED = 8, 9, 10   # sender: slots published; it mapped the file; it closed (`sever`)
+W_TAIL, W_FREED, W_RCLOSED = 16, 17, 18  # receiver: slots consumed (acknowledged); ring bytes copied out; closed
 # slot words: message sequence, kind, then per kind
 S_SEQ, S_KIND, S_A, S_B, S_C, S_D = range(6)
 CMA, RING, CUDA = 1, 2, 3
 MODES = {CMA: "cma", RING: "ring"}
+LOOK_STOPPED = 0.02    # s between looks at a watched peer's process state (`watch_stopped`)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _mmap = _libc.mmap
@@ -121,9 +126,11 @@ class LinkError(Exception):
     done; `timed_out` (the deadline passed) or `pid` (the peer's process exited)."""
 
     def __init__(self, peer: int, reason: str, *, index: int | None = None, timed_out: bool = False,
-                 pid: int | None = None):
+                 pid: int | None = None, closed: bool = False):
         super().__init__(reason)
         self.peer, self.reason, self.index, self.timed_out, self.pid = peer, reason, index, timed_out, pid
+        self.closed = closed   # the peer closed the link (`sever`)
+        self.links = None      # the MemoryLinks it failed on (`wait_all`)
 
 
 class Message:
@@ -253,10 +260,13 @@ class MemoryLinks:
 
     `connect(deadline)` once (every peer connects too), then `post` messages and `wait` for
     them by a deadline; `close` unmaps. `mode`: None (each channel the best its receiver can
-    read: "cma", else "ring") or "ring" (every channel a ring, as a test forces)."""
+    read: "cma", else "ring") or "ring" (every channel a ring, as a test forces).
+    `watch_stopped` (seconds, or None): a wait fails on a peer whose process has been stopped
+    (SIGSTOP, a debugger: state T in /proc/PID/stat) that long, as on one that died (the jobs
+    use it: a stopped replica rank is dropped instead of holding the trainer to the deadline)."""
 
     def __init__(self, store, prefix: str, me: int, peers, *, mode: str | None = None,
-                 ring_bytes: int = RING_BYTES, local_only: bool = False):
+                 ring_bytes: int = RING_BYTES, local_only: bool = False, watch_stopped: float | None = None):
         if mode not in (None, "cma", "ring"):
             raise ValueError(f"mode {mode!r}: None, 'cma' or 'ring'")
         self.store, self.prefix, self.me = store, prefix, me
@@ -274,6 +284,10 @@ class MemoryLinks:
         self._mark: torch.Tensor | None = None
         self._cuda = None
         self.namespace = _pid_namespace()
+        self.severed = False                 # this rank closed every channel (`sever`)
+        self.watch_stopped = watch_stopped
+        self._stopped_since: dict[int, float] = {}   # peer -> when its process was first seen stopped
+        self._looked = 0.0
         # what `close` releases, also when the links are dropped without it (the containers are
         # kept, only emptied: the finalizer holds them, not the links)
         self._release = weakref.finalize(self, _release, self.out, self.inn, self.pidfds, self.created)
@@ -405,6 +419,8 @@ class MemoryLinks:
         works = []
         synced = set()
         for m in messages:
+            if self.severed:
+                raise LinkError(m.peer, f"this rank closed its link with rank {m.peer}", closed=True)
             ch = (self.out if m.sending else self.inn).get(m.peer)
             if ch is None:
                 raise LinkError(m.peer, f"rank {m.peer} is not a peer this rank connected to")
@@ -515,15 +531,49 @@ class MemoryLinks:
             w[W_TAIL] = ch.slots
 
     def progress(self) -> None:
-        """One pass over every channel: sends pushed, acknowledgements read, arrivals taken."""
+        """One pass over every channel: sends pushed, acknowledgements read, arrivals taken; a
+        LinkError where a peer with messages pending closed its end (`sever`). Nothing once
+        this rank closed its own."""
+        if self.severed:
+            return
         for ch in self.out.values():
-            if ch.queue:
-                self._push(ch)
-            if ch.unacked:
-                self._acked(ch)
+            if ch.queue or ch.unacked:
+                if ch.seg.words[W_RCLOSED]:
+                    raise self._closed_by(ch.peer)
+                if ch.queue:
+                    self._push(ch)
+                if ch.unacked:
+                    self._acked(ch)
         for ch in self.inn.values():
             if ch.queue:
+                if ch.seg.words[W_SCLOSED]:
+                    raise self._closed_by(ch.peer)
                 self._take(ch)
+
+    def _closed_by(self, peer: int) -> LinkError:
+        return LinkError(peer, f"rank {peer} closed the link", closed=True)
+
+    def pending(self) -> bool:
+        """Has this rank messages posted and not done on any channel?"""
+        return not self.severed and (any(ch.queue or ch.unacked for ch in self.out.values())
+                                     or any(ch.queue for ch in self.inn.values()))
+
+    def sever(self) -> None:
+        """Close every channel of this rank, at once and for good: each peer's pending and later
+        messages with this rank fail at its next look ("rank P closed the link"), as a closed
+        socket fails gloo's (layoutlang/runtime/jobgroups.py `sever`). This rank's own pending
+        messages are dropped (their buffers are the caller's again) and it posts none again;
+        `close` still unmaps."""
+        if self.severed:
+            return
+        self.severed = True
+        for ch in self.out.values():
+            ch.seg.words[W_SCLOSED] = 1
+            ch.queue.clear()
+            ch.unacked.clear()
+        for ch in self.inn.values():
+            ch.seg.words[W_RCLOSED] = 1
+            ch.queue.clear()
 
     def _died(self, peer: int) -> None:
         """Raise if `peer`'s process has exited (where this rank watches it)."""
@@ -534,38 +584,39 @@ class MemoryLinks:
         if ready:
             raise LinkError(peer, f"peer rank {peer} died (process {self.pids[peer]} exited)", pid=self.pids[peer])
 
+    def _stopped(self, peer: int, now: float) -> None:
+        """Raise if `peer`'s process has been stopped (state T or t) for `watch_stopped` seconds."""
+        pid = self.pids.get(peer)
+        if pid is None:
+            return
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return  # (gone: `_died` says so)
+        if state not in (b"T", b"t"):
+            self._stopped_since.pop(peer, None)
+            return
+        since = self._stopped_since.setdefault(peer, now)
+        if now - since >= self.watch_stopped:
+            raise LinkError(peer, f"peer rank {peer} is stopped (process {pid} stopped for {now - since:.2g} s: "
+                                  "SIGSTOP or a debugger)", pid=pid)
+
+    def watch(self, peers, now: float) -> None:
+        """Raise for the first of `peers` whose process exited (or, watched, has stopped)."""
+        look = self.watch_stopped is not None and now - self._looked >= LOOK_STOPPED
+        if look:
+            self._looked = now
+        for peer in sorted(peers):
+            if peer in self.pidfds:
+                self._died(peer)
+            if look:
+                self._stopped(peer, now)
+
     def wait(self, works: list[Work], deadline: float) -> None:
         """Until every work is done, moving every channel meanwhile; LinkError (its `index`: the
         first work not done with the failing peer) when a peer dies or the deadline passes."""
-        started = time.monotonic()
-        nap = 2e-5
-        while True:
-            try:
-                self.progress()
-            except LinkError as exc:
-                exc.index = next((i for i, w in enumerate(works) if not w.done and w.peer == exc.peer), None)
-                raise
-            pending = next((i for i, w in enumerate(works) if not w.done), None)
-            if pending is None:
-                return
-            now = time.monotonic()
-            if now - started < SPIN:
-                continue
-            waiting = {w.peer for w in works if not w.done}
-            for peer in sorted(waiting & self.pidfds.keys()):
-                try:
-                    self._died(peer)
-                except LinkError as exc:
-                    self.progress_quietly()  # (what it left in a ring still arrives)
-                    index = next((i for i, w in enumerate(works) if not w.done and w.peer == peer), None)
-                    if index is not None:
-                        exc.index = index
-                        raise
-            if now >= deadline:
-                first = works[pending]
-                raise LinkError(first.peer, "deadline", index=pending, timed_out=True)
-            time.sleep(min(nap, max(deadline - now, 0.0)))
-            nap = min(nap * 2, NAP)
+        wait_all([(self, w) for w in works], deadline)
 
     def progress_quietly(self) -> None:
         try:
@@ -582,6 +633,56 @@ class MemoryLinks:
         """Unmap every channel, unlink any file not yet unlinked, stop watching the peers."""
         _release(self.out, self.inn, self.pidfds, self.created)
         self._cuda = None
+
+
+def wait_all(works: list, deadline: float, also=()) -> None:
+    """Until every (links, work) of `works` is done, moving every channel of those links and of
+    `also` (other MemoryLinks of this rank whose peers need it: a trainer rank waiting on one
+    replica while another's channels still carry its messages) meanwhile. A LinkError names
+    the first failing peer of the links it failed on (`index`: the first work not done with that
+    peer; `links`: the MemoryLinks), when a peer dies, closes its end, stops (watched) or the
+    deadline passes. What fails on a link of `also` alone is left for its own wait."""
+    mine = list(dict.fromkeys(links for links, _ in works))
+    others = [links for links in dict.fromkeys(also) if links not in mine]
+    started = time.monotonic()
+    nap = 2e-5
+
+    def failed(links, exc: LinkError) -> LinkError:
+        exc.index = next((i for i, (k, w) in enumerate(works) if k is links and not w.done and w.peer == exc.peer),
+                         None)
+        exc.links = links
+        return exc
+
+    while True:
+        for links in mine:
+            try:
+                links.progress()
+            except LinkError as exc:
+                raise failed(links, exc) from None
+        for links in others:
+            links.progress_quietly()
+        pending = next((i for i, (_, w) in enumerate(works) if not w.done), None)
+        if pending is None:
+            return
+        now = time.monotonic()
+        if now - started < SPIN:
+            continue
+        for links in mine:
+            waiting = {w.peer for k, w in works if k is links and not w.done}
+            try:
+                links.watch(waiting, now)
+            except LinkError as exc:
+                links.progress_quietly()  # (what it left in a ring still arrives)
+                exc = failed(links, exc)
+                if exc.index is not None:
+                    raise exc from None
+        if now >= deadline:
+            links, first = works[pending]
+            exc = LinkError(first.peer, "deadline", index=pending, timed_out=True)
+            exc.links = links
+            raise exc
+        time.sleep(min(nap, max(deadline - now, 0.0)))
+        nap = min(nap * 2, NAP)
 
 
 def _release(out: dict, inn: dict, pidfds: dict, created: list) -> None:
