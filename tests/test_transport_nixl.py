@@ -162,8 +162,10 @@ for step in range(1, job["steps"] + 1):
     refitter.refit(src, dst)
     seen.append({"exact": torch.equal(dst["w"], full[4 * rank:4 * rank + 4] * step),
                  "registrations": t.registrations, "kept": len(t.xfers), "replayed": refitter.replayed})
+carriers = {str(peer): what for peer, what in refitter.transports.items()}
 refitter.close()
-json.dump({"ok": True, "steps": seen, "closed": t.agent is None and not t.regs}, open(sys.argv[2], "w"))
+json.dump({"ok": True, "steps": seen, "carriers": carriers, "closed": t.agent is None and not t.regs},
+          open(sys.argv[2], "w"))
 dist.destroy_process_group()
 """
 
@@ -190,6 +192,7 @@ def test_steady_steps_register_nothing_and_post_the_kept_transfers_again(tmp_pat
         # (step 2 carves the staging arena that step 1 sized: its block is registered then)
         assert len({s["registrations"] for s in steps[1:]}) == 1, steps
         assert all(s["kept"] >= 1 for s in steps)
+        assert r.result["carriers"] == {str(1 - r.rank): "nixl (UCX)"}  # what the refit's stats name
         assert r.result["closed"]
 
 

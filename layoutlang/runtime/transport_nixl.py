@@ -177,6 +177,9 @@ class NixlTransport(GroupTransport):
             if peer not in self.names:
                 self._connect(peer, deadline)
 
+    def carrier(self, peer: int) -> str:
+        return f"nixl ({self.mode})"
+
     def message(self, sending: bool, buf: torch.Tensor, rank: int) -> Message:
         return Message(sending, buf, rank)
 
@@ -248,11 +251,11 @@ class NixlTransport(GroupTransport):
                         raise self._failed(o, what, w.error, CAUSE_GRACE)
             now = time.monotonic()
             if now >= deadline:
-                peer = self._peer(ops[i])
+                peer = self._other(ops[i])
                 raise self._failed(ops[i], what, f"peer rank {peer} did not complete it within {timeout:g} s", 0.0)
             if now >= probe:
                 probe = now + PROBE
-                self._probe({self._peer(o) for w, o in zip(works[i:], ops[i:]) if not w.done})
+                self._probe({self._other(o) for w, o in zip(works[i:], ops[i:]) if not w.done})
                 continue
             try:
                 self._progress()
@@ -262,11 +265,12 @@ class NixlTransport(GroupTransport):
             if not works[i].done and polls > 20:
                 time.sleep(min(1e-3, 1e-5 * (polls - 20)))  # a few polls at once, then yield the core
 
-    def _peer(self, op) -> int:
+    def _other(self, op) -> int:
+        """The plan rank at `op`'s other end."""
         return op.dst_rank if op.src_rank == self.host.rank else op.src_rank
 
     def _failed(self, op, what: str, text: str, grace: float):
-        peer = self._peer(op)
+        peer = self._other(op)
         return self.host.failure(f"{what} of op {op.id} (`{op.key}`) with peer rank {peer} failed: {text}",
                                  peers=(peer,), grace=grace)
 
