@@ -137,7 +137,9 @@ class LayoutlangCheckpointEngine(CheckpointEngine):
     `connect_timeout` (seconds a worker waits for the trainer's store, default `timeout`),
     `verify` (each replica checks what it received), `overlap` (move bucket k+1 while k is
     written), `host` (the address trainer rank 0 publishes; default its Ray node address),
-    `replica_prefix` (replica ids are PREFIX-i, default "rollout").
+    `replica_prefix` (replica ids are PREFIX-i, default "rollout"). Two seams, as attributes:
+    `hooks` (RefitHooks for the jobs' walks: set before the first update) and `run_blocking`
+    (how the blocking refit or receive runs off the worker's event loop: a thread).
     """
 
     def __init__(self, bucket_size: int, is_master: bool = False, *, timeout: float = 60.0,
