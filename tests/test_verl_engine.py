@@ -116,10 +116,11 @@ def _engine(**kwargs):
     return CheckpointEngineRegistry.new("layoutlang", bucket_size=1 << 20, **kwargs)
 
 
-def _metadata(ranks=(0, 1, 0, 1), layout="L"):
+def _metadata(ranks=(0, 1, 0, 1), layout="L", replicas=(None,) * 4):
     actors = [{"role": "trainer", "address": "10.0.0.1:4000", "prefix": "rollout"},
               {"role": "trainer", "address": None, "prefix": "rollout"}]
-    return actors + [{"role": "rollout", "layout": layout, "ranks": 2, "rank": t} for t in ranks]
+    return actors + [{"role": "rollout", "layout": layout, "ranks": 2, "rank": t, "replica": r}
+                     for t, r in zip(ranks, replicas)]
 
 
 def test_build_topology_places_replica_i_rank_t_at_plan_rank_n_plus_t_k_plus_i():
@@ -132,6 +133,8 @@ def test_build_topology_places_replica_i_rank_t_at_plan_rank_n_plus_t_k_plus_i()
     assert rollout["rank"] == [0, 1, 0, 1] and rollout["world_size"] == [2] * 4
     # N=2 trainer ranks, K=2 replicas: replica i's rank t is plan rank 2 + 2t + i (docs/jobs.md)
     assert rollout["plan_rank"] == [2, 4, 3, 5]
+    _, named = cls.build_topology(2, 4, _metadata(replicas=("r7", "r7", "r3", "r3")))  # the workers' own ids
+    assert named["replica"] == ["r7", "r7", "r3", "r3"]
 
 
 @pytest.mark.parametrize("case, message", [
@@ -140,6 +143,8 @@ def test_build_topology_places_replica_i_rank_t_at_plan_rank_n_plus_t_k_plus_i()
     ("layouts", "rollout worker 3 holds another layout than worker 0"),
     ("stores", "0 actor workers host a store; exactly one"),
     ("count", "3 rollout workers do not form replicas of 2 ranks"),
+    ("ids", "rollout workers 2..3 (replica 1) name different replica ids ['a', 'b']"),
+    ("same", "replica ids ['a', 'a'] repeat"),
 ])
 def test_build_topology_refuses_what_cannot_be_planned(case, message):
     from layoutlang.integrations.verl import VerlEngineError
@@ -153,6 +158,10 @@ def test_build_topology_refuses_what_cannot_be_planned(case, message):
         meta[5]["layout"] = "M"
     elif case == "stores":
         meta[0]["address"] = None
+    elif case == "ids":
+        meta[4]["replica"], meta[5]["replica"] = "a", "b"
+    elif case == "same":
+        meta = _metadata(replicas=("a",) * 4)
     else:
         del meta[5]
     with pytest.raises(VerlEngineError) as err:

@@ -173,10 +173,12 @@ class LayoutlangCheckpointEngine(CheckpointEngine):
                                   "engine with one (`.module`)")
         self.role, self.module = TRAINER, _module_of(module)
 
-    def bind_rollout(self, target, layout: str, *, rank: int) -> None:
+    def bind_rollout(self, target, layout: str, *, rank: int, replica: str | None = None) -> None:
         """This rollout worker, TP rank `rank` of its replica, writes `target` (a module's
         parameters, or a name -> tensor mapping) in place, described by `layout` (the text of ONE
         replica, e.g. `layoutlang.integrations.vllm.engine_layout(config, dtype=..., tp=TP)`).
+        `replica`: the replica's id, the same on all its workers (verl's `replica_rank` makes
+        one: `f"rollout-{replica_rank}"`); None: the topology numbers replicas by position.
         The parameters are checked against the layout now (names, shapes, dtypes, contiguity)."""
         from layoutlang.elaborate import loads
 
@@ -191,14 +193,15 @@ class LayoutlangCheckpointEngine(CheckpointEngine):
             raise VerlEngineError("the rollout's parameters are not its layout, nothing was moved: "
                                   + "; ".join(problems[:8]))
         self.role, self.targets, self.infer = ROLLOUT, live.tensors(), layout
-        self.rollout_rank, self.rollout_ranks = rank, one.ranks
+        self.rollout_rank, self.rollout_ranks, self.replica = rank, one.ranks, replica
 
     # ---- verl's calls, in CheckpointEngineManager.update_weights's order --------------------
     def prepare(self) -> dict:
         """Trainer rank 0: host the job's store (once) and publish its address. A rollout worker:
         publish its replica's layout and rank count. Every worker: its role."""
         if self.role == ROLLOUT:
-            return {"role": ROLLOUT, "layout": self.infer, "ranks": self.rollout_ranks, "rank": self.rollout_rank}
+            return {"role": ROLLOUT, "layout": self.infer, "ranks": self.rollout_ranks, "rank": self.rollout_rank,
+                    "replica": self.replica}
         self.role = TRAINER
         if self.is_master and self.store is None:
             import torch.distributed as dist
@@ -243,7 +246,15 @@ class LayoutlangCheckpointEngine(CheckpointEngine):
                 raise VerlEngineError(f"rollout workers {i * ranks}..{(i + 1) * ranks - 1} (replica {i}) are ranks "
                                       f"{held} of their replicas: verl lists each replica's workers together, "
                                       f"so they must be ranks 0..{ranks - 1} of one replica")
-        ids = [f"{prefix}-{i}" for i in range(replicas)]
+        ids = []
+        for i in range(replicas):
+            named = {m.get("replica") for m in rollouts[i * ranks:(i + 1) * ranks]}
+            if len(named) != 1:
+                raise VerlEngineError(f"rollout workers {i * ranks}..{(i + 1) * ranks - 1} (replica {i}) name "
+                                      f"different replica ids {sorted(map(str, named))}")
+            ids.append(named.pop() or f"{prefix}-{i}")
+        if len(set(ids)) != len(ids):
+            raise VerlEngineError(f"replica ids {ids} repeat: each replica needs its own")
         n = actor_wg_world_size
         rank_of = [m["rank"] for m in rollouts]
         actor_kwargs = {"role": [TRAINER] * n, "rank": list(range(n)), "world_size": [n] * n,
