@@ -3,7 +3,8 @@
     jobs_fault_program.py DIR trainer RANK
     jobs_fault_program.py DIR engine REPLICA RANK [strided | idle]
 
-DIR/config.json holds the store's address, the layouts, the timeout and the budget. The
+DIR/config.json holds the store's address, the layouts, the timeout and the budget (and
+the trainer job's "transport", an engine's "engine_transport": "auto" unless given). The
 test forks each process from a warm parent (layoutlang/runtime/zygote.py), so a replica restarts in
 a fraction of a second; every process is its own job (no default process group, its own
 connections), and dies with that parent.
@@ -20,7 +21,8 @@ the error). The test's fault: DIR/kill-<replica>-<rank>.json = {"refit": n, "buc
 test seam: nothing in the runtime is patched); with "stop": true it sends itself SIGTERM
 instead, as a launcher stopping a replica's other ranks does, and its handler shuts the rank
 down gracefully: SystemExit out of `receive`, then `shutdown` seconds alive (an engine
-draining its requests) before it exits. `idle`: joins the job and never receives.
+draining its requests) before it exits; with "pause": true it stops itself (SIGSTOP: a
+stalled rank, alive, not reading) until the test continues it. `idle`: joins the job and never receives.
 Nothing is printed: the test reads stderr, which a healthy job leaves empty.
 """
 
@@ -71,6 +73,9 @@ class Faults(RefitHooks):
             if kill.get("stop"):  # its launcher stops it (SIGTERM) as it starts this bucket
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+            if kill.get("pause"):  # it stalls (SIGSTOP) until the test continues it
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
             if kill["after"] <= 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             threading.Timer(kill["after"], os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -80,7 +85,8 @@ def trainer(where: Path, cfg: dict, rank: int) -> int:
     layout = load(cfg["train"])
     job = TrainerJob(cfg["train"], cfg["infer"], address=cfg["address"], rank=rank, world_size=2,
                      timeout=timedelta(seconds=cfg["timeout"]), budget_bytes=cfg["budget"],
-                     hooks=Faults(where, "trainer", rank), connect_timeout=timedelta(seconds=60))
+                     hooks=Faults(where, "trainer", rank), connect_timeout=timedelta(seconds=60),
+                     transport=cfg.get("transport", "auto"))
     n = 0
     while True:
         n += 1
@@ -95,7 +101,8 @@ def trainer(where: Path, cfg: dict, rank: int) -> int:
         began = time.time()
         try:
             report = job.refit(tensors, version=10 * n, expect=tuple(command.get("expect", ())))
-            record = {"replicas": sorted(report.replicas), "missed": sorted(report.missed), "reasons": report.reasons}
+            record = {"replicas": sorted(report.replicas), "missed": sorted(report.missed), "reasons": report.reasons,
+                      "transports": report.transports}
         except RefitError as exc:
             record = {"error": str(exc)}
         _write(where / f"report-{n}-{rank}.json", {**record, "began": began, "at": time.time()})
@@ -108,7 +115,7 @@ def engine(where: Path, cfg: dict, rid: str, rank: int, mode: str) -> int:
         tensors = strided(tensors)
     eng = EngineJob(cfg["infer"], address=cfg["address"], replica=rid, rank=rank, world_size=2,
                     timeout=timedelta(seconds=cfg["timeout"]), hooks=Faults(where, f"{rid}-{rank}"),
-                    connect_timeout=timedelta(seconds=60))
+                    connect_timeout=timedelta(seconds=60), transport=cfg.get("engine_transport", {}).get(rid, "auto"))
     signal.signal(signal.SIGTERM, _stop)
     try:
         return _receive(where, cfg, rid, rank, mode, layout, tensors, eng)

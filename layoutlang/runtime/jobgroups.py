@@ -24,6 +24,14 @@ verification, walked once per refit, with three differences the job's protocol
 whole walk, and on a trainer rank a failed transfer drops the replica at its other end
 instead of failing the step (its later messages are not posted, the walk goes on for the
 others).
+
+Transports between jobs (`TrainerJob(..., transport=)`, docs/jobs.md "Transports"): beside its
+group, a replica's pairs of ranks on one host may be linked through shared memory
+(`MemoryLinks`, layoutlang/runtime/memlinks.py), met in the job's store under the group's
+name: "auto" links every pair whose two ranks share a host (CPU tensors), "memory" every
+pair (a pair that cannot be linked drops its replica, naming the pair), "group" none. A
+linked pair's messages go through its links, every other through the group; a failure of
+either loses the replica alike, and `sever` closes both.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -41,10 +50,29 @@ import torch
 import torch.distributed as dist
 
 from layoutlang.compiler import Plan
+from layoutlang.diagnostics import UsageError
 
 from .errors import RefitError, first_line
+from .memlinks import LinkError, MemoryLinks, Message as LinkMessage, Work as LinkWork, wait_all
 from .refit import Refitter, StagingMeter, as_given, not_contiguous
-from .transport import Transport
+from .transport import TRANSPORTS, Transport, transport_class
+
+JOB_TRANSPORTS = ("auto", "group", "memory")   # what moves bytes between jobs (docs/jobs.md "Transports")
+STOPPED_GRACE = 0.5   # s a linked peer's process may be stopped (SIGSTOP) before its replica is dropped
+ENV_MODE = "LAYOUTLANG_MEMORY_MODE"   # "ring": every channel a ring (as for transport_memory.py)
+
+
+def job_transport(name) -> str:
+    """A transport name a job takes: "auto", "group" or "memory"; an unknown name is the
+    registry's UsageError, a known one not built between jobs (NIXL) a UsageError saying so."""
+    if not isinstance(name, str) or name not in JOB_TRANSPORTS:
+        if not isinstance(name, str) or name not in TRANSPORTS:
+            transport_class(name if isinstance(name, str) else repr(name))  # (raises: names the known ones)
+        raise UsageError(f"transport {name!r} is not built between jobs yet: a trainer job and its replicas "
+                         "move bytes by \"auto\", \"group\" or \"memory\"",
+                         help="leave transport out (\"auto\": shared memory between the ranks of one host, "
+                              "the replica's process group for the others)")
+    return name
 
 
 _LAZY = threading.Lock()
@@ -113,6 +141,46 @@ class ReplicaGroup:
     pg: object
     connected: set = field(default_factory=set)
     severed: bool = False     # its connections are closed (`sever`): it is never used again
+    store: object = None      # the job's store, where its links meet (`link`)
+    links: dict = field(default_factory=dict)   # (plan, slot) -> this rank's MemoryLinks in it
+
+
+def link(group: ReplicaGroup, key: str, me: int, peers, transport: str, device: torch.device,
+         deadline: float, who) -> tuple[MemoryLinks | None, str | None]:
+    """This rank's shared-memory links to `peers` (ranks in the group) for the walks of plan and
+    slot `key`, connected by `deadline`: (the links, None), (None, None) where the transport
+    links nothing, or (None, why) where a pair cannot be linked ("memory"). "auto" links the
+    pairs on this host (CPU tensors); the rest keep the group. Met in the job's store under the
+    group's name, so a new group (a restarted replica) gets new links; kept for the group's
+    next refits of the same plan."""
+    if transport == "group" or (transport == "auto" and device.type != "cpu") or not peers:
+        return None, None
+    links = group.links.get(key)
+    if links is not None:
+        return links, None
+    links = MemoryLinks(group.store, f"links/{group.name}/{key}", me, peers, mode=os.environ.get(ENV_MODE) or None,
+                        local_only=transport == "auto", watch_stopped=STOPPED_GRACE)
+    try:
+        links.connect(deadline)
+    except LinkError as exc:
+        return None, f"the memory transport cannot link {who(me)} and {who(exc.peer)}: {_named(exc, who)}"
+    if group.severed:  # (given up meanwhile: a trainer rank's connect thread that ran late)
+        links.sever()
+    group.links[key] = links
+    return links, None
+
+
+def _named(exc: LinkError, who) -> str:
+    """A LinkError's reason with its group ranks named as the job names them."""
+    return re.sub(r"\b(peer )?rank (\d+)\b", lambda m: who(int(m.group(2))), exc.reason)
+
+
+def close_links(group: "ReplicaGroup | None") -> None:
+    """Unmap this rank's links in a group that is not used again (its files are long unlinked)."""
+    if group is not None:
+        for links in group.links.values():
+            links.close()
+        group.links.clear()
 
 
 def hello(group: ReplicaGroup, peers, sending: bool, device: torch.device, deadline: float) -> str | None:
@@ -152,10 +220,13 @@ def sever(group: "ReplicaGroup | None") -> None:
     `abort` and `shutdown` leave the pairs open): a wait that runs out closes every pair of the
     group's context ("Application timeout caused pair closure"), so one receive on a tag no
     message carries, from a peer already connected, waited on for a millisecond, does it. NCCL:
-    `abort`. The group is never used again (its replica's next refit gets a new one)."""
+    `abort`. The group is never used again (its replica's next refit gets a new one). Its
+    shared-memory links close too (`MemoryLinks.sever`: the other ends fail at once)."""
     if group is None or group.severed:
         return
     group.severed = True
+    for links in list(group.links.values()):
+        links.sever()
     pg = group.pg
     try:
         if isinstance(pg, dist.ProcessGroupGloo):
@@ -181,6 +252,7 @@ class Membership:
     replica_ranks: int              # R, every replica's size
     replicas: tuple[str, ...]       # replica ids, slot i = index
     groups: tuple                   # per slot, its ReplicaGroup (None where not built on this rank)
+    transport: str = "group"        # "auto", "group" or "memory": the trainer job's (`link`)
 
     @property
     def copies(self) -> int:
@@ -213,6 +285,7 @@ class _Message:
     peer: int       # the other end's rank in `group`
     rank: int       # the other end's plan rank
     tag: int = 0
+    links: object = None   # the pair's MemoryLinks where it is linked (the message goes there)
 
 
 class _Done:
@@ -254,6 +327,10 @@ class ReplicaTransport(Transport):
         self.dropped: dict[int, str] = {}
         self.skip: set[int] = set()      # plan ranks this rank no longer posts to (gone, unreachable)
         self.deadline = math.inf         # the walk's one deadline (time.monotonic())
+        self.links: dict[int, MemoryLinks] = {}   # slot -> this walk's links with that replica (`connect`)
+        self.peers: dict[int, set[int]] = {}      # slot -> the group ranks this rank's ops meet there
+        self.on = torch.device("cpu")             # the device the walk's messages are on
+        self.unreached: set[int] = set()
 
     @property
     def trainer_side(self) -> bool:
@@ -272,7 +349,8 @@ class ReplicaTransport(Transport):
         return op.dst_rank if op.src_rank == self.rank else op.src_rank
 
     def connect(self, ops, device: torch.device, deadline: float) -> None:
-        """Connect every pair these ops use, before the refit's go (`hello`). A trainer rank
+        """Connect every pair these ops use, before the refit's go: its shared-memory links where
+        the transport links it (`link`), else its group's connection (`hello`). A trainer rank
         drops the replicas it cannot reach (one thread each: a dead one costs only its own);
         an engine rank raises ReplicaLost."""
         m = self.membership
@@ -281,17 +359,18 @@ class ReplicaTransport(Transport):
             if op.src_rank != op.dst_rank:
                 other = self._other_end(op)
                 peers.setdefault(m.slot_of(other if self.trainer_side else self.rank), set()).add(m.group_rank(other))
-        self.dropped, self.skip = {}, set()
+        self.dropped, self.skip, self.links, self.peers, self.on = {}, set(), {}, peers, device
+        self.unreached: set[int] = set()   # slots this rank could not connect to (nothing moved there)
         if not self.trainer_side:
             for slot, ranks in peers.items():
-                why = hello(m.groups[slot], ranks, False, device, deadline)
+                why = self._join(slot, ranks, device, deadline)
                 if why:
                     raise ReplicaLost(f"the trainer's ranks could not reach it: {why}")
             return
         found: dict[int, str | None] = {}
 
         def one(slot: int, ranks: set[int]) -> None:
-            found[slot] = hello(m.groups[slot], ranks, True, device, deadline)
+            found[slot] = self._join(slot, ranks, device, deadline)
 
         threads = {slot: threading.Thread(target=one, args=(slot, ranks), daemon=True) for slot, ranks in peers.items()}
         for t in threads.values():
@@ -300,29 +379,97 @@ class ReplicaTransport(Transport):
             t.join(max(deadline - time.monotonic(), 0.0))
             why = found.get(slot, f"its ranks did not connect within {self.host.timeout.total_seconds():g} s")
             if why:
+                self.unreached.add(slot)
                 self.dropped[slot] = f"replica {m.replicas[slot]}: {why}"
                 self.skip.update(m.plan_ranks(slot))
                 sever(m.groups[slot])
 
+    def _join(self, slot: int, ranks: set[int], device: torch.device, deadline: float) -> str | None:
+        """Connect this rank's pairs with one replica: links first (which pairs they take is
+        decided alike at both ends), then the group for the rest. None, or why not."""
+        m = self.membership
+        group = m.groups[slot]
+        key = f"{self.host.plan.digest[:16]}.{slot}"
+        links, why = link(group, key, m.group_rank(self.rank), ranks, m.transport, device, deadline,
+                          lambda g: self._who_in_group(slot, g))
+        if why:
+            return why
+        if links is not None:
+            self.links[slot] = links
+            ranks = {r for r in ranks if r not in links.peers}
+        return hello(group, ranks, self.trainer_side, device, deadline)
+
+    def _who_in_group(self, slot: int, group_rank: int) -> str:
+        m = self.membership
+        if group_rank < m.trainer:
+            return f"trainer rank {group_rank}"
+        return f"replica {m.replicas[slot]} rank {group_rank - m.trainer}"
+
+    def carrier(self, peer: int) -> str:
+        """What moves this rank's messages with plan rank `peer`: "memory (cma)", "memory (ring)",
+        "memory (cuda-ipc)" through the pair's links, else "group (gloo)" / "group (nccl)"."""
+        m = self.membership
+        slot = m.slot_of(peer if self.trainer_side else self.rank)
+        links, g = self.links.get(slot), m.group_rank(peer)
+        if links is not None and g in links.peers:
+            if self.on.type == "cuda":
+                return "memory (cuda-ipc)"
+            me = m.group_rank(self.rank)
+            modes = sorted({mode for pair, mode in links.modes.items() if pair in ((me, g), (g, me))})
+            return f"memory ({', '.join(modes)})" if modes else "memory"
+        pg = m.groups[slot].pg if m.groups[slot] is not None else None
+        if isinstance(pg, dist.ProcessGroupGloo):
+            return "group (gloo)"
+        return "group (nccl)" if pg is not None else "group"
+
+    def carriers(self) -> dict[str, str]:
+        """Replica id -> what moved this rank's pairs with it in the last walk ("memory (cma)",
+        "group (gloo)", or both, comma-separated, where its pairs went both ways)."""
+        m = self.membership
+        out = {}
+        for slot in sorted(set(self.peers) - self.unreached):
+            plan_ranks = ([self._plan_rank(slot, g) for g in self.peers[slot]] if self.trainer_side
+                          else list(self.peers[slot]))
+            out[m.replicas[slot]] = ", ".join(sorted({self.carrier(r) for r in plan_ranks}))
+        return out
+
+    def _plan_rank(self, slot: int, group_rank: int) -> int:
+        m = self.membership
+        return group_rank if group_rank < m.trainer else m.trainer + (group_rank - m.trainer) * m.copies + slot
+
     def message(self, sending: bool, buf: torch.Tensor, rank: int) -> _Message:
         m = self.membership
         slot = m.slot_of(rank if self.trainer_side else self.rank)
-        return _Message(sending, buf, slot, m.groups[slot].pg, m.group_rank(rank), rank)
+        g = m.group_rank(rank)
+        links = self.links.get(slot)
+        if links is not None and g not in links.peers:
+            links = None
+        return _Message(sending, buf, slot, m.groups[slot].pg, g, rank, links=links)
 
     def resolved(self, messages: list):
         return None  # a walk is never recorded (no steady steps between jobs)
 
     def post(self, messages: list, what: str, calls=None) -> list:
-        """Each message in its replica's group; none to or from a rank in `skip` (a dropped
-        replica's ranks: its group is severed, so none of them waits for a message from this
-        rank, and none holds up this rank's walk). A backend that groups messages (NCCL) gets
-        each group's messages of the round as one group."""
+        """Each message through its pair's links or in its replica's group; none to or from a rank
+        in `skip` (a dropped replica's ranks: its group is severed, so none of them waits for a
+        message from this rank, and none holds up this rank's walk). A backend that groups
+        messages (NCCL) gets each group's messages of the round as one group."""
         p2p = messages
         works: list = [DONE] * len(p2p)
         by_group: dict[int, list[int]] = {}
+        by_links: dict[int, list[int]] = {}
         for i, m in enumerate(p2p):
             if m.rank not in self.skip:
-                by_group.setdefault(m.slot, []).append(i)
+                (by_links if m.links is not None else by_group).setdefault(m.slot, []).append(i)
+        for slot, idx in by_links.items():
+            links = p2p[idx[0]].links
+            try:
+                for i, work in zip(idx, links.post([LinkMessage(p2p[i].sending, p2p[i].tensor, p2p[i].peer)
+                                                    for i in idx])):
+                    works[i] = work
+            except LinkError as exc:
+                self._lost(slot, f"posting {len(idx)} {what} failed: {_named(exc, lambda g: self._who_in_group(slot, g))}",
+                           self._plan_rank(slot, exc.peer) if self.trainer_side else exc.peer)
         for slot, idx in by_group.items():
             group = p2p[idx[0]].group
             coalesce = bool(getattr(group, "supports_coalescing", False)) and p2p[idx[0]].tensor.is_cuda
@@ -348,21 +495,30 @@ class ReplicaTransport(Transport):
                     self._lost(slot, f"posting {what} with {self._who(m.rank)} failed: {first_line(exc)}", m.rank)
         return works
 
+    def _live_links(self) -> list:
+        return [links for slot, links in self.links.items() if slot not in self.dropped and not links.severed]
+
     def wait(self, works: list, ops: list, what: str, deadline: float | None = None) -> None:
         """Wait for these transfers by the walk's one deadline; a failure loses the replica at the
-        other end (trainer: dropped, the walk goes on; engine: raised)."""
+        other end (trainer: dropped, the walk goes on; engine: raised). The group's messages are
+        waited for in order, then the links' all at once (`wait_all`); every live link moves
+        meanwhile, so no replica's channels wait on this rank while it waits on another's."""
         deadline = min(deadline if deadline is not None else math.inf, self.deadline)
         m = self.membership
-        for work, op in zip(works, ops):
+        linked: list[int] = []
+        for i, (work, op) in enumerate(zip(works, ops)):
             if work is DONE:
                 continue
             peer = self._other_end(op)
             if peer in self.skip:
                 continue
+            if isinstance(work, LinkWork):
+                linked.append(i)
+                continue
             slot = m.slot_of(peer if self.trainer_side else self.rank)
             left = deadline - time.monotonic()
             try:
-                ok = work.wait(left if left > 0.001 else 0.001)
+                ok = self._group_wait(work, left, deadline)
             except Exception as exc:  # noqa: BLE001 - every transport error loses the replica
                 text = first_line(exc)
                 if "timed out" in text.lower() or "timeout" in text.lower():
@@ -373,6 +529,40 @@ class ReplicaTransport(Transport):
             if ok is False:
                 self._lost(slot, f"{self._who(peer)} did not complete {what} of op {op.id} (`{op.key}`) "
                                  f"within the refit's {self.host.timeout.total_seconds():g} s (stalled or dead)", peer)
+        while linked:
+            linked = [i for i in linked if self._other_end(ops[i]) not in self.skip and not works[i].done]
+            if not linked:
+                return
+            items = [(self.links[m.slot_of(self._other_end(ops[i]) if self.trainer_side else self.rank)], works[i])
+                     for i in linked]
+            try:
+                wait_all(items, deadline, also=self._live_links())
+                return
+            except LinkError as exc:
+                at = linked[exc.index if exc.index is not None else 0]
+                op, peer = ops[at], self._other_end(ops[at])
+                slot = m.slot_of(peer if self.trainer_side else self.rank)
+                if exc.timed_out:
+                    self._lost(slot, f"{self._who(peer)} did not complete {what} of op {op.id} (`{op.key}`) "
+                                     f"within the refit's {self.host.timeout.total_seconds():g} s (stalled or dead)",
+                               peer)
+                else:
+                    text = _named(exc, lambda g: self._who_in_group(slot, g))
+                    self._lost(slot, f"{what} of op {op.id} (`{op.key}`) with {self._who(peer)} failed: {text}", peer)
+
+    def _group_wait(self, work, left: float, deadline: float):
+        """A group message's wait; while some live link has messages pending (a replica linked
+        through shared memory needs this rank to move its channels), by polling the work."""
+        live = self._live_links()
+        if not any(links.pending() for links in live):
+            return work.wait(left if left > 0.001 else 0.001)
+        while not work.is_completed():
+            for links in live:
+                links.progress_quietly()
+            if time.monotonic() >= deadline:
+                return work.wait(0.001)
+            time.sleep(1e-4)
+        return work.wait(max(deadline - time.monotonic(), 0.001))
 
     def _who(self, plan_rank: int) -> str:
         m = self.membership

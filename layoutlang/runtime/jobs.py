@@ -57,7 +57,8 @@ from layoutlang.ir import Layout
 
 from .errors import RefitError
 from .jobplans import KEPT, ReplicaPlans, arg_value, args_json, keep, layout_difference, published, text_digest
-from .jobgroups import JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, failure_text, sever
+from .jobgroups import (JobWalk, Membership, ReplicaGroup, ReplicaLost, build_group, close_links, failure_text,
+                        job_transport, sever)
 from .jobwait import CLOSE_WAIT, bell, born, current_waits, epoch_of, is_strided, ring, sleep_until_rung, wait_value
 from .refit import not_contiguous, shape_problem
 from .rendezvous import Abandoned, Rendezvous, StoreUnreachable
@@ -80,6 +81,9 @@ class JobReport:
     missed: tuple[str, ...]              # members dropped this step, and replicas refused
     reasons: dict[str, str] = field(default_factory=dict)  # missed id -> why
     seconds: float = 0.0
+    # replica id -> what moved the bytes of this trainer rank's pairs with it: "memory (cma)",
+    # "memory (ring)", "group (gloo)", ... ("memory (cma), group (gloo)" where its pairs went both ways)
+    transports: dict[str, str] = field(default_factory=dict)
 
 
 class _Store:
@@ -203,13 +207,19 @@ class TrainerJob:
     `budget_bytes`, `overlap`, `verify`, `keep_staging`, `device` as for Refitter; the engines
     take the first three from the trainer. `expect_wait`: how long rank 0 waits for the replicas
     a refit `expect`s (half the timeout by default), before the refit's own timeout starts.
+    `transport`: what moves the bytes between this job and its replicas (docs/jobs.md
+    "Transports"): "auto" (shared memory for the pairs of ranks on one host, each replica's
+    process group for the others), "memory" (every pair through shared memory: a replica with
+    a pair that cannot is dropped, naming it) or "group"; the engines follow this choice.
     """
 
     def __init__(self, train, infer, *, address: str | None = None, rank: int, world_size: int, store=None,
                  timeout: timedelta | float = timedelta(seconds=60), budget_bytes: int | None = None,
                  verify: bool = False, overlap: bool = False, keep_staging: bool | None = None, device=None,
                  src_args: dict | None = None, dst_args: dict | None = None, hooks=None,
-                 connect_timeout: timedelta | float | None = None, expect_wait: timedelta | float | None = None):
+                 connect_timeout: timedelta | float | None = None, expect_wait: timedelta | float | None = None,
+                 transport: str = "auto"):
+        self.transport = job_transport(transport)
         self.src, self.one = _as_layout(train, src_args), _as_layout(infer, dst_args)
         self.rank, self.world = rank, world_size
         self.who = f"trainer rank {rank}"
@@ -240,7 +250,7 @@ class TrainerJob:
         self._next_generation: dict[str, int] = {}
         if rank == 0:
             text = {"text": self.src.source_text, "args": dict(self.src.args), "path": self.src.path,
-                    "digest": self.src.digest, "ranks": self.src.ranks, **self.options}
+                    "digest": self.src.digest, "ranks": self.src.ranks, "transport": self.transport, **self.options}
             self.kv.set("trainer/layout", json.dumps(text))
             self.kv.set("trainer/closed", "")
 
@@ -298,10 +308,12 @@ class TrainerJob:
         deadline = time.monotonic() + self.timeout.total_seconds()
         strided = self._start(n, problems, ann, deadline, any(w.strided(tensors, None) for w in walks))
         dropped: dict[str, str] = {}
+        carriers: dict[str, str] = {}
         for walk in walks:  # one after the other, all by the one deadline
             membership = walk.membership
             try:
                 walk.walk(n, tensors, None, deadline, cut_strided=strided or members_strided(ann))
+                carriers.update(walk.transport.carriers())
             except Exception as exc:  # noqa: BLE001 - a trainer rank that fails fails the refit everywhere
                 reason = f"trainer rank {self.rank} failed in {walk._phase}: {failure_text(exc)}"
                 self._rv.give_up(self._rv.key(n, "end"), reason, (self.rank,))
@@ -316,7 +328,8 @@ class TrainerJob:
         missed = dict(verdict["missed"])
         for rid in missed:
             self._retire(rid, ann)
-        return JobReport(n, version, tuple(verdict["refit"]), tuple(missed), missed, time.monotonic() - began)
+        return JobReport(n, version, tuple(verdict["refit"]), tuple(missed), missed, time.monotonic() - began,
+                         carriers)
 
     # ---- rank 0 decides who takes part ---------------------------------------------
     def _announce(self, n: int, version, absent: dict | None = None) -> dict:
@@ -411,6 +424,10 @@ class TrainerJob:
                     args = theirs["args"]  # the same text, its own args (an EPLB map): planned for them
                     expected = self.plans.layout(args)
                 why = layout_difference(expected, theirs)
+                asked = theirs.get("transport", "auto")
+                if why is None and asked not in ("auto", self.transport):
+                    why = (f"it asked for transport {asked!r} but the trainer job moves bytes by {self.transport!r} "
+                           "(the trainer's choice counts: give the replica transport=\"auto\" or the trainer's)")
             except (ValueError, TypeError, AttributeError) as exc:
                 why = f"its layout description cannot be read: {exc}"
             except LayoutError as exc:
@@ -444,15 +461,17 @@ class TrainerJob:
             name = m["group"]
             if name not in self._groups:
                 self._groups[name] = ReplicaGroup(name, build_group(self.kv.store, name, self.rank,
-                                                  self.world + self.one.ranks, device, self.timeout))
+                                                  self.world + self.one.ranks, device, self.timeout),
+                                                  store=self.kv.store)
             groups.append(self._groups[name])
-        return Membership(self.world, self.one.ranks, tuple(m["id"] for m in members), tuple(groups))
+        return Membership(self.world, self.one.ranks, tuple(m["id"] for m in members), tuple(groups),
+                          self.transport)
 
     def _retire(self, rid: str, ann: dict) -> None:
         """A dropped replica's group is never used again (its pairs may be broken)."""
         for m in ann["members"]:
             if m["id"] == rid and m["group"] in self._groups:
-                self._groups.pop(m["group"])  # never destroyed (jobgroups._kept): only never used again
+                close_links(self._groups.pop(m["group"]))  # never destroyed (jobgroups._kept): only never used again
         if self.rank == 0:
             self._generation.pop(rid, None)
 
@@ -594,6 +613,8 @@ class TrainerJob:
                 self._close_replicas()
             except (StoreUnreachable, TimeoutError):
                 pass
+        for group in self._groups.values():
+            close_links(group)
         self._groups.clear()
         self._walks.clear()
 
@@ -659,15 +680,19 @@ class EngineJob:
     digits, `.`, `_`, `-`), the same on every rank of the replica and unique among live
     replicas; a restarted replica may reuse it. `version` is the version every element of
     this rank's tensors holds (None before the first refit); `interrupted` is True while they
-    are partly written by a refit that did not complete.
+    are partly written by a refit that did not complete. `transport`: "auto" (the default)
+    takes the trainer job's choice; "group" or "memory" asks for that one, and a trainer job
+    that chose otherwise refuses the replica (the trainer's choice counts: docs/jobs.md).
     """
 
     def __init__(self, infer, *, address: str | None = None, replica: str, rank: int, world_size: int,
                  store=None, timeout: timedelta | float = timedelta(seconds=60), device=None,
                  keep_staging: bool | None = None, args: dict | None = None, hooks=None,
-                 connect_timeout: timedelta | float | None = None):
+                 connect_timeout: timedelta | float | None = None, transport: str = "auto"):
         if not isinstance(replica, str) or not REPLICA_ID.fullmatch(replica):
             raise UsageError(f"replica id {replica!r}: expected letters, digits, `.`, `_` or `-` (at most 128)")
+        self.transport = job_transport(transport)
+        self._theirs = "group"   # the trainer job's transport, as it published it
         self.one = self._base = _as_layout(infer, args)
         self.replica, self.rank, self.world = replica, rank, world_size
         self.who = f"replica {replica} rank {rank}"
@@ -688,7 +713,7 @@ class EngineJob:
         self.kv.set(f"{base}/wait/{rank}", "")
         self.epoch = born(self.kv, replica)  # a new incarnation: waits of earlier ones no longer count
         if rank == 0:
-            self.kv.set(f"{base}/layout", json.dumps(published(self.one)))
+            self.kv.set(f"{base}/layout", json.dumps(self._published()))
             number = self.kv.add("replicas/count", 1) - 1
             self.kv.set(f"replicas/{number}", replica)
         self._prepare()
@@ -710,7 +735,11 @@ class EngineJob:
                              f"{self.replica} has {self.world}")
         self.one = self._base if layout.digest == self._base.digest else layout
         if self.rank == 0:
-            self.kv.set(f"replica/{self.replica}/layout", json.dumps(published(self.one)))
+            self.kv.set(f"replica/{self.replica}/layout", json.dumps(self._published()))
+
+    def _published(self) -> dict:
+        """What rank 0 says of this replica: its layout (`published`) and the transport it asks for."""
+        return {**published(self.one), "transport": self.transport}
 
     def receive(self, tensors, *, wait: timedelta | float | None = None):
         """Block until the next refit this replica takes part in, write it into `tensors` in place,
@@ -797,9 +826,13 @@ class EngineJob:
         walk, fail, group = None, None, None
         try:
             walk = self._walk(ann, entry, copies, slot)
+            if self.transport not in ("auto", self._theirs):
+                raise _error(self.who, n, "setup", f"this replica asked for transport {self.transport!r} but the "
+                             f"trainer job moves bytes by {self._theirs!r}", reusable=False, replica=self.replica,
+                             rank=self.rank, help="give the replica transport=\"auto\" or the trainer's")
             group = self._group_for(member["group"], ann["trainer"], tensors)
             walk.membership = Membership(ann["trainer"], self.one.ranks, tuple(m["id"] for m in together),
-                                         tuple(group if i == slot else None for i in range(copies)))
+                                         tuple(group if i == slot else None for i in range(copies)), self._theirs)
             walk.connect(_device_of(tensors, self.device), time.monotonic() + self.timeout.total_seconds())
         except (RefitError, ReplicaLost) as exc:
             fail = failure_text(exc)
@@ -847,6 +880,8 @@ class EngineJob:
 
     def _fail(self, n: int, phase: str, detail: str, *, touched: bool) -> RefitError:
         """This replica did not complete refit n: its group goes (its pairs may be broken)."""
+        if self._group is not None:
+            close_links(self._group[1])
         self._group = None  # never destroyed (jobgroups._kept): only never used again
         help = ENGINE_AGAIN + ("" if touched else " (nothing was written: the tensors hold version "
                                                   f"{self.version})")
@@ -907,6 +942,7 @@ class EngineJob:
     def _trainer_layout(self):
         """The trainer's layout, as its rank 0 left it in the store (text and args: data)."""
         text = json.loads(self.kv.get("trainer/layout"))
+        self._theirs = text.get("transport", "group")  # (a trainer of an earlier version: its groups)
         if self._trainer is None or self._trainer[0] != text["digest"]:
             src = loads(text["text"], text["path"], {k: arg_value(v) for k, v in text["args"].items()},
                         unknown_args="ignore")
@@ -917,9 +953,11 @@ class EngineJob:
 
     def _group_for(self, name: str, trainer: int, tensors):
         if self._group is None or self._group[0] != name:
+            if self._group is not None:
+                close_links(self._group[1])
             pg = build_group(self.kv.store, name, trainer + self.rank, trainer + self.one.ranks,
                              _device_of(tensors, self.device), self.timeout)
-            self._group = (name, ReplicaGroup(name, pg))
+            self._group = (name, ReplicaGroup(name, pg, store=self.kv.store))
         return self._group[1]
 
     def close(self) -> None:
@@ -930,5 +968,7 @@ class EngineJob:
                 self.kv.set(f"replica/{self.replica}/wait/{self.rank}", "")
             except (StoreUnreachable, TimeoutError):
                 pass
+        if self._group is not None:
+            close_links(self._group[1])
         self._group = None
         self._walks.clear()

@@ -1,0 +1,142 @@
+"""Transports between jobs (docs/jobs.md "Transports"): the fault rules of docs/jobs.md hold when
+the bytes move through shared memory. ONE deployment (tests/test_jobs_faults.py's: a trainer
+job of 2 ranks and 3 replicas of TP2, each process its own job, forked from a warm zygote),
+`TrainerJob(..., transport="memory")`:
+
+    refits 1-3     every replica exact; each trainer rank's JobReport.transports says memory
+                   for each replica (cma where this kernel lets a rank read its peers, else ring)
+    kills          a replica rank SIGKILLed as bucket 0, then bucket 3 starts (the trainer's
+                   bytes moving into it): that replica alone missed, both trainer ranks back
+                   within timeout + 1 s, the others exact; the replica restarted under its id
+                   is exact at the next refit
+    a stall        a replica rank stops itself (SIGSTOP) as bucket 1 starts: that replica alone
+                   missed, well within the timeout; continued, its ranks fail that refit and
+                   the replica is exact at the next one, without a restart
+    agreement      a replica asking for transport="group" is refused with the reason; the
+                   others exact
+
+"auto" (the default) is the same transport here (every pair on one host): tests/test_jobs_faults.py
+runs the whole fault matrix on it and checks its reports say so. Every element of every replica
+is checked against the version it reports (examples/jobs/weights.py, from the layout's coordinates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from layoutlang.runtime import cma
+from layoutlang.runtime.launch import free_port
+from test_jobs_faults import BUDGET, INFER, ROOT, SLACK, TIMEOUT, Deployment, _exact
+
+REPLICAS = ("r0", "r1", "r2")
+
+
+def _memory() -> str:
+    # where Yama's policy is 0 or 1 (each rank allows its readers) a receiver reads its sender
+    return "memory (cma)" if cma.available() and cma.ptrace_scope() in (None, 0, 1) else "memory (ring)"
+
+
+@pytest.mark.timeout(300)
+def test_memory_between_jobs_keeps_every_fault_rule(tmp_path):
+    train = tmp_path / "train.layout"  # the examples' trainer on TP2 alone: 2 ranks
+    train.write_text((ROOT / "examples" / "jobs" / "train.layout").read_text().replace("arg DP = 2", "arg DP = 1"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "address": f"127.0.0.1:{free_port()}", "train": str(train), "infer": str(INFER), "timeout": TIMEOUT,
+        "budget": BUDGET, "shutdown": 2 * TIMEOUT, "transport": "memory", "engine_transport": {"gr": "group"}}))
+    d = Deployment(tmp_path)
+    try:
+        _scenario(d)
+    finally:
+        (tmp_path / "stop").touch()
+        d.close()
+
+
+def _scenario(d: Deployment) -> None:
+    for rank in range(2):
+        d.start(("trainer", rank), "trainer", str(rank))
+    receives = {}
+    for rid in REPLICAS:
+        for rank in range(2):
+            d.start((rid, rank), "engine", rid, str(rank), *(["strided"] if rid == "r0" else []))
+            receives[(rid, rank)] = 0
+
+    def refit(**extra) -> tuple[int, dict]:
+        for who in receives:
+            d.until(lambda who=who: d.waiting(who))
+        n = d.refit(expect=list(REPLICAS), **extra)
+        return n, d.report(n)
+
+    def took(report: dict) -> float:
+        return report["at"] - report["began"]
+
+    def exact(rids) -> None:
+        for rid in rids:
+            for rank in range(2):
+                receives[(rid, rank)] += 1
+            _exact(d, rid, 10 * d.n, receives[(rid, 0)])
+
+    for _ in range(3):
+        n, report = refit()
+        assert report.get("replicas") == list(REPLICAS), report
+        exact(REPLICAS)
+        for trainer_rank in range(2):
+            assert d.report(n, trainer_rank)["transports"] == {rid: _memory() for rid in REPLICAS}, d.report(n, trainer_rank)
+
+    def one_missed(n: int, report: dict, rid: str, where: str) -> None:
+        assert report.get("missed") == [rid], (where, report)
+        assert report["replicas"] == sorted(set(REPLICAS) - {rid}), (where, report)
+        assert f"replica {rid}" in report["reasons"][rid], (where, report)
+        for trainer_rank in range(2):
+            assert took(d.report(n, trainer_rank)) <= TIMEOUT + SLACK, (where, trainer_rank, d.report(n, trainer_rank))
+        exact(set(REPLICAS) - {rid})
+
+    for rid, rank, bucket in (("r1", 1, 0), ("r2", 0, 3)):
+        (d.where / f"kill-{rid}-{rank}.json").write_text(json.dumps({"refit": d.n + 1, "bucket": bucket, "after": 0}))
+        n, report = refit()
+        where = f"killed {rid} rank {rank} at bucket {bucket} of refit {n}"
+        one_missed(n, report, rid, where)
+        assert d.exit_code(d.pids[(rid, rank)]) == -signal.SIGKILL, where
+        other = (rid, 1 - rank)  # it fails this refit at once (the trainer severed), then waits again
+        row = d.lines(other, receives[other] + 1)[-1]
+        assert "error" in row and f"replica {rid} rank {1 - rank}: refit {n}" in row["error"], (where, row)
+        d.kill(other)
+        for r in range(2):  # the replica restarts under its id
+            d.start((rid, r), "engine", rid, str(r))
+            receives[(rid, r)] = 0
+        refit()
+        exact(REPLICAS)
+
+    # a stalled rank: stopped as bucket 1 starts, alive, not reading
+    stalled = ("r1", 0)
+    (d.where / "kill-r1-0.json").write_text(json.dumps({"refit": d.n + 1, "bucket": 1, "after": 0, "pause": True}))
+    n, report = refit()
+    one_missed(n, report, "r1", f"stopped r1 rank 0 at bucket 1 of refit {n}")
+    assert "stopped" in report["reasons"]["r1"], report
+    os.kill(d.pids[stalled], signal.SIGCONT)
+    for r in range(2):  # both fail refit n and wait again, whole: the next refit takes them
+        row = d.lines(("r1", r), receives[("r1", r)] + 1)[-1]
+        assert "error" in row and f"replica r1 rank {r}: refit {n}" in row["error"], row
+        receives[("r1", r)] += 1
+    refit()
+    exact(REPLICAS)
+
+    # a replica whose own choice differs from the trainer's is refused; the others go on
+    for r in range(2):
+        d.start(("gr", r), "engine", "gr", str(r))
+    d.until(lambda: d.waiting(("gr", 0)) and d.waiting(("gr", 1)))
+    n, report = refit()
+    assert report["replicas"] == list(REPLICAS) and report["missed"] == ["gr"], report
+    assert report["reasons"]["gr"].startswith("replica gr refused: it asked for transport 'group' but the trainer "
+                                              "job moves bytes by 'memory'"), report
+    exact(REPLICAS)
+    row = d.lines(("gr", 0), 1)[-1]
+    assert "the trainer refused this replica: it asked for transport 'group'" in row["error"], row
+    d.kill(("gr", 1))  # (its rank 0 waits again; the trainer's close ends it)
+
+    d.refit(stop=True)
+    for rank in range(2):
+        assert d.exit_code(d.pids[("trainer", rank)], 30) == 0, d.logs()
