@@ -65,6 +65,8 @@ def test_three_updates_exact_in_every_rollout_rank(run, arch):
     assert [x["step"] for x in steps] == [1, 2, 3]
     for x in steps:
         assert len(x["checks"]) == 4  # 2 replicas x TP2
+        assert [(c["replica"], c["rank"]) for c in x["checks"]] == [("replica-0", 0), ("replica-0", 1),
+                                                                    ("replica-1", 0), ("replica-1", 1)]
         for c in x["checks"]:
             assert c["bad"] == [], f"step {x['step']}: rank {c['rank']} differs in {c['bad'][:5]}"
             assert c["elements"] > 0

@@ -364,14 +364,15 @@ def actor_classes():
     class RolloutWorker:
         """A rollout worker: vLLM's layout of both models at TP rank `rank` (its parameters)."""
 
-        def __init__(self, rank: int):
+        def __init__(self, rank: int, replica: str):
             from layoutlang.integrations.vllm import engine_layout
 
             self.rank, self.models, self.engines, self.meters, self.calls = rank, {}, {}, {}, []
             for arch, cfg in ARCHS.items():
                 self.models[arch] = rollout_model(cfg, rank)
                 engine = new_engine(verl_config())     # as CheckpointEngineWorker builds it
-                engine.bind_rollout(self.models[arch], engine_layout(cfg, dtype="float32", tp=TP), rank=rank)
+                engine.bind_rollout(self.models[arch], engine_layout(cfg, dtype="float32", tp=TP), rank=rank,
+                                    replica=replica)
                 self.engines[arch] = engine
             self.arch = None
 
@@ -402,7 +403,7 @@ def actor_classes():
             have = dict(self.models[arch].named_parameters())
             bad = sorted(set(want) ^ set(have)) + [n for n in want if n in have and not torch.equal(have[n], want[n])]
             m = self.meters[arch]
-            return {"rank": self.rank, "bad": bad, "elements": sum(t.numel() for t in want.values()),
+            return {"rank": self.rank, "replica": self.engines[arch].topology["replica"], "bad": bad, "elements": sum(t.numel() for t in want.values()),
                     "version": self.engines[arch].version, "peak": m.peak, "gathers": m.gathers,
                     "budget": self.engines[arch].budget_bytes}
 
@@ -489,7 +490,7 @@ def main(tmp: str, bench: bool) -> bool:
         Trainer, Rollout = actor_classes()
         port = free_port()
         trainers = [Trainer.remote(r, TRAINERS, port) for r in range(TRAINERS)]
-        rollouts = [Rollout.remote(t) for _ in range(REPLICAS) for t in range(TP)]
+        rollouts = [Rollout.remote(t, f"replica-{i}") for i in range(REPLICAS) for t in range(TP)]
         up = ray.get([a.pid.remote() for a in trainers + rollouts])
         say(ray="up", pids=[p for p, _ in up], cpu=[round(c, 2) for _, c in up], seconds=time.monotonic() - began)
         actor_wg = RayWorkerGroup(worker_handles=trainers, ray_cls_with_init=RayClassWithInitArgs(cls=Trainer))
