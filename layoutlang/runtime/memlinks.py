@@ -350,7 +350,11 @@ class MemoryLinks:
             if self.force == "cma" and not cma_ok:
                 raise LinkError(peer, f"this rank cannot read process {pid} of rank {peer} with process_vm_readv "
                                       f"(ptrace policy {cma.ptrace_scope()}, or another pid namespace)")
-            path = self._create(CMA if cma_ok else RING)
+            try:
+                path = self._create(CMA if cma_ok else RING)
+            except OSError as exc:
+                raise LinkError(peer, f"cannot create the channel from rank {peer} in {shm_dir()}: {exc.strerror} "
+                                      "(a /dev/shm too small? transport=\"group\" needs none)") from None
             self.inn[peer] = _Channel(peer, self._map(path), False)
             self.store.set(f"{self.prefix}/ch/{peer}/{self.me}", path)
         for peer in self.peers:  # the channel me -> peer: its receiver made it
@@ -390,6 +394,9 @@ class MemoryLinks:
         self.created.append(path)
         try:
             os.ftruncate(fd, size)
+            # the pages now: a /dev/shm too small (a container's 64 MiB) fails here, not as a
+            # SIGBUS at a later write into the mapping
+            os.posix_fallocate(fd, 0, size)
             seg = _Segment(fd, size)
         finally:
             os.close(fd)
