@@ -181,7 +181,11 @@ def test_fsdp1_flat_parameter_refits_into_tp2_and_back_on_gloo(tmp_path):
 
     (tmp_path / "fsdp1.layout").write_text(FSDP1_TEXT)
     (tmp_path / "tp2.layout").write_text(TP2_TEXT)
-    for src, dst in (("fsdp1", "tp2"), ("tp2", "fsdp1")):
+    # and from a quantized engine (mxfp8, dequantized by the sender) into a flat destination: the
+    # worker locates each flat element's key coordinate in the source shard that sent it
+    (tmp_path / "mx.layout").write_text("mesh infer (tp=2)\ntensor w [7, 64 over tp] mxfp8\n")
+    (tmp_path / "zero3.layout").write_text("mesh train (dp=2)\ntensor w.ds [flat([7, 64] as w) pad dp over dp] fp32\n")
+    for src, dst in (("fsdp1", "tp2"), ("tp2", "fsdp1"), ("mx", "zero3")):
         job = {"src": str(tmp_path / f"{src}.layout"), "dst": str(tmp_path / f"{dst}.layout"), "args": {},
                "verify": True, "budget": None}
         results = launch(job, 2, timeout=120)

@@ -161,6 +161,28 @@ class Expected:
     choices: tuple[torch.Tensor, ...] = ()
 
 
+def _key_coordinates(r: KeyRegion, coords: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per key dim, each local element's coordinate in the key (-1: not in the key), broadcastable
+    to the local shape. A flat dim's key (docs/language.md 14.9) unravels its one stored dim: the
+    key's elements lie there in row-major order."""
+    dims = len(coords)
+    if r.shape is not None:
+        (lo, hi), c = r.box[0], coords[0]
+        inside = (c >= lo) & (c < hi)
+        offset = (c - lo).clamp_min(0)
+        out, stride = [], 1
+        for n in reversed(r.shape):
+            out.append(torch.where(inside, (offset // stride) % n, -1))
+            stride *= n
+        return out[::-1]
+    out = []
+    for d in key_axes(r):
+        lo, hi = r.box[d]
+        c = coords[d]
+        out.append(_view(torch.where((c >= lo) & (c < hi), c - lo, -1), d, dims))
+    return out
+
+
 def _locate(s: TensorIR, rank: int, rs: KeyRegion, rt: KeyRegion, dst_coords: list[torch.Tensor]):
     """(held, index), or None: which elements of key `rt.key` in the destination's local
     storage (coordinates `dst_coords`) source shard (s, rank) holds, and where in its storage.
@@ -168,13 +190,13 @@ def _locate(s: TensorIR, rank: int, rs: KeyRegion, rt: KeyRegion, dst_coords: li
     From the layouts alone, by key coordinate: the destination's region `rt` and the
     source's `rs` hold the same key; key dim j lies on stored dim key_axes(rt)[j]
     here and key_axes(rs)[j] there (a transposed side reverses them, a stacked dim is
-    none of them). Per key dim, invert the shard's runs (key coordinate -> local
-    index); a stacked source dim is the one local index that holds the key's stack
-    index (none: the shard does not hold the key). `index` indexes the source's
-    local storage and broadcasts to the destination's local shape.
+    none of them; a flat dim's key lies row-major on its one dim, `_key_coordinates`).
+    Per key dim, invert the shard's runs (key coordinate -> local index); a stacked
+    source dim is the one local index that holds the key's stack index (none: the shard
+    does not hold the key). `index` indexes the source's local storage and broadcasts to
+    the destination's local shape.
     """
     src_coords = _coords(s, rank)
-    dims = len(dst_coords)
     index: list[torch.Tensor | None] = [None] * len(src_coords)
     for d in rs.stacked:
         found = (src_coords[d] == rs.box[d][0]).nonzero()
@@ -182,16 +204,23 @@ def _locate(s: TensorIR, rank: int, rs: KeyRegion, rt: KeyRegion, dst_coords: li
             return None
         index[d] = found[0, 0]
     held = _inside(rt, dst_coords)
-    for ds, dt in zip(key_axes(rs), key_axes(rt)):
-        (slo, shi), (tlo, thi) = rs.box[ds], rt.box[dt]
-        sc, dc = src_coords[ds], dst_coords[dt]
+    want = _key_coordinates(rt, dst_coords)
+    if rs.shape is not None:  # a flat source: its one dim holds the key's row-major index
+        flat, stride = torch.zeros((), dtype=torch.int64), 1
+        for k, n in zip(reversed(want), reversed(rs.shape)):
+            flat = flat + k.clamp_min(0) * stride
+            stride *= n
+        pairs = [(0, flat, rs.box[0])]
+    else:
+        pairs = [(ds, k, rs.box[ds]) for ds, k in zip(key_axes(rs), want)]
+    for ds, k, (slo, shi) in pairs:
+        sc = src_coords[ds]
         inverse = torch.full((shi - slo,), -1, dtype=torch.int64)
         mine = (sc >= slo) & (sc < shi)
         inverse[sc[mine] - slo] = torch.arange(sc.numel())[mine]
-        wanted = (dc >= tlo) & (dc < thi)
-        local = torch.where(wanted, inverse[(dc - tlo).clamp(0, thi - tlo - 1)], -1)
-        held = held & _view(local >= 0, dt, dims)
-        index[ds] = _view(local.clamp_min(0), dt, dims)
+        local = torch.where(k >= 0, inverse[k.clamp(0, shi - slo - 1)], -1)
+        held = held & (local >= 0)
+        index[ds] = local.clamp_min(0)
     return held, tuple(index)
 
 
