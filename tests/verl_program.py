@@ -28,6 +28,7 @@ Every line printed is JSON; the last is {"ok": true, ...} or the program exits 1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -198,6 +199,12 @@ class Meter:
         self.guard = guard
 
     def run(self, fn, *args, **kwargs):
+        with self.watch():
+            return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Meter this thread's torch ops (and, with `guard`, make DTensor gathers raise) inside."""
         from torch.distributed.tensor import DTensor
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
@@ -228,7 +235,7 @@ class Meter:
             DTensor.full_tensor = DTensor.redistribute = refuse
         try:
             with Mode():
-                return fn(*args, **kwargs)
+                yield self
         finally:
             DTensor.full_tensor, DTensor.redistribute = saved
 
@@ -243,7 +250,12 @@ class Meter:
 
 
 def storage_of(t) -> tuple[int, int]:
-    """(data pointer, bytes) of a plain tensor's storage; (0, 0) for anything else (a DTensor)."""
+    """(data pointer, bytes) of a tensor's storage (a DTensor's: its local shard's); (0, 0) for
+    anything else."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter or t.device.type == "meta":
         return 0, 0
     storage = t.untyped_storage()
@@ -330,7 +342,8 @@ def actor_classes():
             engine.hooks = self.counters.setdefault(self.arch, SendCounter())
             before = engine.hooks.sent
             training_engine = type("Engine", (), {"module": self.models[self.arch]})()
-            metrics = await engine.send_weights(training_engine, global_steps=global_steps)
+            with meter.watch():  # this thread too (describing, the local tensors): no gather, no copy
+                metrics = await engine.send_weights(training_engine, global_steps=global_steps)
             meter.sent = engine.hooks.sent - before
             self.meters[self.arch] = meter
             return metrics
