@@ -19,9 +19,10 @@ rollout worker passes `receive_weights(...)` to its server adapter, which iterat
 Expected values never come from layoutlang: each step the trainer's full weights are
 `full_tensor()` of every parameter (torch's own gather, computed here for the check only),
 and each rollout rank's tensors are cut from them by vLLM's storage rules written out below
-(`expected`). Every refit runs under an allocation meter (a TorchDispatchMode in the thread the
-refit runs in) with `DTensor.full_tensor` / `redistribute` made to raise: the bytes a refit
-allocates on an actor stay within the budget. `--bench` adds verl's `nccl`-style path (rank 0
+(`expected`). Every update runs under an allocation meter (a TorchDispatchMode in the actor's
+thread and in the thread the refit runs in) with `DTensor.full_tensor` / `redistribute` made to
+raise: the bytes an update allocates on an actor stay within the budget (torch's allocations;
+the jobs' shared-memory links, docs/runtime.md, are outside torch). `--bench` adds verl's `nccl`-style path (rank 0
 gathers every full tensor and sends each to the rollout group) measured in the same session.
 Every line printed is JSON; the last is {"ok": true, ...} or the program exits 1.
 """
