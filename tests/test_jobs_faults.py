@@ -1,5 +1,5 @@
 """A fault costs only the replica it happens to (docs/jobs.md, the failure table; issue 49 item 1),
-on gloo, between separately launched jobs: a trainer job of 2 ranks and 3 replicas of TP2, each
+on the default transport ("auto": shared memory, every rank on this host), between separately launched jobs: a trainer job of 2 ranks and 3 replicas of TP2, each
 process its own job (tests/jobs_fault_program.py, forked from a warm parent so that a replica
 restarts in well under a second), all in ONE long-lived deployment:
 
@@ -233,6 +233,9 @@ def _scenario(d: Deployment, last_bucket: tuple[int, dict[int, int]]) -> None:
     for _ in range(2):
         n, report = refit_all()
         assert report.get("replicas") == list(REPLICAS), report
+        # "auto" (the default): every pair of this deployment shares a host, so shared memory moves it
+        assert set(report["transports"]) == set(REPLICAS), report
+        assert all(t.startswith("memory (") for t in report["transports"].values()), report
         baseline.append(took(report))
         for rid in REPLICAS:
             for rank in range(2):
@@ -268,6 +271,8 @@ def _scenario(d: Deployment, last_bucket: tuple[int, dict[int, int]]) -> None:
                 for r in range(2):
                     receives[(survivor, r)] += 1
                 _exact(d, survivor, 10 * n, receives[(survivor, 0)])
+            if stopped:  # (its sibling, stopped as the same bucket starts, may drop the replica before the
+                d.kill((rid, rank))  # victim reaches its kill point: it then fails, alive; shared memory is that quick)
             assert d.exit_code(d.pids[(rid, rank)]) == -signal.SIGKILL, where
             if not stopped:  # the rank that survived fails this refit and waits in `receive` again
                 row = d.lines(other, receives[other] + 1)[-1]

@@ -140,3 +140,19 @@ def _scenario(d: Deployment) -> None:
     d.refit(stop=True)
     for rank in range(2):
         assert d.exit_code(d.pids[("trainer", rank)], 30) == 0, d.logs()
+
+
+def test_a_transport_jobs_do_not_take_is_a_usage_error():
+    from layoutlang.diagnostics import UsageError
+    from layoutlang.runtime import EngineJob, TrainerJob
+
+    with pytest.raises(UsageError) as err:
+        TrainerJob(str(INFER), str(INFER), address="127.0.0.1:1", rank=0, world_size=2, transport="shm")
+    assert str(err.value).splitlines()[0].startswith("error: unknown transport 'shm': known are \"auto\", ")
+    with pytest.raises(UsageError) as err:
+        EngineJob(str(INFER), address="127.0.0.1:1", replica="r0", rank=0, world_size=2, transport="nixl")
+    assert str(err.value).splitlines() == [
+        "error: transport 'nixl' is not built between jobs yet: a trainer job and its replicas move bytes by "
+        "\"auto\", \"group\" or \"memory\"",
+        "help: leave transport out (\"auto\": shared memory between the ranks of one host, the replica's process "
+        "group for the others)"]

@@ -54,7 +54,6 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
@@ -294,9 +293,20 @@ class MemoryLinks:
 
     # ---- connecting -------------------------------------------------------------------
     def _get(self, key: str, deadline: float, peer: int, what: str) -> str:
+        """`key`'s value once a peer set it, by `deadline`. Looked for (`check`), never waited on:
+        a store client serves one request at a time, so a blocking wait would hold up every other
+        thread of this process that uses it (a trainer rank links its replicas in a thread each,
+        and one replica's wait would keep another's keys from being set: a deadlock until the
+        deadline)."""
         left = deadline - time.monotonic()
+        nap = 1e-3
         try:
-            self.store.wait([key], timedelta(seconds=max(left, 0.001)))
+            while not self.store.check([key]):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError("timed out")
+                time.sleep(min(nap, deadline - now))
+                nap = min(nap * 2, 0.02)
             return self.store.get(key).decode()
         except Exception as exc:  # noqa: BLE001 - a timeout or a store gone: named as the peer's
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
