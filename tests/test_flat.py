@@ -185,7 +185,10 @@ def test_fsdp1_flat_parameter_refits_into_tp2_and_back_on_gloo(tmp_path):
     # worker locates each flat element's key coordinate in the source shard that sent it
     (tmp_path / "mx.layout").write_text("mesh infer (tp=2)\ntensor w [7, 64 over tp] mxfp8\n")
     (tmp_path / "zero3.layout").write_text("mesh train (dp=2)\ntensor w.ds [flat([7, 64] as w) pad dp over dp] fp32\n")
-    for src, dst in (("fsdp1", "tp2"), ("tp2", "fsdp1"), ("mx", "zero3")):
+    # and into a key stored transposed ([in, out], HF Conv1D): the sender turns each flat block
+    (tmp_path / "conv.layout").write_text("mesh e (tp=2)\ntensor w [4, 5 pad 2 over tp] transposed\n")
+    (tmp_path / "flat.layout").write_text("mesh train (dp=2)\ntensor f [flat([5, 4] as w) pad dp over dp] fp32\n")
+    for src, dst in (("fsdp1", "tp2"), ("tp2", "fsdp1"), ("mx", "zero3"), ("flat", "conv"), ("conv", "flat")):
         job = {"src": str(tmp_path / f"{src}.layout"), "dst": str(tmp_path / f"{dst}.layout"), "args": {},
                "verify": True, "budget": None}
         results = launch(job, 2, timeout=120)

@@ -63,6 +63,11 @@ def turned(block: torch.Tensor, pq: tuple[int, int]) -> torch.Tensor:
     while n < p and k < len(dims):
         n, k = n * dims[k][0], k + 1
     if n != p or block.numel() != p * pq[1]:
+        if block.numel() == p * pq[1]:
+            try:  # a flat source's block (docs/language.md 14.9): p * q elements in one dim, row-major
+                return block.view(pq).t()
+            except RuntimeError:
+                pass
         raise ValueError(f"a transposed block of shape {list(block.shape)} does not split into {pq[0]} x {pq[1]}")
     order = dims[k:] + dims[:k]
     return block.as_strided([n for n, _ in order], [s for _, s in order], block.storage_offset())
