@@ -129,6 +129,31 @@ def test_gpu_refit_selfcheck_on_cpu():
 
 
 @pytest.mark.timeout(300)
+def test_transports_small_run_checks_every_transport():
+    """benchmarks/transports.py end to end at a tiny size (4 worker processes): the hand-written
+    floor, "memory" and "group" each timed and checked (the floor element by element against the layout, the others bit for bit against it),
+    the paired ratios printed with their intervals."""
+    proc = _run("benchmarks/transports.py", "--small", "--rows", "256", "--cols", "512", "--rounds", "6",
+                "--methods", "floor,memory,group")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for method in ("floor", "memory", "group"):
+        assert re.search(rf"\n  {method} +median +[\d.]+ ms +[\d.]+ GiB/s  check: exact", out), out
+    assert re.search(r"\n  memory / floor: [\d.]+ \(95 % interval [\d.]+-[\d.]+\)  target <= 1.25: ", out), out
+    assert re.search(r"\n  group / memory: [\d.]+ \(95 % interval [\d.]+-[\d.]+\)  target >= 2.0: ", out), out
+
+
+@pytest.mark.timeout(60)
+def test_gpu_transports_says_why_without_a_gpu():
+    import torch
+
+    proc = _run("benchmarks/gpu_transports.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if not torch.cuda.is_available():
+        assert "no CUDA device here" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(300)
 def test_refit_gloo_small_run_checks_every_method():
     """The gloo benchmark end to end at a tiny size (4 worker processes, two cases): every
     method's destinations checked (the table's last column), the pooled line printed, and
