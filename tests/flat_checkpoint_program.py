@@ -1,0 +1,50 @@
+"""The gloo ranks of tests/test_flat.py's checkpoint case: `checkpoint.save` from flat shards
+(FSDP1-style unit with alignment, a ZeRO-3-style key) and `checkpoint.load` back into them.
+
+Run by `layoutlang.runtime.launch.launch(job, 2, program=__file__)` as
+`python flat_checkpoint_program.py JOB.json OUT.json`: each rank fills its flat shards by the
+fill rule (value by key and row-major index in the key), saves, then loads the files into NaN
+shards and compares every data element with what it had; padding must come back zero. The
+parent compares the files with the fill rule applied to one whole tensor per key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from layoutlang import checkpoint, loads
+from layoutlang.runtime.fill import key_values, source_tensor
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = json.loads(open(job_path).read())
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        layout = loads(job["text"], "flat.layout")
+        mine = {t.name: source_tensor(t, rank) for t in layout.tensors if t.holds(rank)}
+        checkpoint.save(job["dir"], layout, mine, group=dist.group.WORLD)
+        dist.barrier()
+        back = {n: torch.full_like(v, float("nan")) for n, v in mine.items()}
+        checkpoint.load(job["dir"], layout, back, rank=rank)
+        for t in layout.tensors:
+            _, data = key_values(t, rank)
+            assert torch.equal(back[t.name][data], mine[t.name][data]), f"{t.name}: loaded data differ"
+            assert not back[t.name][~data].any(), f"{t.name}: padding not zero after load"
+        result = {"ok": True, "rank": rank}
+    except Exception:  # noqa: BLE001 - the parent shows it
+        result = {"ok": False, "rank": rank, "error": traceback.format_exc()}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
