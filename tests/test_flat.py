@@ -48,6 +48,17 @@ def test_fsdp1_with_use_orig_params_aligns_each_parameter():
     assert runs[1] == (Run(0, 24, 15), PadRun(15, 3), Run(18, 39, 7), PadRun(25, 1))
 
 
+def test_the_formatter_writes_a_flat_dim_back_as_it_parses():
+    from layoutlang.fmt import format_text
+
+    text = ("mesh m (dp=2)\n"
+            "tensor p [flat([(2, (re: 1 | im: 2)), 2*2] as q | [] as s | [3] as b) align 4 pad dp over dp ragged] bf16\n")
+    once = format_text(text)
+    assert "flat([(2, (re: 1 | im: 2)), 2*2] as q | [] as s | [3] as b) align 4 pad dp over dp ragged" in once
+    assert format_text(once) == once
+    assert [r.key for r in loads(once, "f.layout").tensors[0].regions] == ["q", "s", "b"]
+
+
 def test_a_range_of_a_key_is_at_most_2n_minus_1_boxes():
     assert boxes((3, 5), 8, 15) == [((1, 2), (3, 5)), ((2, 3), (0, 5))]   # ZeRO-3 rank 1's [3, 5]
     assert boxes((7, 3), 0, 5) == [((0, 1), (0, 3)), ((1, 2), (0, 2))]    # FSDP1 rank 0's 1.weight
