@@ -51,6 +51,7 @@ TRAINER_RANKS = 2
 REPLICAS = ("rollout-0", "rollout-1", "rollout-2")
 VICTIM = ("rollout-1", 1)   # the replica and rank killed at --kill-step, as its bucket 1 starts
 BUDGET = 8192               # staging bytes: an engine rank's 27 KiB cut into 4 buckets
+STARTUP = 120.0             # s every rank waits for the job's name (rank 0 publishes it once its model is sharded)
 
 
 def factor(version: int) -> float:
@@ -100,7 +101,7 @@ class Trainer:
         train = loads(dtensor.describe(self.model, name="ray_trainer_fsdp2"), path="<fsdp2>")
         self.version = 1
         self.job = RayTrainerJob(train, INFER, name=self.job_name, rank=self.rank, world_size=TRAINER_RANKS,
-                                 timeout=self.timeout, budget_bytes=BUDGET)
+                                 timeout=self.timeout, budget_bytes=BUDGET, connect_timeout=STARTUP)
         return {"rank": self.rank, "node_id": self.job.node_id, "pid": os.getpid()}
 
     def refit(self, version: int, expect: tuple) -> dict:
@@ -114,7 +115,8 @@ class Trainer:
         self.version = version
         report = self.job.refit(tensors, version=version, expect=expect)
         return {"refit": report.refit, "version": report.version, "replicas": list(report.replicas),
-                "missed": list(report.missed), "reasons": report.reasons, "seconds": round(report.seconds, 3)}
+                "missed": list(report.missed), "reasons": report.reasons, "transports": report.transports,
+                "seconds": round(report.seconds, 3)}
 
     def nodes(self, replicas: tuple, ranks: int) -> dict:
         """The Ray node of every rank, as the job's store says it (what a transport choice reads)."""
@@ -149,7 +151,7 @@ class Engine:
         self.tensors = {t.name: empty_destination(t, rank=rank) for t in self.layout.tensors if t.holds(rank)}
         self.pause = PauseInBucket()
         self.eng = RayEngineJob(INFER, name=job, replica=replica, rank=rank, world_size=self.layout.ranks,
-                                timeout=timeout, hooks=self.pause)
+                                timeout=timeout, hooks=self.pause, connect_timeout=STARTUP)
 
     def pid(self) -> int:
         return os.getpid()
@@ -222,7 +224,7 @@ def run(job: str = "policy", steps: int = 3, kill_step: int = 2, timeout: float 
             killed = VICTIM
         reports = ray.get(refits)
         rows = {key: outcome(key, ref) for key, ref in receives.items()}
-        restarted = back(victim, timeout * 6) if killed else None
+        restarted = back(victim, STARTUP) if killed else None
         say(step=n, reports=reports, killed=killed and "/".join(map(str, killed)), restarted_pid=restarted,
             rows=[rows[k] for k in engines])
         hit = {killed[0]} if killed else set()
