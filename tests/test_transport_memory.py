@@ -332,14 +332,20 @@ def test_sever_fails_the_other_ends_pending_and_later_messages_at_once():
         assert time.monotonic() - began < 2.0
         assert (err.value.peer, err.value.index, err.value.closed) == (0, 0, True)
         assert err.value.reason == "rank 0 closed the link"
-        later = links[1].post([memlinks.Message(True, torch.ones(8, dtype=torch.uint8), 0)])
-        with pytest.raises(memlinks.LinkError) as err:
-            links[1].wait(later, time.monotonic() + 20)
-        assert err.value.reason == "rank 0 closed the link" and err.value.index == 0
         with pytest.raises(memlinks.LinkError) as err:
             links[0].post([memlinks.Message(True, torch.ones(8, dtype=torch.uint8), 1)])
         assert err.value.reason == "this rank closed its link with rank 1"
         assert not links[0].pending()
+    finally:
+        for link in links:
+            link.close()
+    links = _pair(None)  # a send posted after its receiver severed, nothing else pending
+    try:
+        links[0].sever()
+        later = links[1].post([memlinks.Message(True, torch.ones(8, dtype=torch.uint8), 0)])
+        with pytest.raises(memlinks.LinkError) as err:
+            links[1].wait(later, time.monotonic() + 20)
+        assert err.value.reason == "rank 0 closed the link" and err.value.index == 0
     finally:
         for link in links:
             link.close()
