@@ -3,14 +3,15 @@ boxes of the key, and pieces computed over those boxes as slices of the 1-d flat
 
 A flat dim's runs (modes.py) map the rank's local storage to the dim's logical elements, where
 key i holds `[L_i, L_i + numel_i)` in row-major order. Seen by one key, a run is a range
-`[a, b)` of the key's flattening held at local `[p, p + b - a)`: `boxes` cuts it into at most
+`[a, b)` of the key's (stored) flattening held at local `[p, p + b - a)`: `boxes` cuts it into at most
 2N - 1 boxes of an N-dim key (a partial innermost row, partial blocks of each outer dim up to the
 next boundary, the largest whole block, and back down), each contiguous in the flat storage.
 
 Each box is a shard of its own (`FlatBox`) whose runs are over the KEY's dims, with local
-positions equal to logical ones (a view of the whole key laid out row-major); `base` places
-that view in the flat storage: key element `idx` of the box sits at local `base + sum(idx[d] *
-stride[d])`. The pieces machinery (pieces.py, verify.py) then runs unchanged over key dims;
+positions the key's STORED indices (a view of the whole key as it is laid out, row-major), and
+logical ones as its dims' modes say (a plain dim: the same; HF's rotary halves: permuted); `base`
+places that view in the flat storage: the key's element at stored index `idx` sits at local
+`base + sum(idx[d] * stride[d])`. The pieces machinery (pieces.py, verify.py) then runs unchanged over key dims;
 `to_storage` turns each piece's box slices back into one entry of the 1-d storage (contiguous,
 or strided where the other side cuts an inner dim), cutting a piece along its outer key dims
 where one entry cannot hold it.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layoutlang.modes import Run
+from layoutlang.modes import KeyM, Run
 
 from . import strides
 from .pieces import Piece, Source
@@ -33,7 +34,7 @@ from .strides import Chain, Entry
 
 @dataclass(frozen=True)
 class FlatBox(Shard):
-    """One box of a key in a rank's flat storage: `runs` one Run per key dim (local == logical),
+    """One box of a key in a rank's flat storage: `runs` per key dim (local: the stored index),
     `base` the flat local position of the key's element 0 in this view, `shape` the key's shape."""
 
     base: int = 0
@@ -99,30 +100,62 @@ def _boxes(shape, strides_, a: int, b: int, prefix: tuple, out: list) -> None:
         _boxes(shape, strides_, 0, r1, prefix + ((i1, i1 + 1),), out)
 
 
-def clip_flat(shards_, box: tuple[tuple[int, int], ...], shape: tuple[int, ...],
+def clip_flat(shards_, box: tuple[tuple[int, int], ...], key: KeyM,
               intern: dict | None = None) -> tuple[FlatShard, ...]:
-    """Flat shards seen by the key whose logical range of the flat dim is `box[0]`, of `shape`:
-    each shard's runs clipped to that range, every run cut into boxes of the key. Padding and
+    """Flat shards seen by the key whose logical range of the flat dim is `box[0]`: each shard's
+    elements of the key as ranges of the key's STORAGE flattening (row-major over each dim's
+    stored index), each range cut into boxes of the key in storage coordinates; per box and
+    dim, the dim's runs (stored index -> logical index, modes.py) restricted to it. Padding and
     other keys are left out; a shard with nothing of the key is left out."""
     lo, hi = box[0]
+    shape = tuple(m.logical for m in key.dims)
+    st = row_major_strides(shape)
+    # per dim, logical index -> stored index (the inverse of the dim's runs)
+    inverse = []
+    for d, m in enumerate(key.dims):
+        back = [0] * m.logical
+        for r in key.dim_runs[d]:
+            for k in range(r.length):
+                back[r.logical_start + k] = r.local_start + k
+        inverse.append(back)
+
+    def stored_of(j: int) -> int:  # a logical row-major offset of the key -> its stored offset
+        return sum(inverse[d][(j // st[d]) % shape[d]] * st[d] for d in range(len(shape)))
+
     out = []
     for sh in shards_:
-        found = []
+        ranges: list[list[int]] = []  # [local start, stored start, length], merged where both continue
         for r in sh.runs[0]:
             if not isinstance(r, Run):
                 continue
             a, b = max(lo, r.logical_start), min(hi, r.logical_start + r.length)
             if a >= b:
                 continue
-            p = r.local_start + a - r.logical_start  # flat local position of key element a - lo
-            base = p - (a - lo)
-            for bx in boxes(shape, a - lo, b - lo):
-                runs_ = tuple((Run(x, x, y - x),) for x, y in bx)
+            # a run continues in the flat storage and logically: in the key's storage too (modes._key_walk)
+            p, s0 = r.local_start + a - r.logical_start, stored_of(a - lo)
+            if ranges and ranges[-1][0] + ranges[-1][2] == p and ranges[-1][1] + ranges[-1][2] == s0:
+                ranges[-1][2] += b - a
+            else:
+                ranges.append([p, s0, b - a])
+        found = []
+        for p, s0, n in ranges:
+            for bx in boxes(shape, s0, s0 + n):
+                runs_ = tuple(_clip_runs(key.dim_runs[d], x, y) for d, (x, y) in enumerate(bx))
                 if intern is not None:
                     runs_ = intern.setdefault(runs_, runs_)
-                found.append(FlatBox(runs_, sh.ranks, base, shape))
+                found.append(FlatBox(runs_, sh.ranks, p - s0, shape))
         if found:
             out.append(FlatShard(found[0].runs, sh.ranks, tuple(found)))
+    return tuple(out)
+
+
+def _clip_runs(runs_, x: int, y: int) -> tuple[Run, ...]:
+    """A dim's runs (stored index -> logical index) restricted to stored [x, y), local = stored index."""
+    out = []
+    for r in runs_:
+        a, b = max(x, r.local_start), min(y, r.local_start + r.length)
+        if a < b:
+            out.append(Run(a, r.logical_start + a - r.local_start, b - a))
     return tuple(out)
 
 

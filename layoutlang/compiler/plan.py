@@ -628,8 +628,8 @@ def group_templates(matches: list[Match], cache: PlanCache, wire_mode: str = "au
         # placement coordinates: equal keys mean equal placements, and hashing
         # a few ints is what keeps grouping cheap at 100k tensors. (Both
         # layouts outlive the plan, so the ids stay valid.)
-        dst_box = region_box(m.region)
-        src_boxes = tuple(region_box(r) for r in m.src_regions)
+        dst_box = region_box(m.region, m.dst)
+        src_boxes = tuple(region_box(r, s) for r, s in zip(m.src_regions, m.src))
         # a quantized destination's format decides which ops carry quantized bytes (wire.py)
         sig = (id(m.dst.mesh), id(m.dst.dims), m.dst.fixed, dst_box,
                tuple((id(s.mesh), id(s.dims), s.fixed) for s in m.src), src_boxes, wire,

@@ -63,16 +63,17 @@ class TensorEntry:
 
 
 # A key's view of its stored tensor: (logical box, stacked dims, transposed), and for a key of a flat
-# dim (docs/language.md 14.9) its shape fourth; None: the whole tensor.
+# dim (docs/language.md 14.9) its KeyM (modes.py: the key's dims) fourth; None: the whole tensor.
 Box = tuple | None
 
 
-def region_box(r) -> Box:
-    """The Box of a KeyRegion (None: None)."""
+def region_box(r, t) -> Box:
+    """The Box of KeyRegion `r` of stored tensor `t` (None: None)."""
     if r is None:
         return None
     if r.shape is not None:
-        return (r.box, r.stacked, r.transposed, r.shape)
+        from .match import flat_key
+        return (r.box, r.stacked, r.transposed, flat_key(t, r))
     return (r.box, r.stacked, r.transposed)
 
 

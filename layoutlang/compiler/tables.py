@@ -176,7 +176,7 @@ class TablePlanner:
         hit = _SrcKey()
         hit.sources, hit.regions = sources, regions
         hit.placements = tuple(placement_of(s) for s in sources)
-        boxes = tuple(region_box(r) for r in regions)
+        boxes = tuple(region_box(r, s) for r, s in zip(regions, sources))
         intern = self._interned
         sig = (tuple((id(s.mesh), id(s.dims), s.fixed) for s in sources), boxes)
         cls = (tuple((id(s.mesh), id(s.dims)) for s in sources), boxes)

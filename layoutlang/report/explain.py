@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from layoutlang.compiler.match import key_items
+from layoutlang.compiler.match import flat_key, key_items
 from layoutlang.compiler.flat import clip_flat, row_major_strides, source_shards
 from layoutlang.compiler.plan import clip_shards
 from layoutlang.compiler.shards import placement_of, shards
@@ -86,7 +86,7 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
         shard_list = shards(p)
         flat = region is not None and region.shape is not None  # a flat dim's key (docs/language.md 14.9)
         if flat:  # each rank's range of the key as boxes of the key, one row each
-            shard_list = source_shards(clip_flat(shard_list, region.box, region.shape))
+            shard_list = source_shards(clip_flat(shard_list, region.box, flat_key(t, region)))
         elif region is not None:  # the key inside its stored tensor: shards seen by the key
             shard_list = clip_shards(shard_list, region.box, region.stacked, region.transposed)
         axes = ", ".join(f"{a.name}={a.size}" for a in t.mesh.axes)
@@ -125,13 +125,13 @@ def _side(layout: Layout, key: str, title: str, rank: int | None) -> list:
             if rank is not None and rank not in s.ranks:
                 continue
             cells = [_runs_text(runs) for runs in s.runs]
-            if flat:  # a box: its key ranges, and the flat local range that holds it
+            if flat:  # a box: the flat local range that holds it, and per key dim its rows
                 first = s.base + sum(r[0].local_start * st for r, st in zip(s.runs, row_major_strides(s.shape)))
                 n = 1
                 for r in s.runs:
-                    n *= r[0].length
-                cells = [f"{first}:{first + n}"] + [f"{r[0].logical_start}:{r[0].logical_start + r[0].length}"
-                                                    for r in s.runs]
+                    n *= sum(x.length for x in r)
+                cells = [f"{first}:{first + n}"] + [" ".join(f"{x.logical_start}:{x.logical_start + x.length}"
+                                                             for x in r[:6]) for r in s.runs]
             table.add_row(Text(GLYPHS[i % len(GLYPHS)], style=COLORS[i % len(COLORS)]),
                           rank_ranges(s.ranks, RANKS_WIDTH), *cells)
         # a rank may hold the stored tensor but no element of a key inside it
