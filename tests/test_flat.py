@@ -59,6 +59,25 @@ def test_the_formatter_writes_a_flat_dim_back_as_it_parses():
     assert [r.key for r in loads(once, "f.layout").tensors[0].regions] == ["q", "s", "b"]
 
 
+def test_a_flat_key_is_never_read_as_the_other_sides_parts():
+    # a plain v1 tensor would be read as the halves (refine.py); a flat key's dims are what its SHAPE
+    # writes: refused at the pair, naming both sides, until the SHAPE writes the halves too
+    import pytest
+
+    from layoutlang.compiler.match import PlanError
+
+    hf = loads("mesh h (r=1)\ntensor q [(2, (re: 2 | im: 2)), 3]\n", "h.layout")
+    plain = loads("mesh z (dp=2)\ntensor f [flat([8, 3] as q) pad dp over dp]\n", "z.layout")
+    for src, dst in ((plain, hf), (hf, plain)):
+        with pytest.raises(PlanError, match=r"`q` dim 0: parts on one side only"):
+            compile_plan(src, dst)
+    halves = loads("mesh z (dp=2)\ntensor f [flat([(2, (re: 2 | im: 2)), 3] as q) pad dp over dp]\n", "z.layout")
+    ops = compile_plan(halves, hf).ops
+    # storage row r of the flat key is storage row r of HF's: every element where it was
+    assert sorted((op.src_rank, op.src_slice, op.dst_slice) for op in ops) == [
+        (0, ((0, 12),), ((0, 4), (0, 3))), (1, ((0, 12),), ((4, 8), (0, 3)))]
+
+
 def test_a_range_of_a_key_is_at_most_2n_minus_1_boxes():
     assert boxes((3, 5), 8, 15) == [((1, 2), (3, 5)), ((2, 3), (0, 5))]   # ZeRO-3 rank 1's [3, 5]
     assert boxes((7, 3), 0, 5) == [((0, 1), (0, 3)), ((1, 2), (0, 2))]    # FSDP1 rank 0's 1.weight
