@@ -312,21 +312,35 @@ def _path_of(ckpt: Checkpoint, file: str) -> str:
     return next(f.path for f in ckpt.files if f.name == file)
 
 
+class _SaveHost:
+    """What a transport reads of the executor it serves (runtime/transport.py `bind`), for a
+    save: its rank, its timeout, and a fault as the save's RefitError."""
+
+    def __init__(self, rank: int, timeout):
+        self.rank, self.timeout = rank, timeout
+
+    def failure(self, detail: str, peers=(), grace: float = 0.0):
+        from ..runtime.errors import RefitError
+
+        return RefitError.at(self.rank, 0, "save", detail, peers=tuple(peers), reusable=False)
+
+
 def _move(ops, me: int, ckpt: Checkpoint, run, arena: torch.Tensor, group, deadline: float, timeout,
           meanwhile=None) -> dict:
-    """One round's messages: every receive posted (into the arena), then every send; then
-    `meanwhile()` (other writing, while they fly), then all waited for under the save's one
-    deadline. Returns, per key this rank writes rows of, its pieces as (slice of the writer's
-    rows, contiguous tensor in the file's dtype)."""
-    import torch.distributed as dist
+    """One round's messages through the save group's transport ("group": runtime/transport_group.py),
+    every receive posted (into the arena), then every send; then `meanwhile()` (other writing,
+    while they fly), then all waited for under the save's one deadline. Messages between a pair
+    match in op order on both ends. Returns, per key this rank writes rows of, its pieces as
+    (slice of the writer's rows, contiguous tensor in the file's dtype)."""
+    from ..runtime.transport_group import GroupTransport
 
-    from ..runtime.errors import RefitError
-    from ..runtime.errors import first_line
-
+    host = _SaveHost(me, timeout)
+    transport = GroupTransport(group)
+    transport.bind(host)
     pieces: dict[str, list] = {}
-    works: list = []
+    messages: list = []
+    moved: list = []
     at = 0
-    peer_of = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     for op in ops:
         if op.dst_rank != me or op.src_rank == me:
             continue
@@ -335,7 +349,8 @@ def _move(ops, me: int, ckpt: Checkpoint, run, arena: torch.Tensor, group, deadl
         buf = arena[at:at + n].view(dtype).view([b - a for a, b in op.dst_slice])
         at += _aligned(n)
         pieces.setdefault(op.dst_name, []).append((op.dst_slice, buf))
-        works.append((dist.irecv(buf, peer_of(op.src_rank), group, tag=op.id), op, op.src_rank))
+        messages.append(transport.message(False, buf, op.src_rank))
+        moved.append(op)
     for op in ops:
         if op.src_rank != me:
             continue
@@ -344,19 +359,12 @@ def _move(ops, me: int, ckpt: Checkpoint, run, arena: torch.Tensor, group, deadl
         if op.dst_rank == me:
             pieces.setdefault(op.dst_name, []).append((op.dst_slice, block))
         else:
-            works.append((dist.isend(block, peer_of(op.dst_rank), group, tag=op.id), op, op.dst_rank))
+            messages.append(transport.message(True, block, op.dst_rank))
+            moved.append(op)
+    works = transport.post(messages, "save messages")
     if meanwhile is not None:
         meanwhile()
-    for work, op, peer in works:
-        left = deadline - time.monotonic()
-        try:
-            ok = work.wait(left if left > 0.001 else 0.001)
-        except Exception as exc:  # noqa: BLE001 - every transport error becomes one message
-            raise RefitError.at(me, 0, "save", f"exchanging op {op.id} (`{op.key}`) with peer rank {peer} failed: "
-                                f"{first_line(exc)}", peers=(peer,), reusable=False) from exc
-        if ok is False:
-            raise RefitError.at(me, 0, "save", f"peer rank {peer} did not complete op {op.id} (`{op.key}`) within "
-                                f"{timeout.total_seconds():g} s", peers=(peer,), reusable=False)
+    transport.wait(works, moved, "the exchange", deadline)
     return pieces
 
 
