@@ -183,6 +183,12 @@ def _in_stored(logical, region) -> tuple[tuple[int, int], ...]:
     """
     if region is None:
         return tuple(logical)
+    if region.shape is not None:  # a flat dim's key: its row-major range (`_flat_rows` made it contiguous)
+        at, stride = 0, 1
+        for (a, _), n in zip(reversed(logical), reversed(region.shape)):
+            at, stride = at + a * stride, stride * n
+        count = math.prod(b - a for a, b in logical)
+        return ((region.box[0][0] + at, region.box[0][0] + at + count),)
     it = iter(logical[::-1] if region.transposed else logical)
     out = []
     for d, box in enumerate(region.box):
@@ -192,6 +198,25 @@ def _in_stored(logical, region) -> tuple[tuple[int, int], ...]:
             a, b = next(it)
             out.append((a + box[0], b + box[0]))
     return tuple(out)
+
+
+def _flat_rows(box, regions) -> list[tuple[tuple[int, int], ...]]:
+    """A key's box as boxes each contiguous in the key's row-major order, where a side stores the
+    key in a flat dim (docs/language.md 14.9: drawn as its ranges there); else the box itself."""
+    if not any(r is not None and r.shape is not None for r in regions):
+        return [box]
+    shape = next(r.shape for r in regions if r is not None and r.shape is not None)
+    out, todo = [], [tuple(box)]
+    while todo:
+        b = todo.pop()
+        # contiguous: every dim after the first one of extent > 1 is whole
+        first = next((d for d, (x, y) in enumerate(b) if y - x > 1), len(b))
+        if all(b[d] == (0, shape[d]) for d in range(first + 1, len(b))):
+            out.append(b)
+            continue
+        x, y = b[first]
+        todo.extend(b[:first] + ((k, k + 1),) + b[first + 1:] for k in reversed(range(x, y)))
+    return sorted(out)
 
 
 def _plain_boxes(logical) -> list[tuple[tuple[int, int], ...]]:
@@ -214,7 +239,8 @@ def key_blocks(plan: Plan, instances: list[int]) -> tuple[KeyBlock, ...]:
         m = plan.matches[i]
         for t in plan.transfers(instance=i):
             # a strided piece (docs/compiler.md) whose logical set is not one box: one block per box
-            for box in _plain_boxes(t.piece.logical):
+            for box in (row for b in _plain_boxes(t.piece.logical)
+                        for row in _flat_rows(b, (m.region, m.src_region(0)))):
                 logical = _in_stored(box, m.region)
                 hit = found.get(logical)
                 if hit is None:
