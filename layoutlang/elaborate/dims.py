@@ -1,6 +1,8 @@
 """What each dim of a tensor statement is: its mode, its `over` split and its `chunk`, checked.
 
-Guarantees: a stacked dim `e in A..B` (v2) is a plain extent B - A >= 1; every extent, count and pad multiple is at least 1 and every stored
+Guarantees: a stacked dim `e in A..B` (v2) is a plain extent B - A >= 1; a flat dim
+(docs/language.md 14.9) is a FlatM whose keys' dims have no padding or part keys, `align`
+at least 1, dtype bf16, fp16 or fp32; every extent, count and pad multiple is at least 1 and every stored
 extent fits in 64 bits; a dim's storage alternates in at most `modes.MAX_RUNS`
 pieces; `over` splits the mode legally (`modes.check_split`), `chunk` divides
 the local extent unless it has `align`, and `align` is at least 1; a dtype fits

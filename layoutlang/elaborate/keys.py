@@ -7,7 +7,10 @@ absent from the NAME and is used by the keys (the tensor's `as KEY`, or every
 part key); `transposed` leaves exactly two dims besides the stacked ones.
 Per instance: every key renders (loop and stack variables substituted), no key
 is held twice, and the regions tile the stored tensor's logical box (stack
-indices outer, then parts in logical order: `KeyRegion` in ir.py).
+indices outer, then parts in logical order: `KeyRegion` in ir.py). A flat dim
+(docs/language.md 14.9) is the tensor's only dim, with no `as KEY` and no
+`transposed`; its keys, in written order, tile its logical elements, each
+region carrying the key's own shape.
 
 A v1 statement costs one dictionary look-up per instance here: `shape_of`
 remembers per statement (inside loops) that it holds no keys of its own.
