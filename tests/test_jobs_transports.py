@@ -28,7 +28,7 @@ import signal
 
 import pytest
 
-from layoutlang.runtime import cma
+from layoutlang.runtime import cma, memlinks
 from layoutlang.runtime.launch import free_port
 from test_jobs_faults import BUDGET, INFER, ROOT, SLACK, TIMEOUT, Deployment, _exact
 
@@ -137,6 +137,10 @@ def _scenario(d: Deployment) -> None:
     assert "the trainer refused this replica: it asked for transport 'group'" in row["error"], row
     d.kill(("gr", 1))  # (its rank 0 waits again; the trainer's close ends it)
 
+    # between refits no rank holds a channel file (each is unlinked once both ends mapped it)
+    pids = {str(pid) for pid in d.pids.values()}
+    left = [n for n in os.listdir(memlinks.shm_dir()) if n.startswith(memlinks.PREFIX) and n.split("-")[3] in pids]
+    assert left == [], left
     d.refit(stop=True)
     for rank in range(2):
         assert d.exit_code(d.pids[("trainer", rank)], 30) == 0, d.logs()

@@ -164,6 +164,8 @@ def link(group: ReplicaGroup, key: str, me: int, peers, transport: str, device: 
         links.connect(deadline)
     except LinkError as exc:
         return None, f"the memory transport cannot link {who(me)} and {who(exc.peer)}: {_named(exc, who)}"
+    except OSError as exc:  # (a channel file this rank could not create: /dev/shm full, say)
+        return None, f"the memory transport cannot link {who(me)} to its peers: {exc}"
     if group.severed:  # (given up meanwhile: a trainer rank's connect thread that ran late)
         links.sever()
     group.links[key] = links
