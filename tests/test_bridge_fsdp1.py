@@ -1,0 +1,63 @@
+"""The FSDP1 bridge on real torch FSDP1 (issue 52): a tiny HF Llama, each decoder layer its own unit
+inside the root unit, on 2 gloo ranks, `use_orig_params` False and True, into a vLLM-style TP2
+engine and back, a training step, `checkpoint.save` from the shards and `checkpoint.load` into a
+fresh FSDP1 model. tests/fsdp1_refit_program.py asserts every element there against
+`summon_full_params`, vLLM's rules and FSDP1's own bookkeeping; here, the figures written out by
+hand from FSDP1's rule (docs/language.md 14.9): H = 18, so fp32 parameters of 666 or 18 elements
+leave 2 elements of alignment padding before the next one with `use_orig_params=True`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from layoutlang.runtime.launch import launch  # noqa: E402
+
+PROGRAM = Path(__file__).with_name("fsdp1_refit_program.py")
+LAYER = ("[8, 18] as model.layers.0.self_attn.q_proj.weight | [8, 18] as model.layers.0.self_attn.k_proj.weight | "
+         "[8, 18] as model.layers.0.self_attn.v_proj.weight | [18, 8] as model.layers.0.self_attn.o_proj.weight | "
+         "[24, 18] as model.layers.0.mlp.gate_proj.weight | [24, 18] as model.layers.0.mlp.up_proj.weight | "
+         "[18, 24] as model.layers.0.mlp.down_proj.weight | [18] as model.layers.0.input_layernorm.weight | "
+         "[18] as model.layers.0.post_attention_layernorm.weight")
+ROOT = "[37, 18] as model.embed_tokens.weight | [18] as model.norm.weight | [37, 18] as lm_head.weight"
+
+
+def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path):
+    results = launch({"dir": str(tmp_path)}, 2, timeout=240, program=str(PROGRAM))
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
+    rank0, rank1 = results[0].result, results[1].result
+    root, layer0 = "_fsdp_wrapped_module._flat_param", "_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module._flat_param"
+    for tag, align in (("flat", ""), ("orig", " align 4")):
+        text = rank0[f"text_{tag}"]
+        assert text == rank1[f"text_{tag}"]  # the same on every rank
+        assert "mesh fsdp (dp=2)\n" in text
+        # the root unit keeps what no layer holds, in registration order; a unit per decoder layer
+        assert f"tensor {root} [flat({ROOT}){align} pad dp over dp] fp32\n" in text
+        assert f"tensor {layer0} [flat({LAYER}){align} pad dp over dp] fp32\n" in text
+        assert text.count("tensor ") == 3
+        # every engine element on both ranks was compared with summon_full_params
+        assert rank0[f"engine_checked_{tag}"] == rank1[f"engine_checked_{tag}"] > 0
+    # Root: 666 + 18 + 666 = 1350 -> 675 per rank; with alignment the norm starts at 668 and
+    # lm_head at 688: 1354 -> 677. A layer: 7 x 144/432 + 18 + 18 = 1908 -> 954; aligned, the
+    # second norm starts at 1892: 1910 -> 955.
+    assert rank0["local_flat"] == {root: 675, layer0: 954, layer0.replace("layers.0", "layers.1"): 954}
+    assert rank0["local_orig"] == {root: 677, layer0: 955, layer0.replace("layers.0", "layers.1"): 955}
+    # alignment padding held: rank 0 [666, 668) of the root; rank 1 [686, 688) of the root and
+    # [1890, 1892) of each layer; no tail padding (every total is even), none without alignment
+    assert (rank0["padding_orig"], rank1["padding_orig"]) == (2, 6)
+    assert (rank0["padding_flat"], rank1["padding_flat"]) == (0, 0)
+    assert rank1["load_padding_orig"] == [0.0]  # a load leaves padding zero too
+    # the worked figures of docs/language.md 14.9, from the live bridge
+    assert ("[flat([3, 5] as 0.weight | [3] as 0.bias | [7, 3] as 1.weight | [7] as 1.bias) align 4 pad dp over dp] "
+            "fp32") in rank0["linears"]
+    assert rank0["unsharded"] == ("error: unit `<root>`: its flat parameter holds 52 elements, not its shard of 26: "
+                                  "it is unsharded now\nhelp: call the bridge outside forward/backward and outside "
+                                  "summon_full_params")
+    assert rank0["mixed"].startswith("error: parameter `1.weight` is torch.bfloat16 in a FlatParameter of "
+                                     "torch.float32: a flat dim holds one dtype")
+    assert rank0["no_shard"].startswith("error: unit `<root>` uses NO_SHARD: only FULL_SHARD and SHARD_GRAD_OP")
