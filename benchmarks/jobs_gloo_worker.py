@@ -390,12 +390,13 @@ def run(cfg: dict, rank: int, world: int, out: dict) -> None:
                                ("_end", "end meeting"), ("_verdict", "verdict"), ("_read_verdict", "verdict"),
                                ("_membership", "membership")):
                 ph.wrap(job, attr, name)
-            walk = job._walks[copies]
+            walk = next(w for k, w in job._walks.items() if k[0] == copies)  # (copies, args)
             ph.wrap(walk, "connect", "connect")
             ph.wrap(walk, "walk", "walk")
             ph.wrap(walk, "_bucket", "buckets")
         else:
-            walk = job._walks[(copies, slot)]  # slot i is replica r{i} (registration order)
+            # (copies, slot, layout digest); slot i is replica r{i} (registration order)
+            walk = next(w for k, w in job._walks.items() if k[:2] == (copies, slot))
             ph.wrap(job, "_wait_for_refit", "announce")
             ph.wrap(walk, "connect", "connect")
             ph.wrap(walk, "walk", "walk")

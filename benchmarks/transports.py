@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/transports.py            # 1 GiB a refit, 15 rounds, ~2-4 min on 2 cores
     .venv/bin/python benchmarks/transports.py --small    # 64 MiB, 9 rounds: seconds, targets printed only
     .venv/bin/python benchmarks/transports.py --methods floor,memory,group,nixl --rounds 21
+    .venv/bin/python benchmarks/transports.py --jobs     # between jobs: a trainer job + 2 replicas
 
 4 local processes, one gloo world on 127.0.0.1 (benchmarks/workers.py: a free port, a hard
 timeout, no worker outlives the run): 2 trainer ranks hold N weights `[(gate: R/2 | up: R/2)
@@ -25,7 +26,11 @@ Ratios are paired per round (two methods in one round meet the same load) and po
 median with a distribution-free 95 % interval (refit_gloo._median_interval). Targets
 (issue 50): memory / floor <= 1.25, group / memory >= 2.0; PASS when the whole interval is
 within the target, MISS when it is wholly beyond, inconclusive otherwise; nixl / group is
-printed. After the timed rounds each method runs once more into NaN-filled destinations:
+printed. `--jobs`: the same weights between separately launched jobs
+(benchmarks/transports_jobs_worker.py: a trainer job of the 2 trainer ranks, 2 engine
+replicas of 2 ranks each, 6 processes, each engine rank receiving what the one engine rank
+did above), `TrainerJob`/`EngineJob` on "memory" and on "group" (two pairs of jobs, each on
+its own store), against the same floor; the same two targets. After the timed rounds each method runs once more into NaN-filled destinations:
 the floor's result checked element by element against the layout, every other method's
 bit for bit against it; a wrong result exits 1, as does a MISS at the default size.
 """
@@ -44,18 +49,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from refit_gloo import _median_interval  # noqa: E402
+from refit_gloo import _free_port  # noqa: E402
 from workers import Terminated, launch, on_sigterm  # noqa: E402
 
 WORKER = HERE / "transports_worker.py"
+JOBS_WORKER = HERE / "transports_jobs_worker.py"
 TARGETS = {("memory", "floor"): ("<=", 1.25), ("group", "memory"): (">=", 2.0)}
 SHOWN = [("memory", "floor"), ("group", "memory"), ("nixl", "group"), ("nixl", "floor"), ("group", "floor")]
+JOBS_TARGETS = {("jobs_memory", "floor"): ("<=", 1.25), ("jobs_group", "jobs_memory"): (">=", 2.0)}
+JOBS_SHOWN = [("jobs_memory", "floor"), ("jobs_group", "jobs_memory"), ("jobs_group", "floor")]
 
 
-def layouts(n: int, r: int, c: int) -> tuple[str, str]:
+def layouts(n: int, r: int, c: int, jobs: bool = False) -> tuple[str, str]:
     head = f"const N = {n}, R = {r}, C = {c}\n"
     body = "for i in 0..N {{\n  tensor layers.{{i}}.weight [(gate: R/2 | up: R/2) {split} tp, C]\n}}\n"
+    at = "" if jobs else " at 2"   # (an engine job's layout spans its own ranks)
     return (f"layout train\n{head}mesh train (tp=2)\n" + body.format(split="over"),
-            f"layout infer\n{head}mesh infer (tp=2) at 2\n" + body.format(split="chunk"))
+            f"layout infer\n{head}mesh infer (tp=2){at}\n" + body.format(split="chunk"))
 
 
 def paired(per_rank: list[dict], a: str, b: str) -> list[float]:
@@ -84,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="floor,memory,group,nixl")
     ap.add_argument("--timeout", type=float, default=900.0, help="the whole run's limit (s)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (benchmarks/gpu_transports.py)")
+    ap.add_argument("--jobs", action="store_true",
+                    help="a refit between jobs: a trainer job of 2 ranks and 2 engine replicas of 2 (6 processes)")
     args = ap.parse_args(argv)
     rows = args.rows or (2048 if args.small else 8192)
     cols = args.cols or (2048 if args.small else 8192)
@@ -95,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ll-transports-") as tmp_name:
         tmp = Path(tmp_name)
-        src, dst = layouts(args.tensors, rows, cols)
+        src, dst = layouts(args.tensors, rows, cols, args.jobs)
         (tmp / "train.layout").write_text(src)
         (tmp / "infer.layout").write_text(dst)
         job = {"src": str(tmp / "train.layout"), "dst": str(tmp / "infer.layout"), "methods": methods,
-               "rounds": rounds, "timeout": max(60.0, args.timeout / 4), "device": args.device}
+               "rounds": rounds, "timeout": max(60.0, args.timeout / 4), "device": args.device,
+               "addresses": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
         try:
-            results, tails, timed_out = launch(WORKER, job, 4, tmp, args.timeout)
+            results, tails, timed_out = launch(JOBS_WORKER if args.jobs else WORKER, job, 6 if args.jobs else 4,
+                                               tmp, args.timeout)
         except Terminated:
             print("terminated", file=sys.stderr)
             return 1
@@ -115,33 +129,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ran = list(results[0]["methods"])
     gib = results[0]["bytes"] / 2**30
-    print(f"transports: 2 trainer ranks TP2 (strided gate|up) -> 2 engine ranks (chunked), "
+    engines = "2 engine replicas of 2 ranks (chunked), separate jobs" if args.jobs else "2 engine ranks (chunked)"
+    print(f"transports{' between jobs' if args.jobs else ''}: 2 trainer ranks TP2 (strided gate|up) -> {engines}, "
           f"{args.tensors} x [{rows}, {cols}] bf16, {gib:.2f} GiB a refit, {rounds} paired rounds, "
-          f"4 local processes on {results[0]['device']} ({time.perf_counter() - start:.0f} s)")
+          f"{6 if args.jobs else 4} local processes on {results[0]['device']} "
+          f"({time.perf_counter() - start:.0f} s)")
+    if args.jobs:
+        print(f"  the jobs' reports: {results[0].get('transports')}")
     for name, why in results[0]["skipped"].items():
-        print(f"  {name:8s} not run: {why}")
+        print(f"  {name:11s} not run: {why}")
     failed = False
     for m in ran:
         steps = [max(ts) for ts in zip(*(r["methods"][m]["seconds"] for r in results))]
         errors = [e for r in results for e in r["methods"][m]["errors"]]
         med = statistics.median(steps)
-        print(f"  {m:8s} median {med * 1e3:8.1f} ms  {gib / med:6.2f} GiB/s  check: "
+        print(f"  {m:11s} median {med * 1e3:8.1f} ms  {gib / med:6.2f} GiB/s  check: "
               + ("exact" if not errors else "WRONG: " + "; ".join(errors[:2])))
         failed |= bool(errors)
     missed = False
-    for a, b in SHOWN:
+    shown, targets = (JOBS_SHOWN, JOBS_TARGETS) if args.jobs else (SHOWN, TARGETS)
+    for a, b in shown:
         if a not in ran or b not in ran:
             continue
         ratios = paired(results, a, b)
         iv = _median_interval(ratios)
         text = f"{statistics.median(ratios):.3f}" + (f" (95 % interval {iv[0]:.3f}-{iv[1]:.3f})" if iv else "")
-        target = TARGETS.get((a, b)) if args.device == "cpu" else None
+        target = targets.get((a, b)) if args.device == "cpu" else None
         judged = ""
         if target:
             judged = f"  target {target[0]} {target[1]}: {verdict(ratios, *target)}"
             missed |= judged.endswith("MISS")
         print(f"  {a} / {b}: {text}{judged}")
-    for (a, b) in TARGETS if args.device == "cpu" else ():
+    for (a, b) in targets if args.device == "cpu" else ():
         if a not in ran or b not in ran:
             print(f"  {a} / {b}: not measured ({a if a not in ran else b} did not run)")
     if failed:

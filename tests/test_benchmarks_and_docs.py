@@ -143,6 +143,20 @@ def test_transports_small_run_checks_every_transport():
     assert re.search(r"\n  group / memory: [\d.]+ \(95 % interval [\d.]+-[\d.]+\)  target >= 2.0: ", out), out
 
 
+@pytest.mark.timeout(300)
+def test_transports_between_jobs_small_run():
+    """`--jobs`: a trainer job and 2 engine replicas (6 processes), TrainerJob/EngineJob on
+    "memory" and on "group" against the floor, each checked, the reports naming the transport."""
+    proc = _run("benchmarks/transports.py", "--jobs", "--small", "--rows", "256", "--cols", "512", "--rounds", "6")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for method in ("floor", "jobs_memory", "jobs_group"):
+        assert re.search(rf"\n  {method} +median +[\d.]+ ms +[\d.]+ GiB/s  check: exact", out), out
+    assert ("the jobs' reports: {'memory': {'r0': 'memory (cma)', 'r1': 'memory (cma)'}, "
+            "'group': {'r0': 'group (gloo)', 'r1': 'group (gloo)'}}") in out, out
+    assert re.search(r"\n  jobs_memory / floor: [\d.]+ \(95 % interval [\d.]+-[\d.]+\)  target <= 1.25: ", out), out
+
+
 @pytest.mark.timeout(60)
 def test_gpu_transports_says_why_without_a_gpu():
     import torch
