@@ -61,3 +61,33 @@ def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path
     assert rank0["mixed"].startswith("error: parameter `1.weight` is torch.bfloat16 in a FlatParameter of "
                                      "torch.float32: a flat dim holds one dtype")
     assert rank0["no_shard"].startswith("error: unit `<root>` uses NO_SHARD: only FULL_SHARD and SHARD_GRAD_OP")
+
+
+def _bookkeeping(numels, padding, sharded):
+    """A FlatParameter's bookkeeping as torch records it (the fields `_check_offsets` reads)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(_numels_with_padding=tuple(numels), _is_padding_mask=list(padding),
+                           _unpadded_unsharded_size=torch.Size([sum(numels)]), _sharded_size=torch.Size([sharded]))
+
+
+def test_alignment_that_is_not_one_uniform_rule_is_refused():
+    """FSDP1 pads before a parameter up to a multiple of `_aligned_numel` (torch 2.13,
+    FlatParamHandle._init_flat_param_and_metadata); anything else has no `align A` to say it."""
+    from layoutlang.bridges.families import BridgeError
+    from layoutlang.bridges.fsdp1 import _check_offsets
+
+    keys = (("0.weight", (3, 5)), ("0.bias", (3,)))
+    # torch's own: 0.weight [0, 15), 1 element of padding, 0.bias [16, 19), 1 to the world size of 2
+    _check_offsets("unit `<root>`", keys, _bookkeeping((15, 1, 3, 1), (False, True, False, True), 10), 4, 2)
+    _check_offsets("unit `<root>`", keys, _bookkeeping((15, 3), (False, False), 9), 1, 2)  # no alignment
+    with pytest.raises(BridgeError) as e:  # the bias 3 elements later than the rule
+        _check_offsets("unit `<root>`", keys, _bookkeeping((15, 3, 3), (False, True, False), 11), 4, 2)
+    assert str(e.value).startswith("error: parameter `0.bias` starts at flat element 18 of its unit's FlatParameter; "
+                                   "the uniform rule `align 4` places it at 16\nhelp: FSDP1 padded this unit")
+    with pytest.raises(BridgeError) as e:  # shards of 12 over 2 ranks for 19 elements: more than `pad dp`
+        _check_offsets("unit `<root>`", keys, _bookkeeping((15, 1, 3), (False, True, False), 12), 4, 2)
+    assert str(e.value) == ("error: unit `<root>`: its parameters end at flat element 19, and its 2 shards hold 24: "
+                            "not `pad dp` (the next multiple of 2)")
