@@ -443,6 +443,9 @@ def cmd_run(ns, out: Console, err: Console) -> int:
                              "not a checkpoint",
                              help=f"preview a load with `layoutc plan {path} LAYOUT`; rewrite a checkpoint with "
                                   f"`layoutc convert {path} -o OUT --to LAYOUT`")
+    from layoutlang.runtime.transport import transport_class
+
+    transport_class(ns.transport)  # an unknown name: the UsageError naming the known ones, before any process
     args, src_args, dst_args = _pair_args(ns)
     plan = compile_plan(ns.src, ns.dst, args=args, src_args=src_args, dst_args=dst_args,
                         ranks_per_node=ns.ranks_per_node, wire=ns.wire, relay=not ns.no_relay)
@@ -454,7 +457,7 @@ def cmd_run(ns, out: Console, err: Console) -> int:
            "src_args": src_args, "dst_args": dst_args,
            "verify": ns.verify, "budget": ns.budget, "steps": ns.steps, "timeout": ns.timeout,
            "ranks_per_node": ns.ranks_per_node, "wire": ns.wire, "relay": not ns.no_relay,
-           "overlap": ns.overlap, "steady": ns.steady}
+           "overlap": ns.overlap, "steady": ns.steady, "transport": ns.transport}
     out.print(f"refit {ns.src} -> {ns.dst}: {plan.stats['tensors']} tensors, {plan.stats['ops']} ops, "
               f"{human_bytes(plan.stats['bytes'])} on {ns.nproc} gloo processes", markup=False)
     start = time.perf_counter()
@@ -475,8 +478,10 @@ def cmd_run(ns, out: Console, err: Console) -> int:
     out.print(table)
     moved = plan.stats["bytes"]
     rate = moved / slowest / 1e9 if slowest else 0.0
+    modes = sorted({m for r in results for m in [(r.result or {}).get("transport_mode")] if m})
     out.print(f"refit time {slowest:.3f} s (slowest rank, best of {ns.steps}), {rate:.3f} GB/s; "
-              f"wall {wall:.1f} s with process start-up", markup=False)
+              f"wall {wall:.1f} s with process start-up; transport {ns.transport}"
+              + (f" ({', '.join(modes)})" if modes else ""), markup=False)
     if failed:
         for r in failed:
             err.print(f"rank {r.rank}: {r.error or (r.result or {}).get('check_errors')}", markup=False)
@@ -790,6 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steady", action="store_true",
                      help="no store meeting after the first step that passes on every rank (Refitter(steady=True); "
                           "a later failure stops its peers after bytes moved)")
+    run.add_argument("--transport", default="auto", metavar="NAME",
+                     help="how the processes move their messages: auto (default: shared memory, all being on "
+                          "this host), group (gloo), memory, nixl (docs/runtime.md \"Transports\")")
     run.set_defaults(run=cmd_run)
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another layout or format",
                           description="Load a safetensors checkpoint into LAYOUT's shards on N local gloo "

@@ -73,3 +73,19 @@ def test_auto_moves_each_pair_by_its_host(tmp_path):
         want = {str(p): "memory (cma)" if p in host else "group (gloo)" for p in range(4) if p != r.rank}
         assert out["transports"] == {"False": want, "True": want}, (r.rank, out["transports"])
         assert out["replayed"] >= 2  # the steady Refitter's steps 3 and 4 replay step 2's record
+
+
+def test_layoutc_run_takes_a_transport(capsys, tmp_path):
+    """`layoutc run --transport NAME`: an unknown name is refused before any process starts,
+    naming the known ones; a known one reaches every worker (2 processes, every element checked)."""
+    from layoutlang.cli import main
+
+    (tmp_path / "src.layout").write_text("mesh s (tp=2)\ntensor w [8, 16 over tp]\n")
+    (tmp_path / "dst.layout").write_text("mesh d (tp=2)\ntensor w [8 over tp, 16]\n")
+    argv = ["run", str(tmp_path / "src.layout"), str(tmp_path / "dst.layout"), "--nproc", "2"]
+    assert main([*argv, "--transport", "pigeon"]) == 2
+    err = capsys.readouterr().err
+    assert 'error: unknown transport \'pigeon\': known are "auto", "group", "memory", "nixl"' in err
+    assert main([*argv, "--transport", "memory", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "with process start-up; transport memory (cma)\n" in out and "checked: ok" in out
