@@ -7,7 +7,8 @@ nothing can lean on it), `strided` (every tensor is a strided view into a
 bigger buffer whose other elements are guards that must stay untouched),
 `groups` (lists of global ranks: each rank refits in the sub-group that holds it, the
 plan's ranks being that group's ranks; ranks in none only create the groups; every rank meets the others once more before it exits, so that rank 0's store outlives every group), `retry` (after a failed refit, call refit once more and report what it said),
-`transport` (the Refitter's: "group" by default; `transport_options`: keyword arguments of its
+`transport` (the Refitter's: "group" when the job names none, so the tests' jobs cover the
+process group, `layoutc run` passes its `--transport`, "auto" by default; `transport_options`: keyword arguments of its
 class, e.g. {"mode": "ring"} for "memory"), `linger` (seconds to stay alive after reporting, so rank 0's store outlives a late rank;
 2 s after a failure by default), `store_linger` (seconds rank 0 lingers beyond that), `alternate` (plain tensors only: the sources hold their
 fill in odd steps and zeros in even ones, written in place, and every step's destination is
