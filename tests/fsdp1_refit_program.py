@@ -239,7 +239,7 @@ def one_case(uop: bool, rank: int, folder: str, report: dict) -> None:
 
 def refusals(rank: int, report: dict) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 
     from layoutlang.bridges import fsdp1
     from layoutlang.bridges.families import BridgeError
@@ -260,6 +260,11 @@ def refusals(rank: int, report: dict) -> None:
     flat = model._handle.flat_param
     flat._params[2].data = flat._params[2].data.to(torch.bfloat16)  # a parameter of another dtype
     report["mixed"] = error(lambda: fsdp1.describe(model))
+    # bf16 forward over fp32 storage: FSDP1 aligns to 16 bytes of bf16, 8 fp32 elements
+    mixed = FSDP(torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7)), device_id=torch.device("cpu"),
+                 use_orig_params=True, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    report["bf16_forward"] = fsdp1.describe(mixed)
+    report["bf16_forward_local"] = fsdp1.tensors(mixed)["_fsdp_wrapped_module._flat_param"].numel()
     plain = FSDP(torch.nn.Linear(5, 3), device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.NO_SHARD)
     report["no_shard"] = error(lambda: fsdp1.describe(plain))
 

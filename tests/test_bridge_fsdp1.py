@@ -31,7 +31,8 @@ def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
     rank0, rank1 = results[0].result, results[1].result
-    root, layer0 = "_fsdp_wrapped_module._flat_param", "_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module._flat_param"
+    root = "_fsdp_wrapped_module._flat_param"
+    layer0 = "_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module._flat_param"
     for tag, align in (("flat", ""), ("orig", " align 4")):
         text = rank0[f"text_{tag}"]
         assert text == rank1[f"text_{tag}"]  # the same on every rank
@@ -55,6 +56,11 @@ def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path
     # the worked figures of docs/language.md 14.9, from the live bridge
     assert ("[flat([3, 5] as 0.weight | [3] as 0.bias | [7, 3] as 1.weight | [7] as 1.bias) align 4 pad dp over dp] "
             "fp32") in rank0["linears"]
+    # bf16 forward dtype over fp32 storage: 16 bytes of bf16 are 8 elements; 0.bias at 16, 1.weight at
+    # 24, 1.bias at 48, 55 elements padded to 56: 28 per rank
+    assert ("[flat([3, 5] as 0.weight | [3] as 0.bias | [7, 3] as 1.weight | [7] as 1.bias) align 8 pad dp over dp] "
+            "fp32") in rank0["bf16_forward"]
+    assert rank0["bf16_forward_local"] == rank1["bf16_forward_local"] == 28
     assert rank0["unsharded"] == ("error: unit `<root>`: its flat parameter holds 52 elements, not its shard of 26: "
                                   "it is unsharded now\nhelp: call the bridge outside forward/backward and outside "
                                   "summon_full_params")

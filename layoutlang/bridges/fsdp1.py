@@ -222,7 +222,7 @@ def _check(text: str, name: str, units: list[Unit], coordinate: int) -> None:
                 for j in range(info.numel_in_shard):
                     want[info.offset_in_shard + j] = logical + info.intra_param_start_idx + j
             logical += n
-        if len(got) != len(want) or got != want:
+        if got != want:
             first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             raise BridgeError(f"unit `{u.module_path or '<root>'}`: the layout places logical element "
                               f"{got[first] if first < len(got) else None} at local element {first} of its shard, "
