@@ -33,6 +33,16 @@ if [ ! -f "$stamp" ]; then
   "${pip[@]}" tensordict omegaconf codetiming uvicorn fastapi pyzmq datasets pillow   # (ray: the line below)
   "${pip[@]}" ray   # the `ray` extra (layoutlang.integrations.ray, tests/test_ray_jobs.py), pinned in constraints.txt
   "${pip[@]}" nixl-cu12   # the `nixl` extra (runtime/transport_nixl.py, tests/test_transport_nixl.py), pinned in constraints.txt
+  # the `deepspeed` extra (layoutlang/bridges/deepspeed.py, tests/test_bridge_deepspeed.py), pinned in
+  # constraints.txt: no op prebuilt; its setup.py imports torch, so no build isolation
+  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation deepspeed
   rm -f .venv/.installed-*
   touch "$stamp"
+fi
+# DeepSpeed's one JIT op on CPU (the shared-memory allreduce its comm backend loads when it starts,
+# ~70 s to compile), built once into the cache this script owns; tests point TORCH_EXTENSIONS_DIR
+# there (tests/deepspeed_zero3_program.py). A built op loads in well under a second.
+if ! ls .venv/torch_extensions/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
+  TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions" .venv/bin/python -c \
+    "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 fi

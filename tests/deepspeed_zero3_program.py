@@ -1,0 +1,197 @@
+"""One worker of tests/test_bridge_deepspeed.py: a DeepSpeed ZeRO-3 HF Llama on 4 gloo ranks.
+
+Run by `layoutlang.runtime.launch.launch(job, 2, program=__file__)` as
+`python deepspeed_zero3_program.py JOB.json OUT.json`. One launch, every check:
+
+1. describe / tensors of a live ZeRO-3 engine (`deepspeed.initialize` with torch's SGD, one
+   step taken): the tensors are the `ds_tensor`s themselves (same data_ptr);
+2. refit into vLLM's TP2 layout on ranks 0-1 equals, element by element, vLLM's rules
+   applied to the full parameters that `deepspeed.zero.GatheredParameters` gives;
+3. the reverse refit (engine -> ZeRO-3) writes every `ds_tensor`: the gathered parameters equal
+   the engine's values, padding is zero, and a forward + training step runs on them (its loss
+   equal to a plain transformers model's holding the same weights);
+4. `checkpoint.save` from the ZeRO-3 shards (rank 0 also writes `save_pretrained` of the
+   gathered model: the parent compares the files byte for byte), and `checkpoint.load` into a
+   fresh ZeRO-3 model gives the same `ds_tensor`s.
+
+Expected values come from vLLM's and DeepSpeed's rules applied to DeepSpeed's own gather,
+never from the plan under test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from bridge_program import run  # tests/bridge_program.py: the frame of a launched program
+
+V, H, F, Q, KV, D, L = 37, 6, 24, 2, 2, 4, 2  # V*H and H not multiples of 4: padded partitions
+W, TP = 4, 2  # ZeRO-3 over ranks 0-3, vLLM TP2 on ranks 0-1 (collocated)
+SHARD = 2000  # bytes a checkpoint file holds: several files and an index
+CONFIG = dict(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L,
+              num_attention_heads=Q, num_key_value_heads=KV, head_dim=D, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, dtype="float32")
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+             "steps_per_print": 1 << 30}
+
+
+def hf_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("model_type", "dtype")},
+                       torch_dtype=torch.float32)
+
+
+def vllm_expected(full: dict, r: int) -> dict:
+    """What vLLM's TP rank r stores, by its rules (q|k|v and gate|up packed per rank, vocabulary
+    padded to 64 rows), from the full weights."""
+    def rows(t, n):
+        return t[r * n:(r + 1) * n]
+
+    out = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        padded = torch.zeros(64, H)
+        padded[:V] = full[name]
+        out[name] = padded[r * 32:(r + 1) * 32]
+    out["model.norm.weight"] = full["model.norm.weight"]
+    qd, kd, fd = Q // TP * D, KV // TP * D, F // TP
+    for l in range(L):
+        p = f"model.layers.{l}."
+        out[p + "input_layernorm.weight"] = full[p + "input_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = full[p + "post_attention_layernorm.weight"]
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([rows(full[p + "self_attn.q_proj.weight"], qd),
+                                                          rows(full[p + "self_attn.k_proj.weight"], kd),
+                                                          rows(full[p + "self_attn.v_proj.weight"], kd)])
+        out[p + "self_attn.o_proj.weight"] = full[p + "self_attn.o_proj.weight"][:, r * qd:(r + 1) * qd]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([rows(full[p + "mlp.gate_proj.weight"], fd),
+                                                        rows(full[p + "mlp.up_proj.weight"], fd)])
+        out[p + "mlp.down_proj.weight"] = full[p + "mlp.down_proj.weight"][:, r * fd:(r + 1) * fd]
+    return out
+
+
+def gathered(module) -> dict:
+    """The full parameters, through DeepSpeed's own gather."""
+    import deepspeed
+
+    params = dict(module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().clone() for n, p in params.items()}
+
+
+def partition(full: torch.Tensor, rank: int, width: int) -> tuple[torch.Tensor, int]:
+    """DeepSpeed's rule (`_partition_param`): rank's S elements of the flat vector padded to a
+    multiple of width, and how many of them are data."""
+    flat = full.reshape(-1)
+    size = -(-flat.numel() // width)
+    mine = flat[rank * size:(rank + 1) * size]
+    return mine, mine.numel()
+
+
+def main(job: dict, rank: int) -> dict:
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    # DeepSpeed's one JIT op (its CPU shared-memory allreduce, built when its comm backend starts)
+    # lives in the cache scripts/setup.sh warms: .venv/torch_extensions.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    import torch.distributed as dist
+
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    from layoutlang import checkpoint
+    from layoutlang.bridges import deepspeed as ds
+    from layoutlang.bridges.families import layout_text
+    from layoutlang.compiler import compile_plan
+    from layoutlang.elaborate import loads
+    from layoutlang.runtime import Refitter
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    assert dist.get_world_size() == W
+    report: dict = {"rank": rank, "checked": 0}
+    ids = torch.tensor([[1, 5, 9, 33, 2, 7]])
+    with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(hf_config())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+    # 1. describe / tensors
+    text = ds.describe(engine)
+    report["text"] = text
+    local = ds.tensors(engine)
+    params = dict(engine.module.named_parameters())
+    for name, p in params.items():
+        assert local[name + ".ds_tensor"].data_ptr() == p.ds_tensor.data_ptr(), f"{name}: not the ds_tensor"
+    report["local_numel"] = {n: t.numel() for n, t in local.items()}
+
+    # 2. ZeRO-3 -> vLLM TP2 on the same ranks
+    src = loads(text, path="<zero3>")
+    vllm = loads(layout_text(CONFIG, "vllm", {"TP": TP, "AT": 0}), path="<vllm>")
+    engine_tensors = {t.name: torch.full(t.local_shape_at(rank), float("nan")) for t in vllm.tensors
+                      if t.holds(rank)}
+    Refitter(compile_plan(src, vllm), budget_bytes=1 << 14, timeout=60).refit(local, engine_tensors or None)
+    full = gathered(engine.module)
+    for name, want in (vllm_expected(full, rank) if rank < TP else {}).items():
+        assert torch.equal(engine_tensors[name], want), f"engine {name} on rank {rank} differs"
+        report["checked"] += want.numel()
+
+    # 3. vLLM TP2 -> ZeRO-3: new values (the same on every rank, as replicas are), then a step
+    with torch.no_grad():
+        for t in engine_tensors.values():
+            t.mul_(0.5).add_(0.25)
+    Refitter(compile_plan(vllm, src), budget_bytes=1 << 14, timeout=60).refit(engine_tensors or None, local)
+    new_full = {n: t * 0.5 + 0.25 for n, t in full.items()}
+    for name, p in params.items():
+        want, data = partition(new_full[name], rank, W)
+        got = p.ds_tensor
+        assert torch.equal(got[:data], want), f"ds_tensor of {name} on rank {rank} differs after the reverse refit"
+        assert not got[data:].any(), f"padding of {name}'s ds_tensor on rank {rank} is not zero"
+    back = gathered(engine.module)
+    for name, want in new_full.items():
+        assert torch.equal(back[name], want), f"{name}: DeepSpeed gathers other values than were written"
+    plain = LlamaForCausalLM(hf_config())
+    plain.load_state_dict(new_full)
+    with torch.no_grad():
+        want_loss = plain(input_ids=ids, labels=ids).loss
+    loss = engine(input_ids=ids, labels=ids).loss
+    report["loss_diff"] = float((loss.detach() - want_loss).abs())
+    assert report["loss_diff"] <= 1e-6, f"the loss on the refit weights differs by {report['loss_diff']}"
+    engine.backward(loss)
+    engine.step()
+    after = gathered(engine.module)
+    assert all(torch.isfinite(t).all() for t in after.values())
+    report["step_changed"] = any(not torch.equal(after[n], back[n]) for n in after)
+
+    # 4. checkpoint.save from the shards; save_pretrained of the gathered model on rank 0
+    dist.barrier()
+    saved = {n: p.ds_tensor.clone() for n, p in params.items()}
+    full = gathered(engine.module)
+    # the config says the q/k rows are rotary halves (as the layout writes them): a flat key pairs strictly
+    checkpoint.save(job["ours"], src, ds.tensors(engine), group=dist.group.WORLD,
+                    config=engine.module.config.to_dict(), max_shard_size=SHARD)
+    if rank == 0:
+        plain = LlamaForCausalLM(hf_config())
+        plain.load_state_dict(full)
+        plain.save_pretrained(job["theirs"], max_shard_size=SHARD)
+        engine.module.config.save_pretrained(job["ours"])  # config.json is the caller's (q/k rows: halves)
+    dist.barrier()
+    with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+        torch.manual_seed(1)
+        fresh = LlamaForCausalLM(hf_config())
+    fresh_text = ds.describe(fresh)
+    assert fresh_text == text, "a fresh ZeRO-3 model of the same config is described otherwise"
+    checkpoint.load(job["ours"], loads(fresh_text, path="<fresh>"), ds.tensors(fresh), group=dist.group.WORLD)
+    for name, p in fresh.named_parameters():
+        want, data = partition(full[name], rank, W)
+        assert torch.equal(p.ds_tensor[:data], want), f"loaded ds_tensor of {name} on rank {rank} differs"
+        assert torch.equal(p.ds_tensor[:data], saved[name][:data])
+        assert not p.ds_tensor[data:].any(), f"padding of {name} not zero after load"
+    return report
+
+
+if __name__ == "__main__":
+    run(main)
