@@ -265,6 +265,18 @@ def refusals(rank: int, report: dict) -> None:
                  use_orig_params=True, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     report["bf16_forward"] = fsdp1.describe(mixed)
     report["bf16_forward_local"] = fsdp1.tensors(mixed)["_fsdp_wrapped_module._flat_param"].numel()
+    # tied embeddings and torch's activation-checkpoint wrapper inside each layer unit
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    tied_config = config()
+    tied_config.tie_word_embeddings = True
+    tied = FSDP(LlamaForCausalLM(tied_config), device_id=torch.device("cpu"), use_orig_params=True,
+                auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+    apply_activation_checkpointing(tied, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+    report["tied"] = fsdp1.describe(tied)
     plain = FSDP(torch.nn.Linear(5, 3), device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.NO_SHARD)
     report["no_shard"] = error(lambda: fsdp1.describe(plain))
 

@@ -61,6 +61,11 @@ def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path
     assert ("[flat([3, 5] as 0.weight | [3] as 0.bias | [7, 3] as 1.weight | [7] as 1.bias) align 8 pad dp over dp] "
             "fp32") in rank0["bf16_forward"]
     assert rank0["bf16_forward_local"] == rank1["bf16_forward_local"] == 28
+    # a tied lm_head is the embedding's one key; the checkpoint wrapper is not in the keys
+    tied = rank0["tied"]
+    assert (f"tensor {root} [flat([37, 18] as model.embed_tokens.weight | [18] as model.norm.weight) align 4 pad dp "
+            "over dp] fp32\n") in tied
+    assert f"tensor {layer0} [flat({LAYER}) align 4 pad dp over dp] fp32\n" in tied
     assert rank0["unsharded"] == ("error: unit `<root>`: its flat parameter holds 52 elements, not its shard of 26: "
                                   "it is unsharded now\nhelp: call the bridge outside forward/backward and outside "
                                   "summon_full_params")
