@@ -2,7 +2,8 @@
 gloo ranks, described from `ds_shape` / `ds_tensor` / its partition group, refit into vLLM's TP2
 layout (ranks 0-1) and back, saved as an HF checkpoint and loaded into a fresh ZeRO-3 model, all in ONE
 launch (tests/deepspeed_zero3_program.py asserts every element there against DeepSpeed's own
-`GatheredParameters`). Here: the text against the flat rule written out by hand, and the saved
+`GatheredParameters`; and a tiny Qwen3-MoE's stacked experts into the HF checkpoint layout and
+back). Here: the text against the flat rule written out by hand, and the saved
 files against `save_pretrained` of the gathered model: the same files, index and tensor bytes.
 """
 
@@ -49,6 +50,15 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
         assert r["local_numel"]["model.norm.weight.ds_tensor"] == 2
         assert r["local_numel"]["model.embed_tokens.weight.ds_tensor"] == 56
         assert r["local_numel"]["model.layers.0.mlp.down_proj.weight.ds_tensor"] == 6 * 24 // 4
+    # Qwen3-MoE: transformers stacks each layer's experts (gate_up_proj [E, 2I, H], each expert's gate
+    # rows then its up rows): one flat key per expert and part, in that storage order
+    moe = rank0["moe_text"]
+    assert all(r["moe_text"] == moe for r in reports)
+    keys = " | ".join(f"[5, 6] as model.layers.0.mlp.experts.{e}.{part}_proj.weight"
+                      for e in range(4) for part in ("gate", "up"))
+    assert f"tensor model.layers.0.mlp.experts.gate_up_proj.ds_tensor [flat({keys}) pad dp over dp]\n" in moe
+    keys = " | ".join(f"[6, 5] as model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4))
+    assert f"tensor model.layers.0.mlp.experts.down_proj.ds_tensor [flat({keys}) pad dp over dp]\n" in moe
     # every engine element compared with vLLM's rule on both ranks; the step after the reverse refit ran
     assert rank0["checked"] > 0 and rank1["checked"] == rank0["checked"]
     assert rank0["step_changed"] and rank0["loss_diff"] <= 1e-6
@@ -68,3 +78,16 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
                 want = theirs.get_tensor(key)
                 got = ours.get_tensor(key)
                 assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
+
+
+def test_a_module_without_zero3_partitions_is_refused_naming_the_parameter():
+    """ZeRO-1/2 (or no DeepSpeed) keep whole parameters: no `ds_tensor`, nothing flat to describe."""
+    from layoutlang.bridges import deepspeed as ds
+    from layoutlang.bridges.families import BridgeError
+
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    for call in (ds.describe, ds.tensors):
+        with pytest.raises(BridgeError) as err:
+            call(module)
+        assert "parameter `0.weight` is not partitioned by ZeRO-3 (it has no `ds_tensor`)" in str(err.value)
+        assert "ZeRO stage 1 and 2 keep every parameter whole" in (err.value.help or "")
