@@ -135,6 +135,7 @@ def main(job: dict, rank: int) -> dict:
                       if t.holds(rank)}
     Refitter(compile_plan(src, vllm), budget_bytes=1 << 14, timeout=60).refit(local, engine_tensors or None)
     full = gathered(engine.module)
+    assert all(torch.isfinite(t).all() for t in full.values())
     for name, want in (vllm_expected(full, rank) if rank < TP else {}).items():
         assert torch.equal(engine_tensors[name], want), f"engine {name} on rank {rank} differs"
         report["checked"] += want.numel()
@@ -237,9 +238,9 @@ def moe(rank: int) -> str:
         torch.manual_seed(2)
         model = Qwen3MoeForCausalLM(config)
     # transformers leaves the stacked experts uninitialised under zero.Init (NaNs among them):
-    # fill every parameter the same way on every rank, through DeepSpeed's own gather
+    # fill every parameter on rank 0, which DeepSpeed broadcasts and partitions again on exit
     g = torch.Generator().manual_seed(3)
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
         for p in model.parameters():
             p.data.copy_(torch.randn(p.shape, generator=g))
     text = ds.describe(model)
@@ -248,6 +249,7 @@ def moe(rank: int) -> str:
     dst = {t.name: torch.full(t.local_shape_at(rank), float("nan")) for t in whole.tensors if t.holds(rank)}
     Refitter(compile_plan(src, whole), timeout=60).refit(ds.tensors(model), dst or None)
     full = gathered(model)
+    assert all(torch.isfinite(t).all() for t in full.values())  # the fill above took
     want = hf_expected(full, MOE["num_experts"], MOE["moe_intermediate_size"])
     if rank == 0:
         assert sorted(dst) == sorted(want)

@@ -123,8 +123,8 @@ def _group(params) -> tuple[int, int]:
         raise BridgeError(f"parameter `{first_name}` is partitioned over ranks {list(ranks)}, which are not "
                           "consecutive: a layout mesh is a run of consecutive ranks",
                           help="partition over consecutive ranks (ZeRO's default group is the whole world)")
-    if getattr(first, "ds_secondary_tensor", None) is not None:
-        pass  # hpZ's secondary copy is a cache of the same partition: ds_tensor stays the primary
+    # hpZ's `ds_secondary_tensor` is a second copy within a node; `ds_tensor` stays the primary
+    # partition over `ds_process_group`, which is what is described
     return ranks[0], len(ranks)
 
 
