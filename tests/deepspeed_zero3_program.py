@@ -192,7 +192,33 @@ def main(job: dict, rank: int) -> dict:
         assert torch.equal(p.ds_tensor[:data], saved[name][:data])
         assert not p.ds_tensor[data:].any(), f"padding of {name} not zero after load"
     report["moe_text"] = moe(rank)
+    report["plain_text"] = plain_module(rank)
     return report
+
+
+def plain_module(rank: int) -> str:
+    """A module that is no transformers model (keys: the parameter names): ZeRO-3's
+    `Sequential(Linear(5, 3), Linear(3, 7))` -> whole tensors on rank 0, equal to DeepSpeed's gather."""
+    import deepspeed
+
+    from layoutlang.bridges import deepspeed as ds
+    from layoutlang.compiler import compile_plan
+    from layoutlang.elaborate import loads
+    from layoutlang.runtime import Refitter
+
+    with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+        torch.manual_seed(4)
+        module = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7))
+    text = ds.describe(module)
+    whole = loads("mesh w (r=1)\ntensor 0.weight [3, 5] fp32\ntensor 0.bias [3] fp32\n"
+                  "tensor 1.weight [7, 3] fp32\ntensor 1.bias [7] fp32\n", path="<whole>")
+    dst = {t.name: torch.full(t.local_shape_at(rank), float("nan")) for t in whole.tensors if t.holds(rank)}
+    Refitter(compile_plan(loads(text, path="<zero3 plain>"), whole), timeout=60).refit(ds.tensors(module),
+                                                                                         dst or None)
+    full = gathered(module)
+    for name, t in dst.items():
+        assert torch.equal(t, full[name]), f"{name} differs from DeepSpeed's gather"
+    return text
 
 
 MOE = dict(model_type="qwen3_moe", vocab_size=V, hidden_size=H, intermediate_size=12, moe_intermediate_size=5,

@@ -59,6 +59,12 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
     assert f"tensor model.layers.0.mlp.experts.gate_up_proj.ds_tensor [flat({keys}) pad dp over dp]\n" in moe
     keys = " | ".join(f"[6, 5] as model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4))
     assert f"tensor model.layers.0.mlp.experts.down_proj.ds_tensor [flat({keys}) pad dp over dp]\n" in moe
+    # a module that is no transformers model: keys are the parameter names; 0.weight's 15 elements
+    # padded to 16, 4 a rank (rank 3: elements 12..14 and one padding element)
+    assert all(r["plain_text"] == rank0["plain_text"] for r in reports)
+    assert "layout sequential_zero3\n" in rank0["plain_text"]
+    assert "tensor 0.weight.ds_tensor [flat([3, 5] as 0.weight) pad dp over dp]\n" in rank0["plain_text"]
+    assert "tensor 1.bias.ds_tensor [flat([7] as 1.bias) pad dp over dp]\n" in rank0["plain_text"]
     # every engine element compared with vLLM's rule on both ranks; the step after the reverse refit ran
     assert rank0["checked"] > 0 and rank1["checked"] == rank0["checked"]
     assert rank0["step_changed"] and rank0["loss_diff"] <= 1e-6
