@@ -172,15 +172,15 @@ def _hf_shapes(module, params) -> dict[str, list[tuple[list[str], str]]]:
     from layoutlang import loads
 
     from .families import render_document, statement_at
-    from .hf import _concrete, _const_values, _document
+    from .hf import concrete, const_values, hf_document
     from .model import layer_of
 
     kind = type(module).__name__
     names = {key_of(pname): pname for pname, _ in params}
-    doc = _document(module, tied="lm_head.weight" not in names)
+    doc = hf_document(module, tied="lm_head.weight" not in names)
     text, where = render_document(doc)
     layout = loads(text, f"<describe {kind}>")
-    consts = _const_values(doc.consts)
+    consts = const_values(doc.consts)
     described = {t.name: t for t in layout.tensors}
     out = {}
     for pname, p in params:
@@ -197,7 +197,7 @@ def _hf_shapes(module, params) -> dict[str, list[tuple[list[str], str]]]:
         stmt = statement_at(doc, where[t.span.line])
         if t.regions is None and not stmt.transposed:
             layer = layer_of(stmt.name, name)
-            dims = [_concrete(d, consts, layer) if not isinstance(dim.mode, PlainM) else str(shape[i])
+            dims = [concrete(d, consts, layer) if not isinstance(dim.mode, PlainM) else str(shape[i])
                     for i, (d, dim) in enumerate(zip(stmt.dims, t.dims))]
             out[pname] = [(dims, t.key)]
             continue

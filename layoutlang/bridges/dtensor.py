@@ -332,11 +332,11 @@ def _check_packed(text: str, name: str, packed: list[_PackedDim]) -> None:
         pname, d, cut = one.param, one.dim, one.cut
         dim = by_name[pname].dims[d]
         extent, pieces = dim.mode.stored, cut.packed * cut.size
-        whole = _elements(runs(dim.mode, [(0, extent)], 0))  # global storage index -> logical index
+        whole = dim_elements(runs(dim.mode, [(0, extent)], 0))  # global storage index -> logical index
         block = extent // pieces
         for c in range(cut.size):
             want = [whole[i] for k in range(c, pieces, cut.size) for i in range(k * block, (k + 1) * block)]
-            if _elements(dim.runs_at(c, 0)) != want:
+            if dim_elements(dim.runs_at(c, 0)) != want:
                 raise BridgeError(f"parameter `{pname}`: dim {d} is cut by _StridedShard(dim={d}, "
                                   f"sf={cut.packed}) over {cut.size} ranks, but the parts its form gives the dim "
                                   f"do not line up with torch's pieces: split over `{_axes_text(cut.axes)}`, "
@@ -345,7 +345,7 @@ def _check_packed(text: str, name: str, packed: list[_PackedDim]) -> None:
                                        "(rank c holds block c of every part, in part order)")
 
 
-def _elements(dim_runs) -> list[int | None]:
+def dim_elements(dim_runs) -> list[int | None]:
     """Per local element, in storage order, its logical index (None: padding)."""
     from layoutlang.modes import Run
 

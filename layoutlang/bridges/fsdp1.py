@@ -204,14 +204,14 @@ def _check(text: str, name: str, units: list[Unit], coordinate: int) -> None:
     """Each local element the layout places on this rank is the one `_shard_param_infos` records."""
     from layoutlang import loads
 
-    from .dtensor import _elements
+    from .dtensor import dim_elements
 
     layout = loads(text, f"<describe {name}>")
     by_name = {t.name: t for t in layout.tensors}
     for u in units:
         t = by_name[u.name]
         dim = t.dims[0]
-        got = _elements(dim.runs_at(coordinate, 0))
+        got = dim_elements(dim.runs_at(coordinate, 0))
         want: list[int | None] = [None] * u.shard_numel
         logical = 0
         for (key, shape), info in zip(u.keys, u.flat_param._shard_param_infos):

@@ -59,7 +59,7 @@ def describe(model, *, at: int = 0) -> str:
         return _describe_dtensors(model)
     stored = _stored(model)
     kind = type(model).__name__
-    doc = _document(model, tied="lm_head.weight" not in stored, at=at)
+    doc = hf_document(model, tied="lm_head.weight" not in stored, at=at)
     doc = replace(doc, comments=(f"{doc.name.removesuffix('_hf_memory')} ({kind}) held whole on rank {at}, described by",
                                  "layoutlang.bridges.hf.describe: NAMEs are its in-memory names, keys the HF",
                                  "checkpoint names of the unfused, per-expert weights (LANGUAGE.md 8).") + doc.comments[4:])
@@ -76,7 +76,7 @@ def tensors(model) -> dict:
     return _stored(model)
 
 
-def _document(model, *, tied: bool, at: int = 0):
+def hf_document(model, *, tied: bool, at: int = 0):
     """The hf-memory Document of `model` from its config; tiedness as stored (named_parameters
     lists a tied lm_head once, under the embedding's name)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "torch_dtype")}
@@ -194,13 +194,13 @@ def _describe_dtensors(model) -> str:
     kind = type(model).__name__
     params = dict(model.named_parameters())
     plain = {dtensor.key_of(n): n for n in params}
-    doc = _document(model, tied="lm_head.weight" not in plain)
+    doc = hf_document(model, tied="lm_head.weight" not in plain)
     text, where = render_document(doc)
     from layoutlang import loads
 
     layout = loads(text, f"<describe {kind}>")
     described = {t.name: t for t in layout.tensors}
-    consts = _const_values(doc.consts)
+    consts = const_values(doc.consts)
     keys: dict[str, str] = {}
     forms: dict[str, object] = {}
     for name, pname in plain.items():
@@ -219,12 +219,12 @@ def _describe_dtensors(model) -> str:
             continue
         stmt = statement_at(doc, where[t.span.line])
         layer = layer_of(stmt.name, name)
-        dims = tuple(_concrete(d, consts, layer) if (structured[i] or " in " in d) else str(p.shape[i])
+        dims = tuple(concrete(d, consts, layer) if (structured[i] or " in " in d) else str(p.shape[i])
                      for i, d in enumerate(stmt.dims))
         if t.regions is None:
             key = t.key
         else:
-            key = _concrete(stmt.key, consts, layer) if stmt.key is not None and stmt.key != stmt.name else None
+            key = concrete(stmt.key, consts, layer) if stmt.key is not None and stmt.key != stmt.name else None
         forms[pname] = dtensor.Form(key, dims, stmt.transposed)
     missing = [n for n in described if n not in plain]
     if missing:
@@ -239,7 +239,7 @@ def _describe_dtensors(model) -> str:
                             replicated=_replicated(model))
 
 
-def _const_values(consts: tuple[str, ...]) -> dict[str, str]:
+def const_values(consts: tuple[str, ...]) -> dict[str, str]:
     """`("L = 2, H = 64", ...)` -> {"L": "2", "H": "64"} (the Document's consts are integers)."""
     out = {}
     for line in consts:
@@ -249,7 +249,7 @@ def _const_values(consts: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def _concrete(text: str, consts: dict[str, str], layer: int | None) -> str:
+def concrete(text: str, consts: dict[str, str], layer: int | None) -> str:
     """A dim or key of a statement for one layer: `{l}` and the consts replaced by their values."""
     if layer is not None:
         text = text.replace("{l}", str(layer))
