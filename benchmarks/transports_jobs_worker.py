@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from refit_gloo import round_order  # noqa: E402
-from transports_worker import Floor  # noqa: E402
+from transports_worker import Checks, Floor, finish  # noqa: E402
 
 from layoutlang.compiler import compile_plan  # noqa: E402
 from layoutlang.compiler.members import replicate  # noqa: E402
@@ -133,20 +133,13 @@ def main(job_path: str, out_path: str) -> int:
                 if i:
                     times[m].append(t)
                 last = m
-        reference = None
+        checks = Checks(result)
         for m in order:
             for t in dst_ts:
                 dst[t.name].fill_(float("nan"))
             timed(m)
-            if trainer:
-                errors = []
-            elif reference is None:
-                errors = [e for t in dst_ts for e in [check_destination(t, local, dst[t.name])] if e]
-                reference = None if errors else {k: v.clone() for k, v in dst.items()}
-                result["checked_by_layout"] = m
-            else:
-                errors = [f"{k} differs from {result['checked_by_layout']}'s (checked against the layout)"
-                          for k, v in dst.items() if not torch.equal(v.view(torch.int16), reference[k].view(torch.int16))]
+            errors = [] if trainer else checks(m, dst, lambda: [e for t in dst_ts
+                                                                for e in [check_destination(t, local, dst[t.name])] if e])
             result["methods"][m] = {"seconds": times[m], "errors": errors[:3]}
         dist.barrier()
         for job in jobs.values():  # engines leave first, then the trainer jobs let their stores go
@@ -159,12 +152,7 @@ def main(job_path: str, out_path: str) -> int:
         result["ok"] = True
     except Exception:  # noqa: BLE001 - the launcher prints it
         result["error"] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(result))
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-    return 0 if result["ok"] else 1
+    return finish(result, out_path)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,34 @@ def _iovecs(runs: list[tuple[int, int]]):
     return arr
 
 
+class Checks:
+    """The untimed checks of a run's methods: the first method checked is checked against the
+    layout element by element (`layout_errors()`, `check_destination`); every later one must
+    equal it bit for bit (a full check of 1 GiB takes a minute a method on one core)."""
+
+    def __init__(self, result: dict):
+        self.result, self.reference = result, None
+
+    def __call__(self, m: str, dst: dict, layout_errors) -> list[str]:
+        if self.reference is None:
+            errors = layout_errors()
+            self.reference = None if errors else {n: v.clone() for n, v in dst.items()}
+            self.result["checked_by_layout"] = m
+            return errors
+        return [f"{n} differs from {self.result['checked_by_layout']}'s (checked against the layout)"
+                for n, v in dst.items() if not torch.equal(v.view(torch.int16), self.reference[n].view(torch.int16))]
+
+
+def finish(result: dict, out_path: str) -> int:
+    """Write the rank's result, leave the process group; the exit status."""
+    Path(out_path).write_text(json.dumps(result))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return 0 if result["ok"] else 1
+
+
 def _one_step(step) -> float:
     dist.barrier()
     t = time.perf_counter()
@@ -196,10 +224,7 @@ def main(job_path: str, out_path: str) -> int:
                 if i:  # round 0 warms every method up
                     times[m].append(t)
                 last = m
-        # Checks, untimed: the first method checked is checked against the layout, element by
-        # element (`check_destination`); every later one must then equal it bit for bit (a
-        # full check of 1 GiB takes a minute a method on one core)
-        reference = None
+        checks = Checks(result)
         for m in order:
             for t in dst_ts:
                 dst[t.name].fill_(float("nan"))
@@ -207,23 +232,14 @@ def main(job_path: str, out_path: str) -> int:
             dist.barrier()
             if m == "floor" and device.type != "cpu":  # a copy of bytes, not the refit: nothing to check
                 errors = []
-            elif reference is None:
-                errors = [e for t in dst_ts for e in [check_destination(t, rank, dst[t.name].cpu(), plan)] if e]
-                reference = None if errors else {n: v.clone() for n, v in dst.items()}
-                result["checked_by_layout"] = m
             else:
-                errors = [f"{n} differs from {result['checked_by_layout']}'s (checked against the layout)"
-                          for n, v in dst.items() if not torch.equal(v.view(torch.int16), reference[n].view(torch.int16))]
+                errors = checks(m, dst, lambda: [e for t in dst_ts
+                                                 for e in [check_destination(t, rank, dst[t.name].cpu(), plan)] if e])
             result["methods"][m] = {"seconds": times[m], "errors": errors[:3]}
         result["ok"] = True
     except Exception:  # noqa: BLE001 - the launcher prints it
         result["error"] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(result))
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-    return 0 if result["ok"] else 1
+    return finish(result, out_path)
 
 
 if __name__ == "__main__":
