@@ -367,6 +367,29 @@ def test_save_quantizes_bf16_into_mxfp8_files(tmp_path):
     assert got["w_scale"][:2] == ("U8", (32, 3)) and torch.equal(got["w_scale"][2], scales.reshape(-1))
 
 
+def test_a_save_is_byte_for_byte_what_safetensors_writes_of_the_same_tensors(tmp_path):
+    """The whole file, header and data, against safetensors' own `save_file` (what `save_pretrained`
+    calls): keys in the layout out of name order, five dtypes (fp32, bf16, fp16 and mxfp8's F8_E4M3
+    codes + U8 scales: saved with dtype="mxfp8", which only b.w can hold), an upper-case name (bytes order it before every lower-case one)."""
+    from safetensors.torch import save_file
+
+    layout = loads("layout mixed\nmesh m (r=1)\ntensor z.norm [6] fp32\ntensor b.w [32, 64] bf16\n"
+                   "tensor a.w [4, 3] bf16\ntensor m.h [5] fp16\ntensor c.w [2, 2] fp32\n"
+                   "tensor Q.w [3] bf16\n", "<mixed>")
+    g = torch.Generator().manual_seed(7)
+    tensors = {"z.norm": torch.randn(6, generator=g), "b.w": _values((32, 64), 9),
+               "a.w": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+               "m.h": torch.randn(5, generator=g).to(torch.float16), "c.w": torch.randn(2, 2, generator=g),
+               "Q.w": torch.randn(3, generator=g).to(torch.bfloat16)}
+    save(tmp_path / "ours", layout, tensors, dtype="mxfp8")  # b.w alone can hold it
+    codes, scales = _mx_reference(tensors["b.w"])
+    theirs = {k: v for k, v in tensors.items() if k != "b.w"}
+    theirs["b.w"] = codes.view(torch.float8_e4m3fn).reshape(32, 64)
+    theirs["b.w_scale"] = scales.reshape(32, 2)
+    save_file(theirs, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
 # ---- hostile inputs through load ----------------------------------------------------------------------
 
 def test_a_key_the_layout_needs_and_the_checkpoint_lacks_is_named_at_its_layout_line(tmp_path, llama):

@@ -53,6 +53,12 @@ DTYPE_BITS = {
     "F8_E4M3": 8, "F8_E5M2": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
     "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
 }
+# The order safetensors' writer lays entries out in (its `Dtype` enum's order, widest last: a file's
+# data holds them from the last of this tuple to the first, by name within one dtype). Read off
+# safetensors 0.8's `save_file` for every dtype torch has; the rest placed by width beside them.
+SAFETENSORS_ORDER = {name: i for i, name in enumerate((
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0",
+    "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"))}
 MAX_HEADER_BYTES = 100_000_000   # the reference reader's MAX_HEADER_SIZE
 MAX_INDEX_BYTES = 100_000_000    # model.safetensors.index.json
 INT64_MAX = (1 << 63) - 1
@@ -325,6 +331,25 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFiles:
 
 
 
+def write_header(entries, metadata: dict[str, str]) -> tuple[bytes, int, dict[str, int]]:
+    """A safetensors file's first bytes for `entries` ((name, safetensors dtype, shape), names
+    unique), laid out as safetensors' own writer lays them out (`save_file`, so `save_pretrained`):
+    by dtype, widest first (`SAFETENSORS_ORDER`), then by name, listed in that order after
+    `__metadata__`, compact JSON padded with spaces to 8 bytes. Returns the bytes (length prefix
+    and header), the data's size and each entry's data offset from the data's start. Files
+    written from the same tensors are then byte for byte the ones `save_pretrained` writes."""
+    head: dict[str, object] = {"__metadata__": metadata}
+    at, offsets = 0, {}
+    for name, st, shape in sorted(entries, key=lambda e: (-SAFETENSORS_ORDER[e[1]], e[0])):
+        n = math.prod(shape) * DTYPE_BITS[st] // 8
+        head[name] = {"dtype": st, "shape": list(shape), "data_offsets": [at, at + n]}
+        offsets[name] = at
+        at += n
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, at, offsets
+
+
 ST_PLAIN = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}  # a plain layout dtype -> its safetensors dtype
 
 
@@ -347,5 +372,5 @@ def key_entries(key: str, dtype: str, shape: tuple[int, ...]) -> tuple[tuple[str
                      "fp8_e5m2, fp8_b128, mxfp8, mxfp4)")
 
 
-__all__ = ["DTYPE_BITS", "MAX_HEADER_BYTES", "INDEX_NAME", "CheckpointError", "Entry", "FileHeader",
+__all__ = ["DTYPE_BITS", "SAFETENSORS_ORDER", "write_header", "MAX_HEADER_BYTES", "INDEX_NAME", "CheckpointError", "Entry", "FileHeader",
            "CheckpointFiles", "byte_size", "read_header", "read_checkpoint", "ST_PLAIN", "key_entries"]

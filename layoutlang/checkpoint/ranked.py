@@ -20,14 +20,13 @@ rank's own file.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
 
 from ..diagnostics import UsageError
 from ..ir import QUANTIZED, Layout
-from .headers import DTYPE_BITS, CheckpointError, CheckpointFiles, FileHeader, key_entries
+from .headers import CheckpointError, CheckpointFiles, FileHeader, key_entries, write_header
 
 META = "layoutlang.layout"
 FILE = "rank-{rank:05d}-of-{ranks:05d}.safetensors"
@@ -93,19 +92,9 @@ def header(layout: Layout, rank: int) -> tuple[bytes, int, list]:
     """Rank `rank`'s file: its header, its size and [(tensor name, entry key, offset)] in data order."""
     entries = [(t.name, name, st, shape) for t in layout.tensors if t.holds(rank)
                for name, st, shape in key_entries(t.name, t.dtype, tuple(t.local_shape_at(rank)))]
-    order = sorted(range(len(entries)), key=lambda i: (-max(1, DTYPE_BITS[entries[i][2]] // 8), i))
-    head: dict[str, object] = {"__metadata__": rank_metadata(layout, rank)}
-    at, placed = 0, []
-    for i in order:
-        tname, key, st, shape = entries[i]
-        n = math.prod(shape) * DTYPE_BITS[st] // 8
-        head[key] = {"dtype": st, "shape": list(shape), "data_offsets": [at, at + n]}
-        placed.append((tname, key, at))
-        at += n
-    text = json.dumps(head, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    text = len(text).to_bytes(8, "little") + text
-    return text, len(text) + at, [(t, k, len(text) + off) for t, k, off in placed]
+    text, size, offsets = write_header([e[1:] for e in entries], rank_metadata(layout, rank))
+    placed = sorted(((t, k, offsets[k]) for t, k, _, _ in entries), key=lambda p: p[2])
+    return text, len(text) + size, [(t, k, len(text) + off) for t, k, off in placed]
 
 
 def _parts(value, dtype: str) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ from datetime import timedelta
 from ..diagnostics import UsageError
 from ..ir import Layout
 from ..vocabulary import DTYPE
-from .headers import DTYPE_BITS, INDEX_NAME, key_entries
+from .headers import DTYPE_BITS, INDEX_NAME, key_entries, write_header
 from .meet import rank_of
 from .ranked import FILE, rank_metadata, write_rank
 
@@ -111,20 +111,9 @@ def layout_keys(layout: Layout, dtype: str | None = None) -> tuple[KeyFile, ...]
 
 
 def _header(keys: tuple[KeyFile, ...], metadata: dict[str, str]) -> tuple[bytes, int]:
-    """A safetensors header for these keys (wider elements first, so every offset is aligned) and
-    the data size."""
-    entries = [e for k in keys for e in k.entries]
-    order = sorted(range(len(entries)), key=lambda i: (-max(1, DTYPE_BITS[entries[i][1]] // 8), i))
-    head: dict[str, object] = {"__metadata__": metadata}
-    at = 0
-    for i in order:
-        name, st, shape = entries[i]
-        n = math.prod(shape) * DTYPE_BITS[st] // 8
-        head[name] = {"dtype": st, "shape": list(shape), "data_offsets": [at, at + n]}
-        at += n
-    text = json.dumps(head, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, at
+    """A safetensors header for these keys (as safetensors writes it: `write_header`) and the data size."""
+    header, size, _ = write_header([e for k in keys for e in k.entries], metadata)
+    return header, size
 
 
 def checkpoint_files(keys: tuple[KeyFile, ...], max_shard_size: int | str = "5GB",
