@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import os
 import pkgutil
 import re
 import shlex
@@ -155,6 +156,33 @@ def test_transports_between_jobs_small_run():
     assert ("the jobs' reports: {'memory': {'r0': 'memory (cma)', 'r1': 'memory (cma)'}, "
             "'group': {'r0': 'group (gloo)', 'r1': 'group (gloo)'}}") in out, out
     assert re.search(r"\n  jobs_memory / floor: [\d.]+ \(95 % interval [\d.]+-[\d.]+\)  target <= 1.25: ", out), out
+
+
+@pytest.mark.timeout(300)
+def test_flat_refit_tiny_run_checks_both_paths():
+    """benchmarks/flat_refit.py at its tiny size (6 processes: a Llama under DeepSpeed ZeRO-3 on 4
+    gloo ranks -> vLLM TP2 on 2): layoutlang from the ds_tensors and TRL's gather path each write
+    every round what vLLM's rule makes of the gathered parameters, the paired ratio is printed
+    with its interval, and the bytes beyond a rank's own shards are the hand-counted ones."""
+    if not os.environ.get("LAYOUTLANG_CI"):
+        pytest.importorskip("deepspeed")
+        pytest.importorskip("transformers")
+    proc = _run("benchmarks/flat_refit.py", "--size", "tiny", "--timeout", "200", timeout=260)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for method in ("layoutlang", "layoutlang_gloo", "trl"):
+        assert re.search(rf"\n  {method} +median +[\d.]+ ms +[\d.]+ GiB/s  check: exact, every round", out), out
+    assert re.search(r"\n  layoutlang / trl: [\d.]+ \(95 % interval [\d.]+-[\d.]+\)\n", out), out
+    assert "'layoutlang': {'4': 'memory (cma)', '5': 'memory (cma)'}" in out, out
+    # By hand (V=37, H=16, F=24, 4 q heads / 2 kv heads of 4, 1 layer, bf16): each ZeRO-3 rank keeps
+    # ceil(numel / 4) of every parameter: 148 + 148 (embedding, lm_head) + 4 (norm) + 64 + 32 + 32 + 64
+    # (q, k, v, o) + 3 x 96 (gate, up, down) + 2 x 4 (layer norms) = 788 elements; an engine rank
+    # 32 x 16 twice (vocabulary padded to 64, halved) + 16 + 16 x 16 (qkv) + 16 x 8 (o) + 24 x 16
+    # (gate_up) + 16 x 12 (down) + 2 x 16 = 2032. The largest parameter, the embedding: 37 x 16.
+    assert "(ZeRO-3 ranks hold 1576 B, engine ranks 4064 B)" in out, out
+    assert re.search(r"\n    layoutlang +staging peak \d+ B \(budget 256 B;", out), out
+    assert "trl             1184 B on every ZeRO-3 rank" in out and "1184 B on each engine rank" in out, out
+    assert out.rstrip().endswith("result: ok")
 
 
 @pytest.mark.timeout(60)
