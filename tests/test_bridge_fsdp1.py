@@ -1,7 +1,9 @@
 """The FSDP1 bridge on real torch FSDP1 (issue 52): a tiny HF Llama, each decoder layer its own unit
-inside the root unit, on 2 gloo ranks, `use_orig_params` False and True, into a vLLM-style TP2
-engine and back, a training step, `checkpoint.save` from the shards and `checkpoint.load` into a
-fresh FSDP1 model. tests/fsdp1_refit_program.py asserts every element there against
+inside the root unit, on gloo ranks 0-1 of a world of 4 (FSDP1's `process_group=` those two),
+`use_orig_params` False and True, into a vLLM-style TP2 engine collocated on ranks 0-1 and into one
+on ranks 2-3, back from each, a training step, `checkpoint.save` from the shards and
+`checkpoint.load` into a fresh FSDP1 model; and a one-unit model on ranks 2-3 (`at 2`) into a whole
+copy on rank 0 and back. tests/fsdp1_refit_program.py asserts every element there against
 `summon_full_params`, vLLM's rules and FSDP1's own bookkeeping; here, the figures written out by
 hand from FSDP1's rule (docs/language.md 14.9): H = 18, so fp32 parameters of 666 or 18 elements
 leave 2 elements of alignment padding before the next one with `use_orig_params=True`.
@@ -27,7 +29,7 @@ ROOT = "[37, 18] as model.embed_tokens.weight | [18] as model.norm.weight | [37,
 
 
 def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path):
-    results = launch({"dir": str(tmp_path)}, 2, timeout=240, program=str(PROGRAM))
+    results = launch({"dir": str(tmp_path)}, 4, timeout=240, program=str(PROGRAM))
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
     rank0, rank1 = results[0].result, results[1].result
@@ -41,8 +43,11 @@ def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path
         assert f"tensor {root} [flat({ROOT}){align} pad dp over dp] fp32\n" in text
         assert f"tensor {layer0} [flat({LAYER}){align} pad dp over dp] fp32\n" in text
         assert text.count("tensor ") == 3
-        # every engine element on both ranks was compared with summon_full_params
+        # every engine element on both ranks was compared with summon_full_params, collocated and on
+        # ranks 2-3 (their tensors sent to rank 0)
         assert rank0[f"engine_checked_{tag}"] == rank1[f"engine_checked_{tag}"] > 0
+        assert rank0[f"separate_ranks_{tag}"] == [2, 3]
+        assert rank0[f"separate_checked_{tag}"] == 2 * rank0[f"engine_checked_{tag}"]
     # Root: 666 + 18 + 666 = 1350 -> 675 per rank; with alignment the norm starts at 668 and
     # lm_head at 688: 1354 -> 677. A layer: 7 x 144/432 + 18 + 18 = 1908 -> 954; aligned, the
     # second norm starts at 1892: 1910 -> 955.
@@ -71,6 +76,13 @@ def test_fsdp1_llama_refits_trains_saves_and_loads_from_its_flat_shards(tmp_path
                                   "summon_full_params")
     assert rank0["mixed"].startswith("error: parameter `1.weight` is torch.bfloat16 in a FlatParameter of "
                                      "torch.float32: a flat dim holds one dtype")
+    # a unit on ranks 2-3: the mesh says where; all 15 + 3 + 21 + 7 elements reach rank 0
+    ranks23 = results[2].result["offset_text"]
+    assert ranks23 == results[3].result["offset_text"] == rank0["offset_text"]
+    assert "mesh fsdp (dp=2) at 2\n" in ranks23
+    assert ("tensor _fsdp_wrapped_module._flat_param [flat([3, 5] as 0.weight | [3] as 0.bias | [7, 3] as 1.weight | "
+            "[7] as 1.bias) align 4 pad dp over dp] fp32\n") in ranks23
+    assert rank0["offset_checked"] == 46
     assert rank0["no_shard"].startswith("error: unit `<root>` uses NO_SHARD: only FULL_SHARD and SHARD_GRAD_OP")
 
 
