@@ -1,23 +1,28 @@
 """Transports between jobs (docs/jobs.md "Transports"): the fault rules of docs/jobs.md hold when
-the bytes move through shared memory. ONE deployment (tests/test_jobs_faults.py's: a trainer
-job of 2 ranks and 3 replicas of TP2, each process its own job, forked from a warm zygote),
-`TrainerJob(..., transport="memory")`:
+the bytes move through shared memory or NIXL. ONE deployment per transport
+(tests/test_jobs_faults.py's: a trainer job of 2 ranks and replicas of TP2, each process its
+own job, forked from a warm zygote), `TrainerJob(..., transport=...)`, "memory" with 3
+replicas, "nixl" with 2:
 
     refits 1-3     every replica exact; each trainer rank's JobReport.transports says memory
-                   for each replica (cma where this kernel lets a rank read its peers, else ring)
+                   for each replica (cma where this kernel lets a rank read its peers, else
+                   ring), or "nixl (UCX)"
     kills          a replica rank SIGKILLed as bucket 0, then bucket 3 starts (the trainer's
                    bytes moving into it): that replica alone missed, both trainer ranks back
                    within timeout + 1 s, the others exact; the replica restarted under its id
-                   is exact at the next refit
+                   (a new group: new links, new NIXL agents) is exact at the next refit
     a stall        a replica rank stops itself (SIGSTOP) as bucket 1 starts: that replica alone
                    missed, well within the timeout; continued, its ranks fail that refit and
                    the replica is exact at the next one, without a restart
-    agreement      a replica asking for transport="group" is refused with the reason; the
-                   others exact
+    agreement      ("memory") a replica asking for transport="group" is refused with the
+                   reason; the others exact
+    never arrives  ("nixl") a replica that joined but never waits in `receive`, expected by a
+                   refit: missed, the trainer back within timeout + 1 s, the others exact
 
-"auto" (the default) is the same transport here (every pair on one host): tests/test_jobs_faults.py
-runs the whole fault matrix on it and checks its reports say so. Every element of every replica
-is checked against the version it reports (examples/jobs/weights.py, from the layout's coordinates).
+"auto" (the default) is the same transport as "memory" here (every pair on one host):
+tests/test_jobs_faults.py runs the whole fault matrix on it and checks its reports say so.
+Every element of every replica is checked against the version it reports
+(examples/jobs/weights.py, from the layout's coordinates).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import pytest
 
 from layoutlang.runtime import cma, memlinks
 from layoutlang.runtime.launch import free_port
+from test_transport_nixl import _nixl_or_skip
 from test_jobs_faults import BUDGET, INFER, ROOT, SLACK, TIMEOUT, Deployment, _exact
 
 REPLICAS = ("r0", "r1", "r2")
+NIXL = ("r0", "r1")   # "nixl": the trainer job and 2 replicas
 
 
 def _memory() -> str:
@@ -41,25 +48,30 @@ def _memory() -> str:
 
 
 @pytest.mark.timeout(300)
-def test_memory_between_jobs_keeps_every_fault_rule(tmp_path):
+@pytest.mark.parametrize("transport", ["memory", "nixl"])
+def test_between_jobs_every_fault_rule_holds(tmp_path, transport):
+    if transport == "nixl":
+        _nixl_or_skip()
     train = tmp_path / "train.layout"  # the examples' trainer on TP2 alone: 2 ranks
     train.write_text((ROOT / "examples" / "jobs" / "train.layout").read_text().replace("arg DP = 2", "arg DP = 1"))
     (tmp_path / "config.json").write_text(json.dumps({
         "address": f"127.0.0.1:{free_port()}", "train": str(train), "infer": str(INFER), "timeout": TIMEOUT,
-        "budget": BUDGET, "shutdown": 2 * TIMEOUT, "transport": "memory", "engine_transport": {"gr": "group"}}))
+        "budget": BUDGET, "shutdown": 2 * TIMEOUT, "transport": transport, "engine_transport": {"gr": "group"}}))
     d = Deployment(tmp_path)
     try:
-        _scenario(d)
+        _scenario(d, transport)
     finally:
         (tmp_path / "stop").touch()
         d.close()
 
 
-def _scenario(d: Deployment) -> None:
+def _scenario(d: Deployment, transport: str) -> None:
+    replicas = REPLICAS if transport == "memory" else NIXL
+    carrier = _memory() if transport == "memory" else "nixl (UCX)"
     for rank in range(2):
         d.start(("trainer", rank), "trainer", str(rank))
     receives = {}
-    for rid in REPLICAS:
+    for rid in replicas:
         for rank in range(2):
             d.start((rid, rank), "engine", rid, str(rank), *(["strided"] if rid == "r0" else []))
             receives[(rid, rank)] = 0
@@ -67,7 +79,7 @@ def _scenario(d: Deployment) -> None:
     def refit(**extra) -> tuple[int, dict]:
         for who in receives:
             d.until(lambda who=who: d.waiting(who))
-        n = d.refit(expect=list(REPLICAS), **extra)
+        n = d.refit(expect=list(replicas), **extra)
         return n, d.report(n)
 
     def took(report: dict) -> float:
@@ -81,20 +93,20 @@ def _scenario(d: Deployment) -> None:
 
     for _ in range(3):
         n, report = refit()
-        assert report.get("replicas") == list(REPLICAS), report
-        exact(REPLICAS)
+        assert report.get("replicas") == list(replicas), report
+        exact(replicas)
         for trainer_rank in range(2):
-            assert d.report(n, trainer_rank)["transports"] == {rid: _memory() for rid in REPLICAS}, d.report(n, trainer_rank)
+            assert d.report(n, trainer_rank)["transports"] == {rid: carrier for rid in replicas}, d.report(n, trainer_rank)
 
     def one_missed(n: int, report: dict, rid: str, where: str) -> None:
         assert report.get("missed") == [rid], (where, report)
-        assert report["replicas"] == sorted(set(REPLICAS) - {rid}), (where, report)
+        assert report["replicas"] == sorted(set(replicas) - {rid}), (where, report)
         assert f"replica {rid}" in report["reasons"][rid], (where, report)
         for trainer_rank in range(2):
             assert took(d.report(n, trainer_rank)) <= TIMEOUT + SLACK, (where, trainer_rank, d.report(n, trainer_rank))
-        exact(set(REPLICAS) - {rid})
+        exact(set(replicas) - {rid})
 
-    for rid, rank, bucket in (("r1", 1, 0), ("r2", 0, 3)):
+    for rid, rank, bucket in (("r1", 1, 0), (replicas[-1], 0, 3)):
         (d.where / f"kill-{rid}-{rank}.json").write_text(json.dumps({"refit": d.n + 1, "bucket": bucket, "after": 0}))
         n, report = refit()
         where = f"killed {rid} rank {rank} at bucket {bucket} of refit {n}"
@@ -108,7 +120,7 @@ def _scenario(d: Deployment) -> None:
             d.start((rid, r), "engine", rid, str(r))
             receives[(rid, r)] = 0
         refit()
-        exact(REPLICAS)
+        exact(replicas)
 
     # a stalled rank: stopped as bucket 1 starts, alive, not reading
     stalled = ("r1", 0)
@@ -122,7 +134,24 @@ def _scenario(d: Deployment) -> None:
         assert "error" in row and f"replica r1 rank {r}: refit {n}" in row["error"], row
         receives[("r1", r)] += 1
     refit()
-    exact(REPLICAS)
+    exact(replicas)
+    if transport == "nixl":
+        # a replica that never arrives: it joined, never waits in `receive`, and a refit expects it
+        for r in range(2):
+            d.start(("idle", r), "engine", "idle", str(r), "idle")
+        for who in receives:
+            d.until(lambda who=who: d.waiting(who))
+        n = d.refit(expect=[*replicas, "idle"])
+        report = d.report(n)
+        assert report["replicas"] == list(replicas) and report["missed"] == ["idle"], report
+        assert "did not wait in receive within" in report["reasons"]["idle"], report
+        for trainer_rank in range(2):
+            assert took(d.report(n, trainer_rank)) <= TIMEOUT + SLACK, d.report(n, trainer_rank)
+        exact(replicas)
+        d.refit(stop=True)
+        for rank in range(2):
+            assert d.exit_code(d.pids[("trainer", rank)], 30) == 0, d.logs()
+        return
 
     # a replica whose own choice differs from the trainer's is refused; the others go on
     for r in range(2):
@@ -146,17 +175,30 @@ def _scenario(d: Deployment) -> None:
         assert d.exit_code(d.pids[("trainer", rank)], 30) == 0, d.logs()
 
 
-def test_a_transport_jobs_do_not_take_is_a_usage_error():
+def test_a_transport_jobs_do_not_take_is_a_usage_error(monkeypatch):
     from layoutlang.diagnostics import UsageError
-    from layoutlang.runtime import EngineJob, TrainerJob
+    from layoutlang.runtime import EngineJob, TrainerJob, nixlagent, transport
 
     with pytest.raises(UsageError) as err:
         TrainerJob(str(INFER), str(INFER), address="127.0.0.1:1", rank=0, world_size=2, transport="shm")
     assert str(err.value).splitlines()[0].startswith("error: unknown transport 'shm': known are \"auto\", ")
+    monkeypatch.setitem(transport.TRANSPORTS, "pigeon", "pigeons:Pigeon")  # registered from outside, as a user may
     with pytest.raises(UsageError) as err:
-        EngineJob(str(INFER), address="127.0.0.1:1", replica="r0", rank=0, world_size=2, transport="nixl")
+        EngineJob(str(INFER), address="127.0.0.1:1", replica="r0", rank=0, world_size=2, transport="pigeon")
     assert str(err.value).splitlines() == [
-        "error: transport 'nixl' is not built between jobs yet: a trainer job and its replicas move bytes by "
-        "\"auto\", \"group\" or \"memory\"",
+        "error: transport 'pigeon' is not built between jobs yet: a trainer job and its replicas move bytes by "
+        "\"auto\", \"group\", \"memory\" or \"nixl\"",
         "help: leave transport out (\"auto\": shared memory between the ranks of one host, the replica's process "
         "group for the others)"]
+    # "nixl" without NIXL's package: the Refitter's UsageError, saying how to install it (before any connection)
+    monkeypatch.setattr(nixlagent, "MODULES", ("layoutlang_tests_no_such_nixl",))
+    for make in (lambda: TrainerJob(str(INFER), str(INFER), address="127.0.0.1:1", rank=0, world_size=2,
+                                    transport="nixl"),
+                 lambda: EngineJob(str(INFER), address="127.0.0.1:1", replica="r0", rank=0, world_size=2,
+                                   transport="nixl")):
+        with pytest.raises(UsageError) as err:
+            make()
+        assert str(err.value).splitlines() == [
+            "error: the \"nixl\" transport needs NIXL's Python package, which is not installed",
+            "help: pip install 'layoutlang[nixl]' (nixl-cu12: its UCX backend moves DRAM between processes without "
+            "CUDA), or choose transport=\"group\""]

@@ -23,7 +23,7 @@ import pytest
 
 from layoutlang.compiler import compile_plan
 from layoutlang.diagnostics import UsageError
-from layoutlang.runtime import transport_nixl
+from layoutlang.runtime import nixlagent
 from layoutlang.runtime.launch import launch
 from layoutlang.runtime.transport import transport_class
 from layoutlang.runtime.transport_nixl import NixlTransport
@@ -50,7 +50,7 @@ for l in 0..2 {
 
 def _nixl_or_skip():
     try:
-        transport_nixl.nixl_module()
+        nixlagent.nixl_module()
     except UsageError:
         if os.environ.get("LAYOUTLANG_CI"):
             pytest.fail("NIXL is not installed in .venv: scripts/setup.sh installs it (the `nixl` extra)")
@@ -117,7 +117,7 @@ def test_every_case_is_exact_on_nixl(suite):
 
 def test_the_registry_builds_it_and_a_missing_nixl_says_how_to_install_it(monkeypatch):
     assert transport_class("nixl") is NixlTransport
-    monkeypatch.setattr(transport_nixl, "MODULES", ("layoutlang_tests_no_such_nixl",))
+    monkeypatch.setattr(nixlagent, "MODULES", ("layoutlang_tests_no_such_nixl",))
     with pytest.raises(UsageError) as err:
         NixlTransport()
     assert str(err.value).splitlines() == [
@@ -129,15 +129,15 @@ def test_the_registry_builds_it_and_a_missing_nixl_says_how_to_install_it(monkey
 def test_a_write_notification_completes_only_its_own_sequences():
     """A receiver's wait completes on the notification of its own (peer, sequence): one of an
     earlier refit (a lower sequence) or of another peer leaves it pending."""
-    t = NixlTransport.__new__(NixlTransport)  # the protocol's state alone: no agent, no group
+    t = nixlagent.NixlAgent.__new__(nixlagent.NixlAgent)  # the protocol's state alone: no NIXL, no store
     t.inbox = {1: {}, 2: {}}
     works = {}
     for seq in (7, 8, 9):
-        works[seq] = t.inbox[1][seq] = transport_nixl.Work()
-    t._on_data(1, transport_nixl.RUN.pack(transport_nixl.DATA, 4, 3))   # refit n's 4..6, late
-    t._on_data(2, transport_nixl.RUN.pack(transport_nixl.DATA, 7, 3))   # another peer's 7..9
+        works[seq] = t.inbox[1][seq] = nixlagent.Work(1)
+    t._on_data(1, nixlagent.RUN.pack(nixlagent.DATA, 4, 3))   # refit n's 4..6, late
+    t._on_data(2, nixlagent.RUN.pack(nixlagent.DATA, 7, 3))   # another peer's 7..9
     assert not any(w.done for w in works.values())
-    t._on_data(1, transport_nixl.RUN.pack(transport_nixl.DATA, 7, 2))
+    t._on_data(1, nixlagent.RUN.pack(nixlagent.DATA, 7, 2))
     assert [works[s].done for s in (7, 8, 9)] == [True, True, False]
 
 
@@ -161,10 +161,10 @@ for step in range(1, job["steps"] + 1):
     src["w"].copy_(full[:, 8 * rank:8 * rank + 8] * step)   # the trainer's weights, rewritten in place
     refitter.refit(src, dst)
     seen.append({"exact": torch.equal(dst["w"], full[4 * rank:4 * rank + 4] * step),
-                 "registrations": t.registrations, "kept": len(t.xfers), "replayed": refitter.replayed})
+                 "registrations": t.agent.registrations, "kept": len(t.agent.xfers), "replayed": refitter.replayed})
 carriers = {str(peer): what for peer, what in refitter.transports.items()}
 refitter.close()
-json.dump({"ok": True, "steps": seen, "carriers": carriers, "closed": t.agent is None and not t.regs},
+json.dump({"ok": True, "steps": seen, "carriers": carriers, "closed": t.agent.closed and not t.agent.regs},
           open(sys.argv[2], "w"))
 dist.destroy_process_group()
 """

@@ -26,12 +26,14 @@ instead of failing the step (its later messages are not posted, the walk goes on
 others).
 
 Transports between jobs (`TrainerJob(..., transport=)`, docs/jobs.md "Transports"): beside its
-group, a replica's pairs of ranks on one host may be linked through shared memory
-(`MemoryLinks`, layoutlang/runtime/memlinks.py), met in the job's store under the group's
-name: "auto" links every pair whose two ranks share a host (CPU tensors), "memory" every
-pair (a pair that cannot be linked drops its replica, naming the pair), "group" none. A
-linked pair's messages go through its links, every other through the group; a failure of
-either loses the replica alike, and `sever` closes both.
+group, a replica's pairs of ranks may be linked, met in the job's store under the group's
+name: through shared memory (`MemoryLinks`, layoutlang/runtime/memlinks.py) or NIXL agents of
+the group's own (`NixlLinks`, layoutlang/runtime/nixlagent.py: the "nixl" transport's protocol,
+one agent per rank and group, so a restarted replica meets new agents). "auto" links every
+pair whose two ranks share a host (CPU tensors) through shared memory, "memory" every pair,
+"nixl" every pair through NIXL (a pair that cannot be linked drops its replica, naming the
+pair), "group" none. A linked pair's messages go through its links, every other through the
+group; a failure of either loses the replica alike, and `sever` closes both.
 """
 
 from __future__ import annotations
@@ -54,24 +56,28 @@ from layoutlang.diagnostics import UsageError
 
 from .errors import RefitError, first_line
 from .memlinks import LinkError, MemoryLinks, Message as LinkMessage, Work as LinkWork, wait_all
+from .nixlagent import NixlLinks, Work as NixlWork, nixl_module
 from .refit import Refitter, StagingMeter, as_given, not_contiguous
 from .transport import TRANSPORTS, Transport, transport_class
 
-JOB_TRANSPORTS = ("auto", "group", "memory")   # what moves bytes between jobs (docs/jobs.md "Transports")
+JOB_TRANSPORTS = ("auto", "group", "memory", "nixl")   # what moves bytes between jobs (docs/jobs.md "Transports")
 STOPPED_GRACE = 0.5   # s a linked peer's process may be stopped (SIGSTOP) before its replica is dropped
 ENV_MODE = "LAYOUTLANG_MEMORY_MODE"   # "ring": every channel a ring (as for transport_memory.py)
 
 
 def job_transport(name) -> str:
-    """A transport name a job takes: "auto", "group" or "memory"; an unknown name is the
-    registry's UsageError, a known one not built between jobs (NIXL) a UsageError saying so."""
+    """A transport name a job takes: "auto", "group", "memory" or "nixl" (where NIXL's package is
+    installed: else the UsageError saying how); an unknown name is the registry's UsageError, a
+    known one not built between jobs a UsageError saying so."""
     if not isinstance(name, str) or name not in JOB_TRANSPORTS:
         if not isinstance(name, str) or name not in TRANSPORTS:
             transport_class(name if isinstance(name, str) else repr(name))  # (raises: names the known ones)
         raise UsageError(f"transport {name!r} is not built between jobs yet: a trainer job and its replicas "
-                         "move bytes by \"auto\", \"group\" or \"memory\"",
+                         "move bytes by \"auto\", \"group\", \"memory\" or \"nixl\"",
                          help="leave transport out (\"auto\": shared memory between the ranks of one host, "
                               "the replica's process group for the others)")
+    if name == "nixl":
+        nixl_module()  # (raises where the package is missing, saying how to install it)
     return name
 
 
@@ -142,30 +148,38 @@ class ReplicaGroup:
     connected: set = field(default_factory=set)
     severed: bool = False     # its connections are closed (`sever`): it is never used again
     store: object = None      # the job's store, where its links meet (`link`)
-    links: dict = field(default_factory=dict)   # (plan, slot) -> this rank's MemoryLinks in it
+    links: dict = field(default_factory=dict)   # (plan, slot) -> this rank's MemoryLinks / NixlLinks in it
 
 
 def link(group: ReplicaGroup, key: str, me: int, peers, transport: str, device: torch.device,
-         deadline: float, who) -> tuple[MemoryLinks | None, str | None]:
-    """This rank's shared-memory links to `peers` (ranks in the group) for the walks of plan and
-    slot `key`, connected by `deadline`: (the links, None), (None, None) where the transport
-    links nothing, or (None, why) where a pair cannot be linked ("memory"). "auto" links the
-    pairs on this host (CPU tensors); the rest keep the group. Met in the job's store under the
-    group's name, so a new group (a restarted replica) gets new links; kept for the group's
-    next refits of the same plan."""
+         deadline: float, who) -> tuple["MemoryLinks | NixlLinks | None", str | None]:
+    """This rank's links to `peers` (ranks in the group) for the walks of plan and slot `key`,
+    connected by `deadline`: (the links, None), (None, None) where the transport links nothing,
+    or (None, why) where a pair cannot be linked ("memory", "nixl"). Shared memory
+    (`MemoryLinks`) for "memory", and for "auto" the pairs on this host (CPU tensors); a NIXL
+    agent of this group's (`NixlLinks`) for "nixl"; the rest keep the group. Met in the job's
+    store under the group's name, so a new group (a restarted replica) gets new links (new
+    agents); kept for the group's next refits of the same plan."""
     if transport == "group" or (transport == "auto" and device.type != "cpu") or not peers:
         return None, None
     links = group.links.get(key)
     if links is not None:
         return links, None
-    links = MemoryLinks(group.store, f"links/{group.name}/{key}", me, peers, mode=os.environ.get(ENV_MODE) or None,
-                        local_only=transport == "auto", watch_stopped=STOPPED_GRACE)
+    if transport == "nixl":
+        links = NixlLinks(group.store, f"nixl/{group.name}/{key}", me, peers, watch_stopped=STOPPED_GRACE)
+    else:
+        links = MemoryLinks(group.store, f"links/{group.name}/{key}", me, peers,
+                            mode=os.environ.get(ENV_MODE) or None, local_only=transport == "auto",
+                            watch_stopped=STOPPED_GRACE)
+    kind = "nixl" if transport == "nixl" else "memory"
     try:
         links.connect(deadline)
     except LinkError as exc:
-        return None, f"the memory transport cannot link {who(me)} and {who(exc.peer)}: {_named(exc, who)}"
-    except OSError as exc:  # (a channel file this rank could not create: /dev/shm full, say)
-        return None, f"the memory transport cannot link {who(me)} to its peers: {exc}"
+        return None, f"the {kind} transport cannot link {who(me)} and {who(exc.peer)}: {_named(exc, who)}"
+    except UsageError as exc:  # (NIXL's package missing on this rank)
+        return None, f"the {kind} transport cannot link {who(me)} to its peers: {exc.message}"
+    except Exception as exc:  # noqa: BLE001 - a channel file this rank could not create (/dev/shm full), NIXL's own
+        return None, f"the {kind} transport cannot link {who(me)} to its peers: {first_line(exc)}"
     if group.severed:  # (given up meanwhile: a trainer rank's connect thread that ran late)
         links.sever()
     group.links[key] = links
@@ -409,10 +423,12 @@ class ReplicaTransport(Transport):
 
     def carrier(self, peer: int) -> str:
         """What moves this rank's messages with plan rank `peer`: "memory (cma)", "memory (ring)",
-        "memory (cuda-ipc)" through the pair's links, else "group (gloo)" / "group (nccl)"."""
+        "memory (cuda-ipc)", "nixl (UCX)" through the pair's links, else "group (gloo)" / "group (nccl)"."""
         m = self.membership
         slot = m.slot_of(peer if self.trainer_side else self.rank)
         links, g = self.links.get(slot), m.group_rank(peer)
+        if isinstance(links, NixlLinks) and g in links.peers:
+            return links.carrier
         if links is not None and g in links.peers:
             if self.on.type == "cuda":
                 return "memory (cuda-ipc)"
@@ -514,7 +530,7 @@ class ReplicaTransport(Transport):
             peer = self._other_end(op)
             if peer in self.skip:
                 continue
-            if isinstance(work, LinkWork):
+            if isinstance(work, (LinkWork, NixlWork)):
                 linked.append(i)
                 continue
             slot = m.slot_of(peer if self.trainer_side else self.rank)

@@ -210,7 +210,9 @@ class TrainerJob:
     `transport`: what moves the bytes between this job and its replicas (docs/jobs.md
     "Transports"): "auto" (shared memory for the pairs of ranks on one host, each replica's
     process group for the others), "memory" (every pair through shared memory: a replica with
-    a pair that cannot is dropped, naming it) or "group"; the engines follow this choice.
+    a pair that cannot is dropped, naming it), "nixl" (every pair through NIXL one-sided writes,
+    an agent per rank and replica group; needs NIXL's package) or "group"; the engines follow
+    this choice.
     """
 
     def __init__(self, train, infer, *, address: str | None = None, rank: int, world_size: int, store=None,
@@ -681,7 +683,7 @@ class EngineJob:
     replicas; a restarted replica may reuse it. `version` is the version every element of
     this rank's tensors holds (None before the first refit); `interrupted` is True while they
     are partly written by a refit that did not complete. `transport`: "auto" (the default)
-    takes the trainer job's choice; "group" or "memory" asks for that one, and a trainer job
+    takes the trainer job's choice; "group", "memory" or "nixl" asks for that one, and a trainer job
     that chose otherwise refuses the replica (the trainer's choice counts: docs/jobs.md).
     """
 
