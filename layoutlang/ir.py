@@ -23,8 +23,8 @@ from math import prod
 from typing import ClassVar
 
 from .diagnostics import Source, Span
-from .modes import (RAGGED, ModeIR, PadRun, PartTree, Run, RunLike, cached_hash, cached_property, chunk_intervals,
-                    runs, select, select_uneven)
+from .modes import (RAGGED, FlatM, ModeIR, PadM, PadRun, PartTree, Run, RunLike, cached_hash, cached_property,
+                    chunk_intervals, runs, select, select_uneven)
 from .vocabulary import DTYPE, DTYPES, ELEMENT_BYTES, MXFP8_BLOCK, QUANTIZED
 
 
@@ -129,6 +129,13 @@ class DimIR:
     @property
     def logical(self) -> int:
         return self.mode.logical
+
+    @cached_property
+    def flat(self) -> bool:
+        """A flat dim (docs/language.md 14.9), padded at its tail or not: its padding, between keys
+        and at the tail, belongs to the trainer that keeps it and is never written by a refit."""
+        mode = self.mode.inner if isinstance(self.mode, PadM) else self.mode
+        return isinstance(mode, FlatM)
 
     @cached_property
     def split_extent(self) -> int:
@@ -293,6 +300,12 @@ class TensorIR:
         if coords is None or not all(coords[i] == c for i, c in self.fixed):
             raise ValueError(f"rank {rank} does not hold {self.name}")
         return tuple(d.runs_at(*d.coordinate(coords)) for d in self.dims)
+
+    def zeroed_padding(self, rank: int) -> tuple[tuple[int, PadRun], ...]:
+        """(dim, run) of the rank's padding a destination zeroes at every refit: every padding
+        but a flat dim's, which is left as it is (docs/language.md 14.9)."""
+        return tuple((d, r) for d, (dim, runs) in enumerate(zip(self.dims, self.runs(rank)))
+                     if not dim.flat for r in runs if isinstance(r, PadRun))
 
     def ranks(self):
         """Every rank that holds this instance, ascending."""

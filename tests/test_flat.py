@@ -198,7 +198,8 @@ def test_random_flat_pairs_plan_exactly(pair):
 # ---------------------------------------------------------------------------
 # On gloo: two processes, torch FSDP1's flat parameter (use_orig_params=True, fp32: `align 4`)
 # into a TP2 engine layout on the same two ranks and back; every destination element checked
-# by the worker against the fill rule (value by key and row-major index in the key), padding zero
+# by the worker against the fill rule (value by key and row-major index in the key): a flat dim's
+# padding untouched (still the NaN it was given), an engine's padding zero
 
 FSDP1_TEXT = f"mesh train (dp=2)\ntensor _fsdp_wrapped_module._flat_param [flat({LINEARS}) align 4 pad dp over dp] fp32\n"
 TP2_TEXT = ("mesh infer (tp=2)\n"
@@ -230,7 +231,7 @@ def test_fsdp1_flat_parameter_refits_into_tp2_and_back_on_gloo(tmp_path):
 
 def test_checkpoint_save_and_load_of_flat_shards_on_gloo(tmp_path):
     """Each byte of an HF checkpoint written from the flat shards of 2 ranks (no gather), equal
-    to the fill rule on whole tensors; loaded back into the shards, padding zero."""
+    to the fill rule on whole tensors; loaded back into the shards, their padding untouched."""
     from safetensors.torch import load_file
 
     from layoutlang.runtime.fill import source_tensor

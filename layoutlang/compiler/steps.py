@@ -13,7 +13,8 @@ and layoutlang/compiler/stepgraph.py draws them as a dependency graph.
 
 Per bucket, in order::
 
-    zero T | assemble T          padding of a plain destination zeroed; a quantized one that
+    zero T | assemble T          padding of a plain destination zeroed (never a flat dim's:
+                                 `TensorIR.zeroed_padding`); a quantized one that
                                  receives bf16 somewhere (or holds padding) assembled in bf16
     dequantize S                 a quantized source, whole, to bf16 (once per bucket)
     pack K                       a quantized-wire op's block quantized by its sender
@@ -37,7 +38,6 @@ from dataclasses import dataclass
 from math import prod
 
 from layoutlang.ir import QUANTIZED, TensorIR
-from layoutlang.modes import Run
 
 from .graph import buckets
 from .plan import Op, Plan
@@ -83,7 +83,7 @@ class Step:
 
 
 def _has_padding(t: TensorIR, rank: int) -> bool:
-    return any(not isinstance(r, Run) for runs in t.runs(rank) for r in runs)
+    return bool(t.zeroed_padding(rank))
 
 
 def bucket_steps(rank: int, index: int, ops: tuple[Op, ...], completes: tuple[TensorIR, ...],

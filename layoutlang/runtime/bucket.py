@@ -15,7 +15,6 @@ import torch
 from layoutlang.compiler.steps import Step
 from layoutlang.compiler.wire import forwards
 from layoutlang.ir import QUANTIZED, TensorIR
-from layoutlang.modes import PadRun
 
 from .quant import dequantize, quantize_into
 from .staging import StagingArena
@@ -269,6 +268,6 @@ def wire_dtype(entry) -> torch.dtype:
 
 
 def padding(tensor: torch.Tensor, t: TensorIR, rank: int) -> list[torch.Tensor]:
-    """Views of the tensor's padding on this rank (zeroed every step)."""
-    return [tensor.narrow(d, r.local_start, r.length) for d, runs in enumerate(t.runs(rank))
-            for r in runs if isinstance(r, PadRun)]
+    """Views of the tensor's padding on this rank that a refit zeroes (every step; never a flat
+    dim's: `TensorIR.zeroed_padding`)."""
+    return [tensor.narrow(d, r.local_start, r.length) for d, r in t.zeroed_padding(rank)]

@@ -3,7 +3,8 @@
 Every logical element of a key gets a value that depends only on (key, its
 logical flat index), so a destination can be checked element by element on
 any rank without seeing the source or the plan. Padding is NaN in sources (it
-must never travel) and zero in destinations.
+must never travel) and zero in destinations, but for a flat dim's (docs/language.md
+14.9), which a refit never writes: it keeps what `empty_destination` put there.
 
 What the values detect (see `values`): each is one of 1024 numbers (2 signs x
 128 eight-bit significands x 4 binades, |v| in [16, 256)), chosen by a
@@ -243,7 +244,7 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
     index = plan.src.key_index if plan is not None else {}
     holders = [(s, rs, rt) for rt in regions(t) for s, rs in index.get(rt.key, ())]
     if not any(s.dtype in QUANTIZED for s, _, _ in holders):
-        return Expected(exact.to(wire), mask)
+        return Expected(torch.where(_kept(t, rank), float("nan"), exact).to(wire), mask)
     coords = _coords(t, rank)
     shards, seen, stored = [], set(), {}
     for s, rs, rt in holders:
@@ -276,6 +277,20 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
     choices = tuple(torch.where(held, sent, float("nan")).to(wire).expand(t.local_shape_at(rank))
                     for held, sent in shards) if ambiguous else ()
     return Expected(want.to(wire), mask, choices)
+
+
+def _kept(t: TensorIR, rank: int) -> torch.Tensor:
+    """Mask of the local padding a refit leaves as it is (a flat dim's: `TensorIR.zeroed_padding`)."""
+    shape = t.local_shape_at(rank)
+    kept = torch.zeros([1] * len(shape), dtype=torch.bool)
+    for d, (n, dim, runs) in enumerate(zip(shape, t.dims, t.runs(rank))):
+        if dim.flat:
+            pad = torch.zeros(n, dtype=torch.bool)
+            for r in runs:
+                if not isinstance(r, Run):
+                    pad[r.local_start:r.local_start + r.length] = True
+            kept = kept | _view(pad, d, len(shape))
+    return kept.expand(shape)
 
 
 def empty_destination(t: TensorIR, device="cpu", rank: int | None = None):
@@ -331,7 +346,7 @@ def check_destination(t: TensorIR, rank: int, value, plan=None) -> str | None:
             return f"`{t.name}` on rank {rank}: quantization scales differ"
         return None
     got = value.cpu()
-    ok = got == want.values
+    ok = (got == want.values) | (torch.isnan(got) & torch.isnan(want.values))  # NaN: padding left as it was
     for choice in want.choices:
         ok = ok | (got == choice)
     if not bool(ok.all()):
