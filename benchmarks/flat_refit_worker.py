@@ -146,8 +146,12 @@ def build_zero3(m: dict, dtype: str, group, seed: int):
                          torch_dtype=torch_dtype)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                  "bf16": {"enabled": dtype == "bf16"}}
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=group, dtype=torch_dtype):
+    # (the dtype comes from the config alone: DeepSpeed 0.19.8's `_set_dtype` turns an explicit
+    # dtype into bf16 on a CPU without fp16, `dtype or fp16 if ... else bf16` as Python parses it)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=group):
         model = LlamaForCausalLM(config)
+    if any(p.ds_tensor.dtype != torch_dtype for p in model.parameters()):
+        raise RuntimeError(f"zero.Init partitioned in {next(model.parameters()).ds_tensor.dtype}, not {torch_dtype}")
     width, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(seed + rank)
     with torch.no_grad():
