@@ -1,6 +1,6 @@
 """ZeRO-3 flat shards -> a vLLM TP2 engine: layoutlang from `ds_tensor` against TRL's gather path (issue 52).
 
-    .venv/bin/python benchmarks/flat_refit.py                 # Llama 4 layers, hidden 1024, bf16 (0.41 GiB), 15 rounds
+    .venv/bin/python benchmarks/flat_refit.py                 # Llama 4 layers, hidden 1024, bf16 (0.21 GiB), 15 rounds
     .venv/bin/python benchmarks/flat_refit.py --size tiny     # a few kB, 6 rounds: the CI smoke run
     .venv/bin/python benchmarks/flat_refit.py --layers 8 --dtype fp32 --rounds 21 --methods layoutlang,trl
 
