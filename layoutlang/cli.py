@@ -593,7 +593,8 @@ def _read_config(path: str) -> dict:
 
 def cmd_new(ns, out: Console, err: Console) -> int:
     """Print (or write) the `.layout` of a known model family in a framework's convention, or of a checkpoint."""
-    from .bridges.families import arg_names, model_from_config, render
+    from .bridges.families import arg_names, model_from_config
+    from .bridges.flat_layout import render  # every convention; deepspeed / fsdp1 there, the others in families
 
     if ns.framework == "checkpoint":
         return _new_checkpoint(ns, out)
@@ -615,11 +616,16 @@ def cmd_new(ns, out: Console, err: Console) -> int:
     if not _write_new(ns, out, text):
         return EXIT_OK
     args = ", ".join(f"{n}={_arg_summary(v)}" for n, v in layout.args)
+    change = f"--set {arg_names(model, ns.framework)[0]}=..."
+    if layout.args:
+        change = f"change them with {change}"
+    else:  # deepspeed / fsdp1: the sizes written as numbers, as their live bridges write them
+        args = ", ".join(f"{n}={sizes.get(n, 1 if n == 'DP' else 0)}" for n in arg_names(model, ns.framework))
+        change = f"numbers in the text: regenerate with {change}"
     first = min(m.offset for m in layout.meshes)
     ranks = f"rank {first}" if layout.ranks - first == 1 else f"ranks {first}..{layout.ranks - 1}"
     out.print(f"wrote {ns.output}: {model.model_type} in the {ns.framework} convention, "
-              f"{len(layout.tensors)} tensor instances on {ranks} ({args}; "
-              f"change them with --set {arg_names(model, ns.framework)[0]}=...)"
+              f"{len(layout.tensors)} tensor instances on {ranks} ({args}; {change})"
               + (f"; {stages[0]}" if stages and not stages[1] else ""), markup=False)
     return EXIT_OK
 
@@ -828,17 +834,22 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Write the `.layout` of a model (a HF config.json of a known family: "
                                      f"{', '.join(FAMILIES)}) as FRAMEWORK stores it, with its parallel "
                                      "sizes as args (TP, PP, DP, EP, ETP, AT). Keys are the HF checkpoint "
-                                     "names, so any two outputs for one config plan with each other.")
+                                     "names, so any two outputs for one config plan with each other (but "
+                                     "fsdp1, whose q/k rows are plain as its live bridge writes them: "
+                                     "docs/bridges.md).")
     new.add_argument("framework", choices=(*CONVENTIONS, *TRAINER_CONVENTIONS, "checkpoint"), metavar="FRAMEWORK",
                      help=f"one of {', '.join(CONVENTIONS + TRAINER_CONVENTIONS)} (hf: the checkpoint; hf-memory: a "
                           "transformers model in memory, experts stacked; torchtitan: its live parameters, "
-                          "Llama3 / Qwen3 / DeepSeek-V3 only), or checkpoint DIR: the layout "
+                          "Llama3 / Qwen3 / DeepSeek-V3 only; deepspeed: a ZeRO-3 trainer's flat partitions, "
+                          "fsdp1: a torch FSDP1 trainer's flat units, each the text its live bridge's "
+                          "describe() writes), or checkpoint DIR: the layout "
                           "a safetensors directory describes, from its headers")
     new.add_argument("directory", nargs="?", metavar="DIR", help="with `checkpoint`: the checkpoint directory")
     new.add_argument("--config", metavar="CONFIG_JSON", help="the model's config.json (every FRAMEWORK but "
                                                              "checkpoint)")
     new.add_argument("--set", action="append", metavar="NAME=VALUE",
-                     help="an arg's value in the output, e.g. --set TP=4 (repeatable); megatron also takes "
+                     help="an arg's value in the output, e.g. --set TP=4 (repeatable; deepspeed and fsdp1 "
+                          "take DP=W and AT, fsdp1 also ORIG=1 for use_orig_params=True); megatron also takes "
                           "Megatron-LM's pipeline split: decoder_first_pipeline_num_layers=N, "
                           "decoder_last_pipeline_num_layers=N, account_for_embedding_in_pipeline_split=1, "
                           "account_for_loss_in_pipeline_split=1 or pipeline_model_parallel_layout=LAYOUT")

@@ -453,3 +453,148 @@ def test_vllm_expert_placements_are_written_as_vllm_builds_them(tmp_path, capsys
         assert held == expected[placement]
     assert main(["new", "hf", "--config", str(config), "--expert-placement", "round_robin"]) == 2
     assert "expert placement `round_robin` is vLLM's" in capsys.readouterr().err
+
+
+# ---- the flat-shard trainers: `new deepspeed` / `new fsdp1` write what their live bridges describe ----------------
+# The expected lines are the ones tests/test_bridge_deepspeed.py and tests/test_bridge_fsdp1.py assert for the live
+# describe() of their tiny models (written by hand from DeepSpeed's and FSDP1's rules); the configs are those
+# models' (tests/deepspeed_zero3_program.py's CONFIG and MOE, tests/fsdp1_refit_program.py's Llama), as config.json.
+
+def _flat_new(tmp_path, capsys, cfg: dict, framework: str, *sets: str) -> str:
+    path = tmp_path / f"{framework}_{cfg['model_type']}.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["new", framework, "--config", str(path), *(a for s in sets for a in ("--set", s))]) == 0
+    return capsys.readouterr().out
+
+
+ZERO3_LLAMA = dict(model_type="llama", vocab_size=37, hidden_size=6, intermediate_size=24, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, dtype="float32", architectures=["LlamaForCausalLM"])
+ZERO3_MOE = dict(model_type="qwen3_moe", vocab_size=37, hidden_size=6, intermediate_size=12, moe_intermediate_size=5,
+                 num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=4, tie_word_embeddings=False, dtype="float32", decoder_sparse_step=1,
+                 mlp_only_layers=[], norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+FSDP1_LLAMA = {**ZERO3_LLAMA, "hidden_size": 18}
+# a decoder layer's parameters in transformers' registration order (test_bridge_fsdp1.LAYER's order, by hand)
+LAYER_ORDER = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+
+
+def _plans_with(text: str, engine) -> None:
+    """The flat layout pairs with the engine's, both ways, every destination element written once (the
+    slow simulator)."""
+    flat = loads(text, "flat")
+    for src, dst in ((flat, engine), (engine, flat)):
+        plan = compile_plan(src, dst)
+        check_stats(plan, simulate(RunsView(plan.src), RunsView(plan.dst), plan))
+        assert plan.unused_keys == []
+
+
+def test_new_deepspeed_is_what_the_zero3_bridge_describes(tmp_path, capsys):
+    text = _flat_new(tmp_path, capsys, ZERO3_LLAMA, "deepspeed", "DP=4")
+    # test_bridge_deepspeed.py's lines for the live describe() of this model on 4 ranks
+    assert "\nlayout llamaforcausallm_zero3\n\nmesh zero (dp=4)\ndefault dtype fp32\n\n" in text
+    assert "tensor model.norm.weight.ds_tensor [flat([6] as model.norm.weight) pad dp over dp]\n" in text
+    assert ("tensor model.embed_tokens.weight.ds_tensor [flat([37, 6] as model.embed_tokens.weight) "
+            "pad dp over dp]\n") in text
+    assert ("tensor model.layers.1.self_attn.q_proj.weight.ds_tensor [flat([(2, (re: 4/2 | im: 4/2)), 6] as "
+            "model.layers.1.self_attn.q_proj.weight) pad dp over dp]\n") in text
+    # one tensor per parameter, in named_parameters() order: the embedding, each layer, the norm, lm_head
+    layers = [f"model.layers.{l}.{p}.weight" for l in range(2) for p in LAYER_ORDER]
+    names = ["model.embed_tokens.weight", *layers, "model.norm.weight", "lm_head.weight"]
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("tensor ")] == [
+        n + ".ds_tensor" for n in names]
+    # each rank's partition: DeepSpeed's ceil(numel / W) elements, by hand
+    layout = loads(text, "zero3")
+    by_name = {t.name: t for t in layout.tensors}
+    for name, size in (("model.norm.weight", 2), ("model.embed_tokens.weight", 56),   # 6 / 4, 222 / 4
+                       ("model.layers.0.mlp.down_proj.weight", 36), ("model.layers.1.self_attn.o_proj.weight", 12)):
+        assert [by_name[name + ".ds_tensor"].local_shape_at(r) for r in range(4)] == [(size,)] * 4, name
+    (tmp_path / "zero3.layout").write_text(text)
+    assert main(["fmt", "--check", str(tmp_path / "zero3.layout")]) == 0
+    _plans_with(text, loads(_flat_new(tmp_path, capsys, ZERO3_LLAMA, "vllm", "TP=2"), "vllm"))
+    # Qwen3-MoE: the stacked experts one flat key per expert and part, in storage order (the bridge test's lines);
+    # transformers builds a Qwen3-MoE block's experts before its router (gate)
+    moe = _flat_new(tmp_path, capsys, ZERO3_MOE, "deepspeed", "DP=4")
+    keys = " | ".join(f"[5, 6] as model.layers.0.mlp.experts.{e}.{part}_proj.weight"
+                      for e in range(4) for part in ("gate", "up"))
+    assert f"tensor model.layers.0.mlp.experts.gate_up_proj.ds_tensor [flat({keys}) pad dp over dp]\n" in moe
+    keys = " | ".join(f"[6, 5] as model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4))
+    assert f"tensor model.layers.0.mlp.experts.down_proj.ds_tensor [flat({keys}) pad dp over dp]\n" in moe
+    assert "\nlayout qwen3moeforcausallm_zero3\n" in moe and moe.count("\ntensor ") == 3 + 11  # 9 + q/k norms
+    assert moe.index("mlp.experts.down_proj.ds_tensor") < moe.index("mlp.gate.weight.ds_tensor")
+    gate_up = next(t for t in loads(moe, "moe").tensors if t.name.endswith("gate_up_proj.ds_tensor"))
+    assert [gate_up.local_shape_at(r) for r in range(4)] == [(60,)] * 4  # 4 x 10 x 6 = 240 / 4
+
+
+def test_new_fsdp1_is_what_the_fsdp1_bridge_describes(tmp_path, capsys):
+    from test_bridge_fsdp1 import LAYER, ROOT
+
+    root = "_fsdp_wrapped_module._flat_param"
+    layer0 = "_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module._flat_param"
+    layer1 = layer0.replace("layers.0", "layers.1")
+    # test_bridge_fsdp1.py's lines and local sizes (675 / 954 per rank, aligned 677 / 955), by hand from FSDP1's rule
+    for orig, align, sizes in ((0, "", (675, 954)), (1, " align 4", (677, 955))):
+        text = _flat_new(tmp_path, capsys, FSDP1_LLAMA, "fsdp1", "DP=2", f"ORIG={orig}")
+        assert "\nmesh fsdp (dp=2)\n" in text
+        assert f"tensor {root} [flat({ROOT}){align} pad dp over dp] fp32\n" in text
+        assert f"tensor {layer0} [flat({LAYER}){align} pad dp over dp] fp32\n" in text
+        assert text.count("tensor ") == 3
+        by_name = {t.name: t for t in loads(text, "fsdp1").tensors}
+        for r in range(2):
+            assert [by_name[n].local_shape_at(r) for n in (root, layer0, layer1)] == [
+                (sizes[0],), (sizes[1],), (sizes[1],)]
+    # FSDP1's bridge writes q/k rows plain, and flat keys pair strictly: with the plain-row vLLM TP2 layout its
+    # live test refits into (`layoutc new vllm` writes rotary halves: docs/bridges.md)
+    from fsdp1_refit_program import VLLM
+
+    _plans_with(text, loads(VLLM, "vllm"))
+    # a tied lm_head is the embedding's one key (test_bridge_fsdp1's tied model)
+    tied = _flat_new(tmp_path, capsys, {**FSDP1_LLAMA, "tie_word_embeddings": True}, "fsdp1", "DP=2", "ORIG=1")
+    assert (f"tensor {root} [flat([37, 18] as model.embed_tokens.weight | [18] as model.norm.weight) align 4 pad dp "
+            "over dp] fp32\n") in tied
+    # bf16 parameters: 16 bytes are 8 elements
+    bf16 = _flat_new(tmp_path, capsys, {**FSDP1_LLAMA, "dtype": "bfloat16"}, "fsdp1", "ORIG=1", "AT=3")
+    assert "\nmesh fsdp (dp=1) at 3\n" in bf16 and " align 8 pad dp over dp] bf16\n" in bf16
+    path, config = tmp_path / "fsdp1.layout", tmp_path / "config.json"
+    config.write_text(json.dumps(FSDP1_LLAMA))
+    assert main(["new", "fsdp1", "--config", str(config), "--set", "DP=2", "-o", str(path)]) == 0
+    assert capsys.readouterr().out == (f"wrote {path}: llama in the fsdp1 convention, 3 tensor instances on ranks 0..1 "
+                                       "(DP=2, AT=0, ORIG=0; numbers in the text: regenerate with --set DP=...)\n")
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_registration_order_is_named_parameters_of_each_family(family):
+    """The order the flat trainers list parameters in is transformers' own: named_parameters() of a
+    model of the config, built on the meta device (DeepSeek-V3's e_score_correction_bias is a buffer)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from layoutlang.bridges.families import model_from_config
+    from layoutlang.bridges.flat_layout import registration_order
+
+    cfg = dict(CONFIGS[family])
+    conf = transformers.CONFIG_MAPPING[cfg.pop("model_type")](**cfg)
+    with torch.device("meta"):
+        names = [n for n, _ in transformers.AutoModelForCausalLM.from_config(conf).named_parameters()]
+    memory = loads(render_new(CONFIGS[family], "hf-memory", {}), "memory").tensors
+    ours = [t.name for t in registration_order(model_from_config(CONFIGS[family]), memory)]
+    assert [n for n in ours if n in names] == names
+
+
+def test_flat_trainers_refuse_what_their_bridges_refuse_and_args_they_lack(tmp_path, capsys, config_files):
+    code, err = _run(["new", "deepspeed", "--config", str(config_files["llama"]), "--set", "TP=2"], capsys)
+    assert code == 2 and err == "error: --set TP=2: the deepspeed layout of llama has no arg TP\nhelp: its args: DP, AT\n"
+    code, err = _run(["new", "deepspeed", "--config", str(config_files["llama"]), "--set", "ORIG=1"], capsys)
+    assert code == 2 and err.startswith("error: --set ORIG=1: the deepspeed layout of llama has no arg ORIG\n")
+    code, err = _run(["new", "fsdp1", "--config", str(config_files["llama"]), "--set", "ORIG=2"], capsys)
+    assert code == 2 and err == "error: --set ORIG=2: expected 1 (use_orig_params=True) or 0 (False)\n"
+    code, err = _run(["new", "fsdp1", "--config", str(config_files["qwen3_moe"])], capsys)
+    assert code == 2 and err.startswith("error: qwen3_moe: transformers stacks each layer's experts")
+    code, err = _run(["new", "deepspeed", "--config", str(config_files["deepseek_v3"])], capsys)
+    assert code == 2 and err.startswith("error: deepseek_v3: `mlp.gate.e_score_correction_bias` is a buffer")
+    code, err = _run(["new", "deepspeed", "--config", str(config_files["gpt_oss"])], capsys)
+    assert code == 2 and err.startswith("error: parameter `model.layers.0.mlp.experts.gate_up_proj` stores its keys")
+    path = tmp_path / "bert.json"
+    path.write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    code, err = _run(["new", "fsdp1", "--config", str(path)], capsys)
+    assert code == 2 and err.startswith(f"error: {path}: model_type `bert` is not a family `layoutc new` knows\n")

@@ -54,7 +54,12 @@ CONVENTIONS = ("megatron", "hf", "hf-memory", "vllm", "sglang")
 # Trainers whose convention lives in a module of its own (torchtitan_layout.py), for some families
 # only (`layoutc new torchtitan` refuses the others): kept apart from CONVENTIONS, which every family
 # has. Its Meta-order Llama3 pairs with every convention (they write the rotary halves: rotary_rows).
-TRAINER_CONVENTIONS = ("torchtitan",)
+# The flat-shard trainers (DeepSpeed ZeRO-3, torch FSDP1) write what their live bridges' describe()
+# writes: literal sizes, no args, so flat_layout.py renders their text from the hf-memory Document
+# (`flat_layout.render`; it imports this module, not the other way round); their `--set` args here.
+FLAT_CONVENTIONS = ("deepspeed", "fsdp1")
+FLAT_ARGS = {"deepspeed": ("DP", "AT"), "fsdp1": ("DP", "AT", "ORIG")}  # ORIG: FSDP1's use_orig_params
+TRAINER_CONVENTIONS = ("torchtitan", *FLAT_CONVENTIONS)
 
 
 # ---- HF: the checkpoint, and a transformers model in memory ------------------------------------
@@ -360,6 +365,8 @@ SIZE_DEFAULTS = {"TP": 1, "PP": 1, "DP": 1, "EP": 1, "AT": 0}
 
 def arg_names(model: Model, convention: str) -> tuple[str, ...]:
     """The args a convention's layout of `model` declares (what `--set` may change)."""
+    if convention in FLAT_CONVENTIONS:
+        return FLAT_ARGS[convention]
     if convention in ("hf", "hf-memory", *TRAINER_CONVENTIONS):
         return ("DP", "AT")
     moe = ("EP",) if model.moe is not None else ()
@@ -376,6 +383,22 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
     `expert_placement` is vLLM's `expert_placement_strategy` and `redundant_experts` its EPLB
     `num_redundant_experts` (the vllm convention only: the experts then placed by a table,
     docs/language.md 14.8)."""
+    given, split = checked_args(model, convention, sizes, expert_placement, redundant_experts)
+    if convention in FLAT_CONVENTIONS:
+        raise UsageError(f"the {convention} layout is written as text (flat_layout.render), not as a Document")
+    full = {**SIZE_DEFAULTS, "ETP": given.get("TP", 1), **given}  # Megatron's default expert TP is TP
+    if convention == "megatron":
+        return megatron_document(model, full, split)
+    if convention == "torchtitan":
+        return torchtitan_document(model, full)
+    if convention in ("hf", "hf-memory"):
+        return _hf_doc(model, full, memory=convention == "hf-memory")
+    return _engine_doc(model, full, convention, expert_placement, redundant_experts)
+
+
+def checked_args(model: Model, convention: str, sizes: Mapping[str, int] | None, expert_placement: str,
+                  redundant_experts: int) -> tuple[dict, dict]:
+    """`document`'s options and `--set` args checked (UsageErrors): (the sizes, Megatron's split args)."""
     if redundant_experts:
         if isinstance(redundant_experts, bool) or not isinstance(redundant_experts, int) or redundant_experts < 0:
             raise UsageError(f"redundant experts {redundant_experts}: expected an integer >= 0")
@@ -399,6 +422,12 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
     if split and convention != "megatron":
         raise UsageError(f"--set {next(iter(split))}=...: Megatron's pipeline split; the {convention} layout has "
                          "no pipeline stages", help="it goes with `layoutc new megatron`")
+    check_sizes(model, convention, given)
+    return given, split
+
+
+def check_sizes(model: Model, convention: str, given: Mapping[str, int]) -> None:
+    """Each `--set` NAME=VALUE one of the convention's args, with a value it takes (a UsageError)."""
     allowed = arg_names(model, convention)
     for name, value in given.items():
         if name not in allowed:
@@ -406,17 +435,13 @@ def document(model: Model, convention: str, sizes: Mapping[str, int] | None = No
                              help=f"its args: {', '.join(allowed)}" + (
                                  f" (and Megatron's pipeline split: {', '.join(SPLIT_ARGS)})"
                                  if convention == "megatron" else ""))
+        if name == "ORIG":  # fsdp1's use_orig_params
+            if isinstance(value, bool) or value not in (0, 1):
+                raise UsageError(f"--set ORIG={value}: expected 1 (use_orig_params=True) or 0 (False)")
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "AT" else 1):
             raise UsageError(f"--set {name}={value}: expected " + ("an integer >= 0" if name == "AT" else
                                                                      "a positive integer"))
-    full = {**SIZE_DEFAULTS, "ETP": given.get("TP", 1), **given}  # Megatron's default expert TP is TP
-    if convention == "megatron":
-        return megatron_document(model, full, split)
-    if convention == "torchtitan":
-        return torchtitan_document(model, full)
-    if convention in ("hf", "hf-memory"):
-        return _hf_doc(model, full, memory=convention == "hf-memory")
-    return _engine_doc(model, full, convention, expert_placement, redundant_experts)
 
 
 def render(model: Model, convention: str, sizes: Mapping[str, int] | None = None,

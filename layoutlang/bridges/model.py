@@ -76,6 +76,7 @@ class MoE:
     router_bias: bool = False     # gpt-oss
     expert_bias: bool = False     # gpt-oss: biases on every expert weight
     interleaved: bool = False     # gpt-oss: gate/up interleaved where stacked
+    router_last: bool = False     # transformers builds the experts before the router (Qwen3-MoE, DeepSeek-V3)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Model:
     dense: int | None              # intermediate size of the dense MLP layers (None: there are none)
     moe: MoE | None
     moe_layers: tuple[bool, ...]
+    architecture: str | None = None  # config.json's `architectures[0]` (the transformers class), if it says
 
     @property
     def runs(self) -> tuple[tuple[int, int, bool], ...]:
@@ -200,17 +202,19 @@ def model_from_config(config: Mapping, *, source: str = "config.json") -> Model:
         dense = need("intermediate_size") if not all(routed) else None
         shared = need("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
         moe = MoE(experts, need("moe_intermediate_size"), shared=shared, shared_name="shared_expert",
-                  shared_gate=mt == "qwen2_moe")
+                  shared_gate=mt == "qwen2_moe", router_last=mt == "qwen3_moe")
     else:  # deepseek_v3
         first = _count(config, "first_k_dense_replace", source)
         routed = [l >= first for l in range(layers)]
         dense = need("intermediate_size") if first else None
         inter = need("moe_intermediate_size")
         moe = MoE(need("n_routed_experts"), inter, shared=inter * need("n_shared_experts"),
-                  score_bias=True)
+                  score_bias=True, router_last=True)
     if moe is None or not any(routed):
         moe, routed = None, [False] * layers
-    return Model(mt, layers, hidden, vocab, tied, DTYPES[raw_dtype], attention, dense, moe, tuple(routed))
+    archs = config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    return Model(mt, layers, hidden, vocab, tied, DTYPES[raw_dtype], attention, dense, moe, tuple(routed), arch)
 
 
 # ---- the text: statements with a line each ---------------------------------------------------
