@@ -178,7 +178,8 @@ def link(group: ReplicaGroup, key: str, me: int, peers, transport: str, device: 
         return None, f"the {kind} transport cannot link {who(me)} and {who(exc.peer)}: {_named(exc, who)}"
     except UsageError as exc:  # (NIXL's package missing on this rank)
         return None, f"the {kind} transport cannot link {who(me)} to its peers: {exc.message}"
-    except Exception as exc:  # noqa: BLE001 - a channel file this rank could not create (/dev/shm full), NIXL's own
+    except (Exception if kind == "nixl" else OSError) as exc:  # noqa: BLE001 - NIXL's own; a channel file this
+        # rank could not create (/dev/shm full, say)
         return None, f"the {kind} transport cannot link {who(me)} to its peers: {first_line(exc)}"
     if group.severed:  # (given up meanwhile: a trainer rank's connect thread that ran late)
         links.sever()

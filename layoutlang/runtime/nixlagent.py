@@ -303,8 +303,9 @@ class NixlAgent:
             self.fail(self.owed(peer), "this rank closed the link")
         self.outbox, self.inbox, self.remote, self.dirty = {}, {}, {}, set()
 
-    def close(self) -> None:
-        """Release transfers, deregister every storage, forget the peers, drop the agent."""
+    def close(self, unpublish: bool = True) -> None:
+        """Release transfers, deregister every storage, forget the peers, drop the agent; its
+        metadata leaves the store (`unpublish`: not where the store may be gone already)."""
         agent, self.agent = self.agent, None
         if agent is None:
             return
@@ -317,7 +318,8 @@ class NixlAgent:
         for name in self.names.values():
             _quietly(agent.remove_remote_agent, name)
         self.names, self.peer_of = {}, {}
-        _quietly(self.store.delete_key, self.agent_key(self.me))
+        if unpublish:
+            _quietly(self.store.delete_key, self.agent_key(self.me))
 
     # ---- the protocol -------------------------------------------------------------------------
     def _register(self, buf: torch.Tensor) -> tuple[Registration | None, tuple]:
@@ -625,9 +627,10 @@ class NixlLinks:
             self.nixl.sever()
 
     def close(self) -> None:
-        """Drop the agent (`NixlAgent.close`), stop watching the peers."""
+        """Drop the agent (`NixlAgent.close`), stop watching the peers. Its keys stay in the job's
+        store (which may be gone: the trainer job closed), as a group's links' do."""
         if self.nixl is not None:
-            self.nixl.close()
+            self.nixl.close(unpublish=False)
         for fd in self.pidfds.values():
             _quietly(os.close, fd)
         self.pidfds = {}
