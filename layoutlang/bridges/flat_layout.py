@@ -3,12 +3,14 @@
 The flat-shard bridges (deepspeed.py, fsdp1.py) read a live model's bookkeeping;
 everything they write for a transformers model of a family `layoutc new` knows
 follows from its config and three rules, so the same text is written here
-without the model (docs/bridges.md, "`layoutc new` for a ZeRO-3 or FSDP1
-trainer"):
+without the model (docs/bridges.md, "ZeRO-3 and FSDP1 trainers"; `render` is
+what `layoutc new` calls for every framework):
 
 - the tensors, their shapes and HF keys: the `hf-memory` Document of the config
-  (families.py), as the bridges read it (`hf.hf_document`): q/k rows as rotary
-  halves, stacked experts one flat key per expert and part in storage order;
+  (families.py), as the bridges read it (`hf.hf_document`): for deepspeed q/k
+  rows as rotary halves and stacked experts one flat key per expert and part in
+  storage order; for fsdp1 every key's shape plain, as fsdp1.describe writes it
+  (from FSDP1's `_shapes`; a dense family only);
 - the order: transformers' registration order, which is `named_parameters()`'s
   (`registration_order`: the embedding, then each decoder layer's `self_attn`,
   `mlp`, `input_layernorm`, `post_attention_layernorm`, then the final norm and
@@ -172,7 +174,8 @@ def registration_order(m: Model, tensors) -> list:
 
 def flat_keys(t) -> list[tuple[list[str], str]]:
     """A tensor holding several keys (stacked experts, fused parts) as flat keys in storage order:
-    [(SHAPE dims as text, KEY), ...], as deepspeed.describe lists them.
+    [(SHAPE dims as text, KEY), ...], as deepspeed.describe lists them (its `_regions` is this rule
+    over a live parameter's `ds_shape`).
 
     Each key must be a row-major contiguous range of the stored tensor (a stacked
     expert's gate rows, its up rows) and stored as it is read (no transposed key,
