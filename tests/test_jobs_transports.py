@@ -202,3 +202,51 @@ def test_a_transport_jobs_do_not_take_is_a_usage_error(monkeypatch):
             "error: the \"nixl\" transport needs NIXL's Python package, which is not installed",
             "help: pip install 'layoutlang[nixl]' (nixl-cu12: its UCX backend moves DRAM between processes without "
             "CUDA), or choose transport=\"group\""]
+
+
+class _Agent:
+    """What `NixlLinks` reads of its `NixlAgent` (layoutlang/runtime/nixlagent.py), by hand: messages
+    fail only when the test says so."""
+
+    severed = False
+
+    def __init__(self):
+        self.failures = 0
+
+    def progress(self) -> None:
+        pass
+
+    def pending(self) -> bool:
+        return True
+
+    def probe(self, peers) -> None:
+        pass  # (every peer's agent is there)
+
+    def fail(self, works, text: str) -> None:
+        for w in works:
+            w.error = text
+            self.failures += 1
+
+
+def test_a_nixl_failure_a_quiet_look_saw_still_fails_its_replicas_wait():
+    """A trainer rank waiting on replica A's messages moves replica B's links quietly meanwhile
+    (`memlinks.wait_all`'s `also`); a failure of B's seen there (its rank 1 closed the link)
+    still fails B's own wait at its first look, naming that rank, not at the deadline."""
+    import time
+
+    from layoutlang.runtime.memlinks import LinkError, wait_all
+    from layoutlang.runtime.nixlagent import NixlLinks, Work
+
+    a, b = NixlLinks(None, "a", 0, [1]), NixlLinks(None, "b", 0, [1])
+    a.nixl, b.nixl = _Agent(), _Agent()
+    wa, wb = Work(1), Work(1)
+    a.works, b.works = [wa], [wb]
+    b.nixl.fail([wb], "rank 1 closed the link")
+    wa.done = True  # (A's message arrives while B's links are moved quietly)
+    wait_all([(a, wa)], time.monotonic() + 5, also=[b])
+    began = time.monotonic()
+    with pytest.raises(LinkError) as err:
+        wait_all([(b, wb)], began + 2)
+    assert (err.value.peer, err.value.reason, err.value.closed, err.value.timed_out, err.value.index) == \
+        (1, "rank 1 closed the link", True, False, 0)
+    assert time.monotonic() - began < 1

@@ -511,7 +511,8 @@ class NixlLinks:
         self.pidfds: dict[int, int] = {}
         self._stopped_since: dict[int, float] = {}
         self._probed = self._looked = 0.0
-        self._seen = 0
+        self._seen = 0                       # the agent's failures when last looked
+        self.failed: Work | None = None      # the first message that failed (raised at every look)
 
     @property
     def severed(self) -> bool:
@@ -569,11 +570,13 @@ class NixlLinks:
         self._raise_failed()
 
     def _raise_failed(self) -> None:
-        if self._seen != self.nixl.failures:
+        """Raise for the first failed message, at every look from then on (as a closed channel
+        does: a look that swallowed it, `progress_quietly`, leaves it for the next)."""
+        if self.failed is None and self._seen != self.nixl.failures:
             self._seen = self.nixl.failures
-            failed = next((w for w in self.works if w.error), None)
-            if failed is not None:
-                raise LinkError(failed.peer, failed.error, closed="closed the link" in failed.error)
+            self.failed = next((w for w in self.works if w.error), None)
+        if self.failed is not None:
+            raise LinkError(self.failed.peer, self.failed.error, closed="closed the link" in self.failed.error)
         if len(self.works) > 64:
             self.works = [w for w in self.works if not w.done]
 
