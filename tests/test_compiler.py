@@ -165,6 +165,20 @@ def test_buckets_bound_staging_and_graph_is_acyclic():
             assert "send" in kinds
 
 
+def test_a_packed_destination_is_judged_whole_at_its_first_key():
+    """bf16 -> fp32 is converted in the sender's staging: a [64, 32] tensor stages 64*32*4 = 8192 B,
+    each [16, 32] key of the packed qkv 2048 B, the packed tensor 6144 B. Under a 10240 B budget,
+    `a` and q alone would fit (10240) but k and v cannot be cut from q: the cut comes before q, and
+    no bucket exceeds the budget (before: one bucket of 14336 B)."""
+    src = "mesh m (r=1)\ntensor a [64, 32] bf16\ntensor q [16, 32] bf16\ntensor k [16, 32] bf16\ntensor v [16, 32] bf16\n"
+    dst = "mesh e (r=1) at 1\ntensor a [64, 32] fp32\ntensor qkv [(q: 16 as q | k: 16 as k | v: 16 as v), 32] fp32\n"
+    plan = pair(src, dst)
+    cut = buckets(plan, 10240)
+    assert [(b.first_instance, b.stop_instance) for b in cut] == [(0, 1), (1, 4)]
+    assert [staging_per_bucket(plan, b) for b in cut] == [{0: 8192}, {0: 6144}]
+    assert len(buckets(plan, 14336)) == 1  # all of it fits: one bucket
+
+
 def test_quantized_wire_ops_bytes_and_staging_by_hand():
     """TP4 [64 over tp, 32] bf16 -> TP2 mxfp8: each engine rank gets two [16, 32] blocks. Whole
     32-element blocks, so each op carries 512 e4m3 bytes + 16 E8M0 scales = 528 B (bf16: 1024 B),

@@ -119,23 +119,31 @@ def instance_staging(plan: Plan, i: int, strided: bool = False) -> dict[int, int
 def buckets(plan: Plan, budget_bytes: int | None, strided: bool = False) -> tuple[Bucket, ...]:
     """Split the plan into buckets whose staging stays under the budget on every rank.
 
-    `strided=True` plans for tensors of any strides (every transfer staged);
-    the runtime uses it when the ranks agree that some tensor is not contiguous.
+    The keys of one stored destination tensor (q | k | v of a packed `qkv_proj`, consecutive
+    instances) never straddle a cut (a quantized one is quantized once, whole): a cut is judged
+    at the tensor's first key on the staging of all of its keys, so a bucket exceeds the budget
+    only where one tensor alone does. `strided=True` plans for tensors of any strides (every
+    transfer staged); the runtime uses it when the ranks agree that some tensor is not contiguous.
     """
     n = len(plan.key_matches)
     if budget_bytes is None:
         return (Bucket(0, 0, n, 0, plan.op_count),) if n else ()
     out: list[Bucket] = []
-    start, used = 0, {}
-    for i in range(n):
-        need = instance_staging(plan, i, strided)
-        fits = all(used.get(r, 0) + b <= budget_bytes for r, b in need.items())
-        same_tensor = i > 0 and plan.stored(i - 1) is plan.stored(i)  # quantized once, whole
-        if not fits and i > start and not same_tensor:
+    start, used, i = 0, {}, 0
+    while i < n:
+        stop = i + 1
+        while stop < n and plan.stored(stop) is plan.stored(i):
+            stop += 1
+        need: dict[int, int] = {}
+        for k in range(i, stop):
+            for r, b in instance_staging(plan, k, strided).items():
+                need[r] = need.get(r, 0) + b
+        if i > start and not all(used.get(r, 0) + b <= budget_bytes for r, b in need.items()):
             out.append(Bucket(len(out), start, i, plan.op_range(start).start, plan.op_range(i).start))
             start, used = i, {}
         for r, b in need.items():
             used[r] = used.get(r, 0) + b
+        i = stop
     if n > start:
         out.append(Bucket(len(out), start, n, plan.op_range(start).start, plan.op_count))
     return tuple(out)
