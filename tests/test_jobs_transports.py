@@ -16,8 +16,11 @@ replicas, "nixl" with 2:
                    the replica is exact at the next one, without a restart
     agreement      ("memory") a replica asking for transport="group" is refused with the
                    reason; the others exact
+    between refits ("nixl") a replica rank SIGKILLed while it waits in `receive`: the next refit
+                   (its group's agents kept) drops that replica alone, within timeout + 1 s
     never arrives  ("nixl") a replica that joined but never waits in `receive`, expected by a
-                   refit: missed, the trainer back within timeout + 1 s, the others exact
+                   refit: missed, the trainer back within timeout + 1 s, the others exact (the
+                   restarted replica too)
 
 "auto" (the default) is the same transport as "memory" here (every pair on one host):
 tests/test_jobs_faults.py runs the whole fault matrix on it and checks its reports say so.
@@ -136,6 +139,19 @@ def _scenario(d: Deployment, transport: str) -> None:
     refit()
     exact(replicas)
     if transport == "nixl":
+        # a replica rank that dies between refits, waiting in `receive`: its group's agents are kept
+        # (no connect), the walk finds its agent gone
+        for who in receives:
+            d.until(lambda who=who: d.waiting(who))
+        d.kill(("r0", 1))
+        n = d.refit(expect=list(replicas))
+        one_missed(n, d.report(n), "r0", f"r0 rank 1 dead before refit {n}")
+        row = d.lines(("r0", 0), receives[("r0", 0)] + 1)[-1]
+        assert "error" in row and f"replica r0 rank 0: refit {n}" in row["error"], row
+        d.kill(("r0", 0))
+        for r in range(2):  # the replica restarts under its id
+            d.start(("r0", r), "engine", "r0", str(r))
+            receives[("r0", r)] = 0
         # a replica that never arrives: it joined, never waits in `receive`, and a refit expects it
         for r in range(2):
             d.start(("idle", r), "engine", "idle", str(r), "idle")

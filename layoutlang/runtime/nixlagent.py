@@ -180,13 +180,17 @@ class NixlAgent:
 
     def connect(self, peer: int, deadline: float) -> None:
         """Load `peer`'s agent metadata from the store, set there as its agent was created; a
-        LinkError (timed out) where it is not there by `deadline`."""
+        LinkError naming it where it is not there by `deadline` (timed out) or cannot be reached
+        (its process is gone: UCX's connection is refused at once)."""
         left = deadline - time.monotonic()
         blob = store_value(self.store, self.agent_key(peer), deadline)
         if blob is None:
             raise LinkError(peer, f"rank {peer} did not publish its NIXL agent within {max(left, 0):.3g} s",
                             timed_out=True)
-        name = self.agent.add_remote_agent(blob)
+        try:
+            name = self.agent.add_remote_agent(blob)
+        except Exception as exc:  # noqa: BLE001 - NIXL_ERR_BACKEND: its agent's process is gone
+            raise LinkError(peer, f"rank {peer}'s NIXL agent cannot be reached ({first_line(exc)})") from exc
         name = name.decode() if isinstance(name, bytes) else name
         self.names[peer], self.peer_of[name] = name, peer
 

@@ -154,6 +154,7 @@ class NixlTransport(GroupTransport):
         """Load `peer`'s agent metadata from the store (published as its Refitter was built)."""
         try:
             self.agent.connect(peer, deadline)
-        except LinkError as exc:  # a timeout: that peer never built its transport
-            raise self.host.failure(f"rank {peer} did not publish its NIXL agent within "
-                                    f"{self.host.timeout.total_seconds():g} s", peers=(peer,)) from exc
+        except LinkError as exc:  # a timeout (that peer never built its transport), or its agent is gone
+            text = (f"rank {peer} did not publish its NIXL agent within {self.host.timeout.total_seconds():g} s"
+                    if exc.timed_out else exc.reason)
+            raise self.host.failure(text, peers=(peer,)) from exc
