@@ -57,7 +57,8 @@ JOBS_WORKER = HERE / "transports_jobs_worker.py"
 TARGETS = {("memory", "floor"): ("<=", 1.25), ("group", "memory"): (">=", 2.0)}
 SHOWN = [("memory", "floor"), ("group", "memory"), ("nixl", "group"), ("nixl", "floor"), ("group", "floor")]
 JOBS_TARGETS = {("jobs_memory", "floor"): ("<=", 1.25), ("jobs_group", "jobs_memory"): (">=", 2.0)}
-JOBS_SHOWN = [("jobs_memory", "floor"), ("jobs_group", "jobs_memory"), ("jobs_group", "floor")]
+JOBS_SHOWN = [("jobs_memory", "floor"), ("jobs_group", "jobs_memory"), ("jobs_group", "floor"),
+              ("jobs_nixl", "jobs_memory"), ("jobs_nixl", "jobs_group")]
 
 
 def layouts(n: int, r: int, c: int, jobs: bool = False) -> tuple[str, str]:
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "infer.layout").write_text(dst)
         job = {"src": str(tmp / "train.layout"), "dst": str(tmp / "infer.layout"), "methods": methods,
                "rounds": rounds, "timeout": max(60.0, args.timeout / 4), "device": args.device,
-               "addresses": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
+               "addresses": [f"127.0.0.1:{_free_port()}" for _ in range(3)]}
         try:
             results, tails, timed_out = launch(JOBS_WORKER if args.jobs else WORKER, job, 6 if args.jobs else 4,
                                                tmp, args.timeout)

@@ -11,6 +11,7 @@ first=2), relay=False)`, the plan `MemberPlanner(train, infer).plan(2)` makes). 
                 `process_vm_readv` per piece (transports_worker.Floor)
   jobs_memory   `TrainerJob(..., transport="memory")` / `EngineJob(..., transport="memory")`
   jobs_group    the same on transport="group" (gloo), a second pair of jobs on its own store
+  jobs_nixl     the same on transport="nixl" (NIXL's UCX agents), a third, where the package is installed
 
 A jobs step: every engine rank waits in `receive` (a thread started before the barrier), the
 trainer ranks `refit(..., expect=every replica)`; a step is timed between two world barriers.
@@ -44,6 +45,8 @@ from layoutlang.compiler.members import replicate  # noqa: E402
 from layoutlang.elaborate import loads  # noqa: E402
 from layoutlang.runtime.fill import check_destination, empty_destination, source_tensor  # noqa: E402
 from layoutlang.runtime.jobs import EngineJob, TrainerJob  # noqa: E402
+from layoutlang.runtime.nixlagent import nixl_module  # noqa: E402
+from layoutlang.diagnostics import UsageError  # noqa: E402
 
 COPIES = 2
 
@@ -70,8 +73,13 @@ def main(job_path: str, out_path: str) -> int:
         run = {"floor": floor.step}
         version = [0]
         jobs = {}
-        for name, transport, address in (("jobs_memory", "memory", cfg["addresses"][0]),
-                                         ("jobs_group", "group", cfg["addresses"][1])):
+        kinds = [("jobs_memory", "memory", cfg["addresses"][0]), ("jobs_group", "group", cfg["addresses"][1])]
+        try:
+            nixl_module()
+            kinds.append(("jobs_nixl", "nixl", cfg["addresses"][2]))
+        except UsageError as exc:  # (every rank alike: one environment)
+            result["skipped"]["jobs_nixl"] = str(exc).splitlines()[0]
+        for name, transport, address in kinds:
             if rank == 0:
                 jobs[name] = TrainerJob(cfg["src"], cfg["dst"], address=address, rank=0, world_size=n,
                                         timeout=timeout, transport=transport)
