@@ -3,18 +3,28 @@ gloo ranks, described from `ds_shape` / `ds_tensor` / its partition group, refit
 layout (ranks 0-1) and back, saved as an HF checkpoint and loaded into a fresh ZeRO-3 model, all in ONE
 launch (tests/deepspeed_zero3_program.py asserts every element there against DeepSpeed's own
 `GatheredParameters`; and a tiny Qwen3-MoE's stacked experts into the HF checkpoint layout and
-back). Here: the text against the flat rule written out by hand, and the saved
-files against `save_pretrained` of the gathered model: the same files, index and tensor bytes.
+back). Beside it, a vLLM TP2 engine as a job of its own: 2 more processes of the launch, in a torch
+world of their own (tests/zero3_engine_program.py; the trainer refits it with a `TrainerJob` from
+the `ds_tensor`s, the engine job refits the trainer's `ds_tensor`s back with a `TrainerJob` of its
+own: docs/jobs.md), for the Llama and the MoE; and the same with a 2-rank ZeRO-3 world. Here: the text against the flat rule written out by hand,
+and the saved files against `save_pretrained` of the gathered model: the same files, index and
+tensor bytes.
+
+(DeepSpeed cannot partition over a sub-group of a larger torch world: its ZeRO-3 optimizer meets
+the whole world at `dist.barrier()` while it sets up, stage3.py `_setup_for_real_optimizer`; so the
+engine is a job of its own, as disaggregated RL runs vLLM.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 if not os.environ.get("LAYOUTLANG_CI"):
     pytest.importorskip("deepspeed")
@@ -22,17 +32,27 @@ if not os.environ.get("LAYOUTLANG_CI"):
 
 from safetensors import safe_open  # noqa: E402
 
-from layoutlang.runtime.launch import launch  # noqa: E402
+from layoutlang.runtime.launch import free_port, launch  # noqa: E402
 
 PROGRAM = Path(__file__).with_name("deepspeed_zero3_program.py")
 
 
+def _run(tmp_path: Path, world: int, **job) -> tuple[list[dict], list[dict]]:
+    """The ZeRO-3 trainer's job of `world` ranks and the engine job's of 2 (one launch, two worlds):
+    each one's reports, after every rank of both said ok."""
+    # the jobs' store, up before either job starts (the launcher hosts it: no job waits to reach it)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=240), wait_for_workers=False)
+    job.update(world=world, dir=str(tmp_path), store=store.port, ports={"trainer": free_port(), "engine": free_port()})
+    results = launch(job, world + 2, timeout=240, program=str(PROGRAM))  # each job joins its own world
+    del store
+    for i, r in enumerate(results):
+        who = f"trainer rank {r.rank}" if i < world else f"engine rank {r.rank}"
+        assert r.ok, f"{who}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
+    return [r.result for r in results[:world]], [r.result for r in results[world:]]
+
+
 def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path):
-    job = {"ours": str(tmp_path / "ours"), "theirs": str(tmp_path / "theirs")}
-    results = launch(job, 4, timeout=240, program=str(PROGRAM))
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
-    reports = [r.result for r in results]
+    reports, engines = _run(tmp_path, 4, ours=str(tmp_path / "ours"), theirs=str(tmp_path / "theirs"))
     rank0, rank1 = reports[:2]
     text = rank0["text"]
     assert all(r["text"] == text for r in reports)  # the same text on every rank
@@ -65,8 +85,11 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
     assert "layout sequential_zero3\n" in rank0["plain_text"]
     assert "tensor 0.weight.ds_tensor [flat([3, 5] as 0.weight) pad dp over dp]\n" in rank0["plain_text"]
     assert "tensor 1.bias.ds_tensor [flat([7] as 1.bias) pad dp over dp]\n" in rank0["plain_text"]
-    # every engine element compared with vLLM's rule on both ranks; the step after the reverse refit ran
+    # every engine element compared with vLLM's rule on both ranks, collocated and in the engine job
+    # (there the MoE's too); the step after the reverse refits ran
     assert rank0["checked"] > 0 and rank1["checked"] == rank0["checked"]
+    assert [e["checked"] for e in engines] == [rank0["checked"]] * 2
+    assert engines[0]["moe_checked"] == engines[1]["moe_checked"] > 0
     assert rank0["step_changed"] and rank0["loss_diff"] <= 1e-6
     # checkpoint.save from the shards writes what save_pretrained of the gathered model writes: the
     # same files and index, every tensor's key, dtype, shape and bytes (the header lists them in
@@ -84,6 +107,25 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
                 want = theirs.get_tensor(key)
                 got = ours.get_tensor(key)
                 assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
+
+
+def test_zero3_on_two_ranks_refits_an_engine_job_of_two_more_and_back(tmp_path):
+    """ZeRO-3 over a world of 2 (the Llama and the MoE) and the engine job of 2 more ranks: the same
+    refits both ways as on 4, checked the same way (no checkpoint: the 4-rank launch has it)."""
+    reports, engines = _run(tmp_path, 2)
+    text = reports[0]["text"]
+    assert reports[1]["text"] == text and "mesh zero (dp=2)\n" in text
+    # over 2 ranks: the norm's 6 elements are 3 a rank, the embedding's 222 are 111, no padding;
+    # the MoE's stacked gate_up_proj 4 x 10 x 6 = 240, 120 a rank
+    assert "tensor model.norm.weight.ds_tensor [flat([6] as model.norm.weight) pad dp over dp]\n" in text
+    for r in reports:
+        assert r["local_numel"]["model.norm.weight.ds_tensor"] == 3
+        assert r["local_numel"]["model.embed_tokens.weight.ds_tensor"] == 111
+    assert reports[0]["moe_text"] == reports[1]["moe_text"]
+    assert "tensor model.layers.0.mlp.experts.gate_up_proj.ds_tensor [flat(" in reports[0]["moe_text"]
+    assert [e["checked"] for e in engines] == [reports[0]["checked"]] * 2 and reports[0]["checked"] > 0
+    assert engines[0]["moe_checked"] == engines[1]["moe_checked"] > 0
+    assert reports[0]["step_changed"] and reports[0]["loss_diff"] <= 1e-6
 
 
 def test_a_module_without_zero3_partitions_is_refused_naming_the_parameter():
