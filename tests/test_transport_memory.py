@@ -406,7 +406,7 @@ def test_a_watched_peer_whose_process_is_stopped_fails_the_wait_naming_it():
     try:
         os.kill(child.pid, signal.SIGSTOP)
         links[0].pids[1] = child.pid
-        links[0].watch_stopped = 0.1
+        links[0].procs.watch_stopped = 0.1
         works = links[0].post([memlinks.Message(False, torch.zeros(4, dtype=torch.uint8), 1)])
         began = time.monotonic()
         with pytest.raises(memlinks.LinkError) as err:

@@ -47,7 +47,6 @@ import ctypes.util
 import errno
 import os
 import platform
-import select
 import socket
 import threading
 import time
@@ -58,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cma
+from .peerprocs import PeerProcesses
 
 SLOTS = 256            # messages (ring: chunks) in flight per channel before a post queues
 SLOT_BYTES = 512       # a slot: 8 words, then a CUDA IPC handle's bytes
@@ -78,7 +78,6 @@ W_TAIL, W_FREED, W_RCLOSED = 16, 17, 18  # receiver: slots consumed (acknowledge
 S_SEQ, S_KIND, S_A, S_B, S_C, S_D = range(6)
 CMA, RING, CUDA = 1, 2, 3
 MODES = {CMA: "cma", RING: "ring"}
-LOOK_STOPPED = 0.02    # s between looks at a watched peer's process state (`watch_stopped`)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _mmap = _libc.mmap
@@ -277,19 +276,16 @@ class MemoryLinks:
         self.force, self.ring_bytes = mode, ring_bytes
         self.out: dict[int, _Channel] = {}
         self.inn: dict[int, _Channel] = {}
-        self.pids: dict[int, int] = {}
-        self.pidfds: dict[int, int] = {}
+        self.procs = PeerProcesses(watch_stopped)   # the peers' processes on this host (peerprocs.py)
+        self.pids = self.procs.pids              # peer -> its pid, where watched
         self.created: list[str] = []     # files this rank created and has not unlinked yet
         self._mark: torch.Tensor | None = None
         self._cuda = None
         self.namespace = _pid_namespace()
         self.severed = False                 # this rank closed every channel (`sever`)
-        self.watch_stopped = watch_stopped
-        self._stopped_since: dict[int, float] = {}   # peer -> when its process was first seen stopped
-        self._looked = 0.0
         # what `close` releases, also when the links are dropped without it (the containers are
         # kept, only emptied: the finalizer holds them, not the links)
-        self._release = weakref.finalize(self, _release, self.out, self.inn, self.pidfds, self.created)
+        self._release = weakref.finalize(self, _release, self.out, self.inn, self.procs, self.created)
 
     # ---- connecting -------------------------------------------------------------------
     def _get(self, key: str, deadline: float, peer: int, what: str) -> str:
@@ -351,11 +347,7 @@ class MemoryLinks:
                                       "memory transport moves bytes between processes of one host")
             same_ns = their_ns == self.namespace
             if same_ns:
-                self.pids[peer] = pid
-                try:
-                    self.pidfds[peer] = os.pidfd_open(pid)
-                except (OSError, AttributeError):
-                    pass  # (no liveness watch: the deadline alone)
+                self.procs.add(peer, pid)  # (no pidfd: the deadline alone)
             cma_ok = readable and same_ns and cma.probe(pid, int(addr), (int(mark), pid))
             if self.force == "cma" and not cma_ok:
                 raise LinkError(peer, f"this rank cannot read process {pid} of rank {peer} with process_vm_readv "
@@ -594,41 +586,14 @@ class MemoryLinks:
 
     def _died(self, peer: int) -> None:
         """Raise if `peer`'s process has exited (where this rank watches it)."""
-        fd = self.pidfds.get(peer)
-        if fd is None:
-            return
-        ready = select.select([fd], [], [], 0)[0]
-        if ready:
-            raise LinkError(peer, f"peer rank {peer} died (process {self.pids[peer]} exited)", pid=self.pids[peer])
-
-    def _stopped(self, peer: int, now: float) -> None:
-        """Raise if `peer`'s process has been stopped (state T or t) for `watch_stopped` seconds."""
-        pid = self.pids.get(peer)
-        if pid is None:
-            return
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return  # (gone: `_died` says so)
-        if state not in (b"T", b"t"):
-            self._stopped_since.pop(peer, None)
-            return
-        since = self._stopped_since.setdefault(peer, now)
-        if now - since >= self.watch_stopped:
-            raise LinkError(peer, f"peer rank {peer} is stopped (process {pid} stopped for {now - since:.2g} s: "
-                                  "SIGSTOP or a debugger)", pid=pid)
+        why = self.procs.died(peer)
+        if why is not None:
+            raise LinkError(peer, why, pid=self.pids[peer])
 
     def watch(self, peers, now: float) -> None:
         """Raise for the first of `peers` whose process exited (or, watched, has stopped)."""
-        look = self.watch_stopped is not None and now - self._looked >= LOOK_STOPPED
-        if look:
-            self._looked = now
-        for peer in sorted(peers):
-            if peer in self.pidfds:
-                self._died(peer)
-            if look:
-                self._stopped(peer, now)
+        for peer, why in self.procs.look(peers, now):
+            raise LinkError(peer, why, pid=self.pids[peer])
 
     def wait(self, works: list[Work], deadline: float) -> None:
         """Until every work is done, moving every channel meanwhile; LinkError (its `index`: the
@@ -648,7 +613,7 @@ class MemoryLinks:
 
     def close(self) -> None:
         """Unmap every channel, unlink any file not yet unlinked, stop watching the peers."""
-        _release(self.out, self.inn, self.pidfds, self.created)
+        _release(self.out, self.inn, self.procs, self.created)
         self._cuda = None
 
 
@@ -702,7 +667,7 @@ def wait_all(works: list, deadline: float, also=()) -> None:
         nap = min(nap * 2, NAP)
 
 
-def _release(out: dict, inn: dict, pidfds: dict, created: list) -> None:
+def _release(out: dict, inn: dict, procs: PeerProcesses, created: list) -> None:
     for path in created:
         _unlink(path)
     created.clear()
@@ -712,12 +677,7 @@ def _release(out: dict, inn: dict, pidfds: dict, created: list) -> None:
         ch.seg.close()
     out.clear()
     inn.clear()
-    for fd in pidfds.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    pidfds.clear()
+    procs.close()
 
 
 def _unlink(path: str) -> None:

@@ -53,7 +53,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import select
 import struct
 import time
 import weakref
@@ -64,6 +63,7 @@ from layoutlang.diagnostics import UsageError
 
 from .errors import first_line
 from .memlinks import LinkError
+from .peerprocs import PeerProcesses
 
 MODULES = ("nixl", "nixl_cu12", "nixl_cu13")   # the meta package, then the CUDA variants' own
 TABLES = 4096       # descriptor lists a receiver keeps numbered per peer (then it numbers them anew)
@@ -73,7 +73,6 @@ HEADER = struct.Struct("<cBQII")   # kind, flags (1: descriptors follow), first 
 DESC = struct.Struct("<QQII")      # address, bytes, device, segment (0 DRAM, 1 VRAM)
 RUN = struct.Struct("<cQI")        # DATA, first sequence, count
 SEGMENTS = ("DRAM", "VRAM")
-LOOK_STOPPED = 0.02  # s between looks at a watched peer's process state (`NixlLinks(watch_stopped=)`)
 
 
 def nixl_module():
@@ -508,13 +507,11 @@ class NixlLinks:
     def __init__(self, store, prefix: str, me: int, peers, *, watch_stopped: float | None = None):
         self.store, self.prefix, self.me = store, prefix, me
         self.peers = sorted(set(peers) - {me})
-        self.watch_stopped = watch_stopped
         self.nixl: NixlAgent | None = None
         self.works: list[Work] = []          # posted, not yet seen done
-        self.pids: dict[int, int] = {}       # peer -> its pid, where on this host and pid namespace
-        self.pidfds: dict[int, int] = {}
-        self._stopped_since: dict[int, float] = {}
-        self._probed = self._looked = 0.0
+        self.procs = PeerProcesses(watch_stopped)   # the peers' processes on this host (peerprocs.py)
+        self.pids = self.procs.pids                 # peer -> its pid, where on this host and pid namespace
+        self._probed = 0.0
         self._seen = 0                       # the agent's failures when last looked
         self.failed: Work | None = None      # the first message that failed (raised at every look)
 
@@ -541,11 +538,7 @@ class NixlLinks:
                     raise LinkError(peer, f"rank {peer} did not publish its host within the deadline", timed_out=True)
                 where, pid = theirs.decode().rsplit(" ", 1)
                 if mark and where == mark and int(pid) != os.getpid():
-                    self.pids[peer] = int(pid)
-                    try:
-                        self.pidfds[peer] = os.pidfd_open(int(pid))
-                    except (OSError, AttributeError):  # (already gone: its agent's disconnect names it)
-                        pass
+                    self.procs.add(peer, int(pid))  # (no pidfd, already gone: its agent's disconnect names it)
         except BaseException:
             self.close()
             raise
@@ -598,35 +591,12 @@ class NixlLinks:
         on this host, whose process exited or has been stopped `watch_stopped` s."""
         if self.severed or self.nixl is None:
             return
-        for peer in sorted(peers):
-            fd = self.pidfds.get(peer)
-            if fd is not None and select.select([fd], [], [], 0)[0]:
-                self.nixl.fail(self.nixl.owed(peer), f"peer rank {peer} died (process {self.pids[peer]} exited)")
-        if self.watch_stopped is not None and now - self._looked >= LOOK_STOPPED:
-            self._looked = now
-            for peer in sorted(peers):
-                self._stopped(peer, now)
+        for peer, why in self.procs.look(peers, now):
+            self.nixl.fail(self.nixl.owed(peer), why)
         if now - self._probed >= PROBE:
             self._probed = now
             self.nixl.probe(set(peers))
         self._raise_failed()
-
-    def _stopped(self, peer: int, now: float) -> None:
-        pid = self.pids.get(peer)
-        if pid is None:
-            return
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return  # (gone: its pidfd says so)
-        if state not in (b"T", b"t"):
-            self._stopped_since.pop(peer, None)
-            return
-        since = self._stopped_since.setdefault(peer, now)
-        if now - since >= self.watch_stopped:
-            self.nixl.fail(self.nixl.owed(peer), f"peer rank {peer} is stopped (process {pid} stopped for "
-                                                 f"{now - since:.2g} s: SIGSTOP or a debugger)")
 
     def sever(self) -> None:
         """Close these links for good (`NixlAgent.sever`): every peer learns it at its next look."""
@@ -638,6 +608,4 @@ class NixlLinks:
         store (which may be gone: the trainer job closed), as a group's links' do."""
         if self.nixl is not None:
             self.nixl.close(unpublish=False)
-        for fd in self.pidfds.values():
-            _quietly(os.close, fd)
-        self.pidfds = {}
+        self.procs.close()
