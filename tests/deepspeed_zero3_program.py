@@ -170,7 +170,7 @@ def from_engine_job(job: dict, rank: int, tag: str, text: str, local: dict) -> N
 
     back = EngineJob(loads(text, path=f"<zero3 {tag}>"), store=job_store(job, tag + "_back"),
                      replica="zero3", rank=rank, world_size=dist.get_world_size(), timeout=timedelta(seconds=60),
-                     connect_timeout=timedelta(seconds=180))
+                     connect_timeout=timedelta(seconds=30))
     version = back.receive(local)
     back.close()
     assert version == 2, version

@@ -29,7 +29,7 @@ from deepspeed_zero3_program import CONFIG, MOE, TP, job_store, moe_vllm_expecte
 TIMEOUT = 60.0  # seconds a refit may take; the trainer's job waits up to 90 s for this replica
 
 
-def wait_for(path: str, what: str) -> str:
+def written(path: str, what: str) -> str:
     if not os.path.exists(path):
         raise AssertionError(f"the trainer wrote no {what} at {path} before its refit")
     return path
@@ -45,11 +45,11 @@ def one_model(job: dict, rank: int, tag: str, config: dict, sizes: dict, expecte
     engine_layout = loads(layout_text(config, "vllm", {"TP": TP, "AT": 0, **sizes}), path=f"<vllm {tag}>")
     tensors = {t.name: torch.full(t.local_shape_at(rank), float("nan")) for t in engine_layout.tensors}
     eng = EngineJob(engine_layout, store=job_store(job, tag + "_out"), replica="vllm", rank=rank,
-                    world_size=TP, timeout=timedelta(seconds=TIMEOUT), connect_timeout=timedelta(seconds=180))
-    version = eng.receive(tensors, wait=timedelta(seconds=150))
+                    world_size=TP, timeout=timedelta(seconds=TIMEOUT), connect_timeout=timedelta(seconds=30))
+    version = eng.receive(tensors, wait=timedelta(seconds=90))  # (a trainer that failed: this fails too)
     eng.close()
     assert version == 1, version
-    full = load_file(wait_for(os.path.join(job["dir"], f"{tag}_full.safetensors"), "gathered parameters"))
+    full = load_file(written(os.path.join(job["dir"], f"{tag}_full.safetensors"), "gathered parameters"))
     want = expected(full, rank)
     assert sorted(want) == sorted(tensors), (sorted(want), sorted(tensors))
     checked = 0
@@ -61,7 +61,7 @@ def one_model(job: dict, rank: int, tag: str, config: dict, sizes: dict, expecte
     with torch.no_grad():
         for t in tensors.values():
             t.neg_().add_(1.0)
-    with open(wait_for(os.path.join(job["dir"], f"{tag}.layout"), "layout")) as f:
+    with open(written(os.path.join(job["dir"], f"{tag}.layout"), "layout")) as f:
         zero3 = loads(f.read(), path=f"<zero3 {tag}>")
     back = TrainerJob(engine_layout, zero3, store=job_store(job, tag + "_back"), rank=rank,
                       world_size=TP, timeout=timedelta(seconds=TIMEOUT), expect_wait=timedelta(seconds=90))
