@@ -240,17 +240,19 @@ def one_case(uop: bool, rank: int, folder: str, report: dict, group) -> None:
     if training:
         new = {k: v * 0.5 + 0.25 for k, v in full.items()}
         engine = {n: t.clone() for n, t in vllm_expected(new, rank).items()}
+        padding = {}
         for name, prefix, fp in units(trainer):
             _, data = expected_shard(fp, prefix, full, rank, world)
             mine[name][data] = float("nan")
+            mine[name][~data] = 7.0  # (FSDP1 never reads it: a value a write of zero would change)
+            padding[name] = mine[name][~data].clone()
         Refitter(compile_plan(engine_layout, layout), group=group, budget_bytes=1 << 14,
                  timeout=60).refit(engine, mine)
         for name, prefix, fp in units(trainer):
             want, data = expected_shard(fp, prefix, new, rank, world)
             assert torch.equal(mine[name][data], want[data]), f"{tag}: shard {name} on rank {rank} is not the weights"
-            # padding is never sent; the refit sets a destination's padding to zero (docs/language.md 14.9),
-            # where torch had its marker value: never read by FSDP1 (its gradient there is zero too)
-            assert not mine[name][~data].any(), f"{tag}: padding of {name} is not zero after the refit"
+            # padding is never sent, and a refit never writes a flat dim's padding (docs/language.md 14.9)
+            assert torch.equal(mine[name][~data], padding[name]), f"{tag}: the refit wrote the padding of {name}"
             report[f"padding_{tag}"] = report.get(f"padding_{tag}", 0) + int((~data).sum())
         back = summoned(trainer)
         assert all(torch.equal(back[k], new[k]) for k in new), f"{tag}: summon_full_params after the reverse refit"
@@ -308,17 +310,20 @@ def one_case(uop: bool, rank: int, folder: str, report: dict, group) -> None:
             open(os.path.join(saved, f), "rb").read() == open(os.path.join(ref, f), "rb").read() for f in files)
     dist.barrier(group=group)
 
-    # 4. checkpoint.load into a fresh FSDP1 model: its shards become the trainer's, padding zero.
+    # 4. checkpoint.load into a fresh FSDP1 model: its shards become the trainer's, padding untouched.
     fresh = build(uop, 1, group)
     dst = fsdp1.tensors(fresh)
     masks = {}
+    before = {}
     for name, prefix, fp in units(fresh):
         _, masks[name] = expected_shard(fp, prefix, full, rank, world)
         dst[name][masks[name]] = float("nan")
+        before[name] = dst[name][~masks[name]].clone()
     checkpoint.load(saved, loads(fsdp1.describe(fresh), path="<fresh>"), dst, rank=rank, group=group)
     for name, t in shards(trainer).items():
         got, data = shards(fresh)[name], masks[name]
         assert torch.equal(got[data], t[data]), f"{tag}: loaded shard {name} on rank {rank} differs"
+        assert torch.equal(got[~data], before[name]), f"{tag}: the load wrote the padding of {name}"
         report[f"load_padding_{tag}"] = sorted(set(got[~data].tolist()) | set(report.get(f"load_padding_{tag}", [])))
     loaded = summoned(fresh)
     assert all(torch.equal(loaded[k], after[k]) for k in after)

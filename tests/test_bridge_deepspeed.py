@@ -92,12 +92,13 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
     assert engines[0]["moe_checked"] == engines[1]["moe_checked"] > 0
     assert rank0["step_changed"] and rank0["loss_diff"] <= 1e-6
     # checkpoint.save from the shards writes what save_pretrained of the gathered model writes: the
-    # same files and index, every tensor's key, dtype, shape and bytes (the header lists them in
-    # the layout's order, save_pretrained's safetensors sorts them)
+    # same files and index, byte for byte (and, said per tensor below, every key, dtype, shape and bytes)
     files = sorted(p.name for p in (tmp_path / "theirs").glob("*.safetensors"))
     assert len(files) > 1 and files == sorted(p.name for p in (tmp_path / "ours").glob("*.safetensors"))
     index = "model.safetensors.index.json"
     assert json.loads((tmp_path / "ours" / index).read_text()) == json.loads((tmp_path / "theirs" / index).read_text())
+    for name in files + [index]:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes(), name
     for name in files:
         with safe_open(str(tmp_path / "ours" / name), "pt") as ours, \
                 safe_open(str(tmp_path / "theirs" / name), "pt") as theirs:
