@@ -45,9 +45,12 @@ def _run(tmp_path: Path, world: int, **job) -> tuple[list[dict], list[dict]]:
     job.update(world=world, dir=str(tmp_path), store=store.port, ports={"trainer": free_port(), "engine": free_port()})
     results = launch(job, world + 2, timeout=240, program=str(PROGRAM))  # each job joins its own world
     del store
-    for i, r in enumerate(results):
-        who = f"trainer rank {r.rank}" if i < world else f"engine rank {r.rank}"
-        assert r.ok, f"{who}: {r.error}\n{(r.result or {}).get('trace', '')}{r.stderr[-3000:]}"
+    failed = [(f"trainer rank {r.rank}" if i < world else f"engine rank {r.rank}", r)
+              for i, r in enumerate(results) if not r.ok]
+    # every failing rank's first line (the first is often a peer's "Connection reset"), then the first's detail
+    assert not failed, "\n".join([f"{who}: {str(r.error).splitlines()[0] if r.error else r.returncode}"
+                                  for who, r in failed] + [f"{(failed[0][1].result or {}).get('trace', '')}"
+                                                           f"{failed[0][1].stderr[-3000:]}"])
     return [r.result for r in results[:world]], [r.result for r in results[world:]]
 
 
