@@ -66,3 +66,27 @@ def test_a_worker_past_its_deadline_is_killed_and_reported_as_such(tmp_path, mon
     results = launch({}, 2, timeout=3, program=str(tmp_path / "sleep.py"))
     assert [r.returncode for r in results] == [None, None]  # killed at the deadline, as a Popen's would be
     assert json.dumps([r.result for r in results]) == "[null, null]"
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_from_a_thread_that_ends_keeps_the_zygote(tmp_path, monkeypatch):
+    """Linux fires a child's parent-death signal when the THREAD that started it exits: a zygote
+    started by a launch in a short-lived thread (a ThreadPoolExecutor's) must outlive that thread,
+    so the next launch, from any thread, is served by the same zygote."""
+    import threading
+    import time
+
+    monkeypatch.setenv("LAYOUTLANG_LAUNCH", "zygote")
+    (tmp_path / "ok.py").write_text("import json, sys\njson.dump({'ok': True}, open(sys.argv[2], 'w'))\n")
+    with launch_module._ZYGOTE_LOCK:  # a fresh zygote, started from the thread below
+        if launch_module._ZYGOTE is not None:
+            launch_module._ZYGOTE.proc.kill()
+            launch_module._ZYGOTE.proc.wait()
+    thread = threading.Thread(target=lambda: launch({}, 1, timeout=60, program=str(tmp_path / "ok.py")))
+    thread.start()
+    thread.join()
+    zygote = launch_module._ZYGOTE
+    time.sleep(0.5)  # (the signal, had it been armed to that thread, is delivered by now)
+    assert zygote.alive()
+    assert all(r.ok for r in launch({}, 1, timeout=60, program=str(tmp_path / "ok.py")))
+    assert launch_module._ZYGOTE is zygote

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -147,8 +148,9 @@ class _Zygote:
 
     def __init__(self):
         env = dict(os.environ, OMP_NUM_THREADS="1", LAYOUTLANG_LAUNCHER_PID=str(os.getpid()))
-        self.proc = subprocess.Popen([sys.executable, "-m", "layoutlang.runtime.zygote"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.proc = _in_kept_thread(lambda: subprocess.Popen(
+            [sys.executable, "-m", "layoutlang.runtime.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=env))
         self.lock = threading.Lock()
         self.changed = threading.Condition()
         self.pids: list[int] = []
@@ -199,6 +201,37 @@ class _Zygote:
 
 _ZYGOTE: _Zygote | None = None
 _ZYGOTE_LOCK = threading.Lock()
+_KEPT: list = []   # [the queue of the thread that starts zygotes], once started
+
+
+def _in_kept_thread(make):
+    """`make()` run in one thread of this process that never exits, its result (or its exception).
+
+    Why: the zygote arms Linux's parent-death signal, which fires when the THREAD that started
+    it exits, not the process. A `launch` from a short-lived thread (a ThreadPoolExecutor's)
+    would lose the zygote as that thread ends, and a launch racing its death could wait for an
+    answer that never comes. Called under _ZYGOTE_LOCK (`_zygote`)."""
+    if not _KEPT:
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+
+        def serve() -> None:
+            while True:
+                job, box, done = requests.get()
+                try:
+                    box.append((True, job()))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    box.append((False, exc))
+                done.set()
+
+        threading.Thread(target=serve, daemon=True, name="zygote-starter").start()
+        _KEPT.append(requests)
+    box, done = [], threading.Event()
+    _KEPT[0].put((make, box, done))
+    done.wait()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _zygote() -> _Zygote | None:
