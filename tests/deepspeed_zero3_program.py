@@ -16,7 +16,7 @@ a world of its own); the two jobs meet only at the refit's store (docs/jobs.md).
    padding, docs/language.md 14.9), then from the engine job (its values 1 - x: every
    `ds_tensor` is DeepSpeed's partition of 1 - the gathered weights), and a forward + training step
    runs on them (its loss equal to a plain transformers model's holding the same weights);
-4. (W = 4) `checkpoint.save` from the ZeRO-3 shards (rank 0 also writes `save_pretrained` of the
+4. `checkpoint.save` from the ZeRO-3 shards (rank 0 also writes `save_pretrained` of the
    gathered model: the parent compares the files byte for byte), and `checkpoint.load` into a
    fresh ZeRO-3 model gives the same `ds_tensor`s;
 5. a tiny Qwen3-MoE (stacked experts) under ZeRO-3 the same way: into the HF checkpoint layout

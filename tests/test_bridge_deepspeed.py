@@ -94,8 +94,13 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
     assert [e["checked"] for e in engines] == [rank0["checked"]] * 2
     assert engines[0]["moe_checked"] == engines[1]["moe_checked"] > 0
     assert rank0["step_changed"] and rank0["loss_diff"] <= 1e-6
-    # checkpoint.save from the shards writes what save_pretrained of the gathered model writes: the
-    # same files and index, byte for byte (and, said per tensor below, every key, dtype, shape and bytes)
+    _same_checkpoint(tmp_path)
+
+
+def _same_checkpoint(tmp_path: Path) -> None:
+    """checkpoint.save from the shards wrote what save_pretrained of the gathered model writes: the
+    same files and index, byte for byte (and, said per tensor for a readable failure, every key,
+    dtype, shape and bytes); the program checked the load into a fresh model."""
     files = sorted(p.name for p in (tmp_path / "theirs").glob("*.safetensors"))
     assert len(files) > 1 and files == sorted(p.name for p in (tmp_path / "ours").glob("*.safetensors"))
     index = "model.safetensors.index.json"
@@ -115,8 +120,8 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
 
 def test_zero3_on_two_ranks_refits_an_engine_job_of_two_more_and_back(tmp_path):
     """ZeRO-3 over a world of 2 (the Llama and the MoE) and the engine job of 2 more ranks: the same
-    refits both ways as on 4, checked the same way (no checkpoint: the 4-rank launch has it)."""
-    reports, engines = _run(tmp_path, 2)
+    refits both ways as on 4, checked the same way, and the same save and load."""
+    reports, engines = _run(tmp_path, 2, ours=str(tmp_path / "ours"), theirs=str(tmp_path / "theirs"))
     text = reports[0]["text"]
     assert reports[1]["text"] == text and "mesh zero (dp=2)\n" in text
     # over 2 ranks: the norm's 6 elements are 3 a rank, the embedding's 222 are 111, no padding;
@@ -130,6 +135,7 @@ def test_zero3_on_two_ranks_refits_an_engine_job_of_two_more_and_back(tmp_path):
     assert [e["checked"] for e in engines] == [reports[0]["checked"]] * 2 and reports[0]["checked"] > 0
     assert engines[0]["moe_checked"] == engines[1]["moe_checked"] > 0
     assert reports[0]["step_changed"] and reports[0]["loss_diff"] <= 1e-6
+    _same_checkpoint(tmp_path)
 
 
 def test_a_module_without_zero3_partitions_is_refused_naming_the_parameter():
