@@ -1,8 +1,9 @@
 """One worker of tests/test_bridge_fsdp1.py: a tiny HF Llama in torch FSDP1 (each decoder layer its
 own unit inside the root unit) on gloo ranks 0-1 of a world of 4 (`process_group=` the trainer's
 ranks, as a user who runs the engine in the same torch world does), `use_orig_params` False and
-True, through the FSDP1 bridge: into a vLLM-style TP2 engine collocated on ranks 0-1 and into one
-on ranks 2-3 (not trainer ranks), back from each, a training step, `checkpoint.save` from the
+True, through the FSDP1 bridge: into vLLM's TP2 layout (`layoutc new vllm`, q/k rows as rotary
+halves, as the bridge writes them) collocated on ranks 0-1 and into one on ranks 2-3 (not trainer
+ranks), back from each, a training step, `checkpoint.save` from the
 shards and `checkpoint.load` into a fresh FSDP1 model; and a one-unit FSDP1 model on ranks 2-3
 (`mesh fsdp (dp=2) at 2`) into a whole copy on rank 0 and back.
 
@@ -27,35 +28,31 @@ TP = 2
 TRAINER = [0, 1]  # the FSDP1 ranks; ranks 2-3 are the separate engine's (AT = 2)
 SEPARATE = 2
 
-VLLM = f"""
-layout tiny_llama_vllm
-arg AT = 0
-const L = {L}, H = {H}, F = {F}, Q = {Q}, KV = {KV}, D = {D}, V = {V}
-mesh infer (tp={TP}) at AT
-tensor model.embed_tokens.weight [V pad 64 over tp, H] fp32
-tensor lm_head.weight [V pad 64 over tp, H] fp32
-tensor model.norm.weight [H] fp32
-for l in 0..L {{
-  tensor model.layers.{{l}}.input_layernorm.weight [H] fp32
-  tensor model.layers.{{l}}.self_attn.qkv_proj.weight [(q: (Q, D) as model.layers.{{l}}.self_attn.q_proj.weight | k: (KV, D) as model.layers.{{l}}.self_attn.k_proj.weight | v: (KV, D) as model.layers.{{l}}.self_attn.v_proj.weight) over tp, H] fp32
-  tensor model.layers.{{l}}.self_attn.o_proj.weight [H, Q*D over tp] fp32
-  tensor model.layers.{{l}}.post_attention_layernorm.weight [H] fp32
-  tensor model.layers.{{l}}.mlp.gate_up_proj.weight [(gate: F as model.layers.{{l}}.mlp.gate_proj.weight | up: F as model.layers.{{l}}.mlp.up_proj.weight) over tp, H] fp32
-  tensor model.layers.{{l}}.mlp.down_proj.weight [H, F over tp] fp32
-}}
-"""
+CONFIG = dict(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L,
+              num_attention_heads=Q, num_key_value_heads=KV, head_dim=D, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, dtype="float32")
+
+
+def engine_text(at: int) -> str:
+    """vLLM's TP2 layout of the model, `at` its first rank: what `layoutc new vllm` prints (q|k|v and
+    gate|up packed per rank, q/k rows as HF's rotary halves, the vocabulary padded to 64 rows)."""
+    from layoutlang.bridges.families import layout_text
+
+    return layout_text(CONFIG, "vllm", {"TP": TP, "AT": at})
 
 
 def config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L,
-                       num_attention_heads=Q, num_key_value_heads=KV, head_dim=D, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False, torch_dtype=torch.float32)
+    return LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("model_type", "dtype")},
+                       torch_dtype=torch.float32)
 
 
 def vllm_expected(full: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
-    """What vLLM's TP rank r stores, by its rules, from the unsharded weights."""
+    """What vLLM's TP rank r stores, by its rules, from the unsharded weights: its heads' q, k and
+    v rows, each in HF's row order (QKVParallelLinear's weight loader narrows the checkpoint's rows
+    to the rank's heads and copies them as they are; the layout's rotary halves name that same
+    order), then its gate rows and up rows; o_proj and down_proj split by columns."""
     def rows(t, n):
         return t[r * n:(r + 1) * n]
 
@@ -204,8 +201,8 @@ def one_case(uop: bool, rank: int, folder: str, report: dict, group) -> None:
             want, data = expected_shard(fp, prefix, full, rank, world)
             assert torch.equal(mine[name][data], want[data]), f"{tag}: torch's shard of {name} is not its bookkeeping's"
     layout = loads(share_text(text, TRAINER[0]), path="<fsdp1>")  # the engine ranks' copy of the trainer's layout
-    engine_layout = loads(VLLM, path="<vllm>")
-    separate = loads(VLLM, path="<vllm at 2>", args={"AT": SEPARATE})
+    engine_layout = loads(engine_text(0), path="<vllm>")  # `layoutc new vllm`: the trainer's text pairs with it
+    separate = loads(engine_text(SEPARATE), path="<vllm at 2>")
 
     # 1. FSDP1 shards -> vLLM TP2 on the same ranks (their group alone): equal to summon_full_params
     # by vLLM's rules.
@@ -288,8 +285,10 @@ def one_case(uop: bool, rank: int, folder: str, report: dict, group) -> None:
     assert all(mine[n].data_ptr() == t.data_ptr() for n, t in shards(trainer).items())
 
     # 3. checkpoint.save from the shards == save_pretrained of the summoned model, byte for byte.
+    # with the model's config, the checkpoint's q/k rows are the rotary halves the flat keys write: a flat
+    # key pairs strictly (docs/language.md 14.9)
     saved, ref = os.path.join(folder, f"saved_{tag}"), os.path.join(folder, f"ref_{tag}")
-    checkpoint.save(saved, layout, mine, group=group)
+    checkpoint.save(saved, layout, mine, group=group, config=trainer.module.config.to_dict())
     if rank == 0:
         from safetensors import safe_open
         from transformers import LlamaForCausalLM
@@ -297,6 +296,7 @@ def one_case(uop: bool, rank: int, folder: str, report: dict, group) -> None:
         whole = LlamaForCausalLM(config()).float()
         whole.load_state_dict(after)
         whole.save_pretrained(ref)
+        whole.config.save_pretrained(saved)  # config.json is the caller's (save writes weights only)
         files = sorted(f for f in os.listdir(saved) if f.endswith(".safetensors"))
         assert files == sorted(f for f in os.listdir(ref) if f.endswith(".safetensors")), files
         for f in files:

@@ -1,8 +1,9 @@
 """The FSDP1 bridge on real torch FSDP1 (issue 52): a tiny HF Llama, each decoder layer its own unit
 inside the root unit, on gloo ranks 0-1 of a world of 4 (FSDP1's `process_group=` those two),
-`use_orig_params` False and True, into a vLLM-style TP2 engine collocated on ranks 0-1 and into one
-on ranks 2-3, back from each, a training step, `checkpoint.save` from the shards and
-`checkpoint.load` into a fresh FSDP1 model; and a one-unit model on ranks 2-3 (`at 2`) into a whole
+`use_orig_params` False and True, into vLLM's TP2 layout as `layoutc new vllm` writes it (q/k rows
+as rotary halves, as the bridge writes them) collocated on ranks 0-1 and into one on ranks 2-3, back
+from each, a training step, `checkpoint.save` from the shards and `checkpoint.load` into a fresh
+FSDP1 model; and a one-unit model on ranks 2-3 (`at 2`) into a whole
 copy on rank 0 and back. tests/fsdp1_refit_program.py asserts every element there against
 `summon_full_params`, vLLM's rules and FSDP1's own bookkeeping; here, the figures written out by
 hand from FSDP1's rule (docs/language.md 14.9): H = 18, so fp32 parameters of 666 or 18 elements
@@ -20,7 +21,10 @@ pytest.importorskip("transformers")
 from layoutlang.runtime.launch import launch  # noqa: E402
 
 PROGRAM = Path(__file__).with_name("fsdp1_refit_program.py")
-LAYER = ("[8, 18] as model.layers.0.self_attn.q_proj.weight | [8, 18] as model.layers.0.self_attn.k_proj.weight | "
+# q_proj and k_proj as HF stores their rows, each of the Q = KV = 2 heads' (head_dim D = 4) rotary halves
+# `(2, (re: 4/2 | im: 4/2))`: the names `layoutc new vllm` gives them, so that a flat key pairs (it pairs strictly)
+LAYER = ("[(2, (re: 4/2 | im: 4/2)), 18] as model.layers.0.self_attn.q_proj.weight | "
+         "[(2, (re: 4/2 | im: 4/2)), 18] as model.layers.0.self_attn.k_proj.weight | "
          "[8, 18] as model.layers.0.self_attn.v_proj.weight | [18, 8] as model.layers.0.self_attn.o_proj.weight | "
          "[24, 18] as model.layers.0.mlp.gate_proj.weight | [24, 18] as model.layers.0.mlp.up_proj.weight | "
          "[18, 24] as model.layers.0.mlp.down_proj.weight | [18] as model.layers.0.input_layernorm.weight | "

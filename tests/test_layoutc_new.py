@@ -533,7 +533,9 @@ def test_new_fsdp1_is_what_the_fsdp1_bridge_describes(tmp_path, capsys):
     root = "_fsdp_wrapped_module._flat_param"
     layer0 = "_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module._flat_param"
     layer1 = layer0.replace("layers.0", "layers.1")
-    # test_bridge_fsdp1.py's lines and local sizes (675 / 954 per rank, aligned 677 / 955), by hand from FSDP1's rule
+    # test_bridge_fsdp1.py's lines and local sizes (675 / 954 per rank, aligned 677 / 955), by hand from FSDP1's rule;
+    # q/k rows as rotary halves, as `layoutc new vllm` writes them: a flat key pairs strictly
+    vllm = loads(_flat_new(tmp_path, capsys, FSDP1_LLAMA, "vllm", "TP=2"), "vllm")
     for orig, align, sizes in ((0, "", (675, 954)), (1, " align 4", (677, 955))):
         text = _flat_new(tmp_path, capsys, FSDP1_LLAMA, "fsdp1", "DP=2", f"ORIG={orig}")
         assert "\nmesh fsdp (dp=2)\n" in text
@@ -544,11 +546,7 @@ def test_new_fsdp1_is_what_the_fsdp1_bridge_describes(tmp_path, capsys):
         for r in range(2):
             assert [by_name[n].local_shape_at(r) for n in (root, layer0, layer1)] == [
                 (sizes[0],), (sizes[1],), (sizes[1],)]
-    # FSDP1's bridge writes q/k rows plain, and flat keys pair strictly: with the plain-row vLLM TP2 layout its
-    # live test refits into (`layoutc new vllm` writes rotary halves: docs/bridges.md)
-    from fsdp1_refit_program import VLLM
-
-    _plans_with(text, loads(VLLM, "vllm"))
+        _plans_with(text, vllm)  # with `layoutc new vllm --set TP=2`, both ways
     # a tied lm_head is the embedding's one key (test_bridge_fsdp1's tied model)
     tied = _flat_new(tmp_path, capsys, {**FSDP1_LLAMA, "tie_word_embeddings": True}, "fsdp1", "DP=2", "ORIG=1")
     assert (f"tensor {root} [flat([37, 18] as model.embed_tokens.weight | [18] as model.norm.weight) align 4 pad dp "

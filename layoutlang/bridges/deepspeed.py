@@ -37,9 +37,9 @@ from __future__ import annotations
 import math
 import re
 
-from ..modes import ConcatM, PlainM
 from .dtensor import TORCH_DTYPES, key_of
 from .families import BridgeError
+from .flat_layout import flat_text_of, hf_flat_keys
 
 SUFFIX = ".ds_tensor"  # NAME = parameter name + SUFFIX (the examples' convention)
 
@@ -62,8 +62,7 @@ def describe(model, *, name: str | None = None) -> str:
         lines.append(f"default dtype {common}")
     lines.append("")
     for pname, _ in params:
-        keys = " | ".join(f"[{', '.join(dims)}] as {key}" for dims, key in shapes[pname])
-        line = f"tensor {pname}{SUFFIX} [flat({keys}) pad dp over dp]"
+        line = f"tensor {pname}{SUFFIX} [flat({flat_text_of(shapes[pname])}) pad dp over dp]"
         lines.append(line + (f" {dtype[pname]}" if dtype[pname] != common else ""))
     text = "\n".join(lines) + "\n"
     _check(text, params, offset, kind)
@@ -155,94 +154,10 @@ def _partition(pname: str, p) -> int:
 
 
 def _shapes(module, params) -> dict[str, list[tuple[list[str], str]]]:
-    """Parameter name -> its flat keys: [(SHAPE dims as text, KEY), ...] in storage order."""
-    plain = {pname: [([str(n) for n in p.ds_shape], key_of(pname))] for pname, p in params}
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return plain
-    from .families import FAMILIES
-
-    if config.to_dict().get("model_type") not in FAMILIES:
-        return plain
-    return _hf_shapes(module, params)
-
-
-def _hf_shapes(module, params) -> dict[str, list[tuple[list[str], str]]]:
-    """HF checkpoint keys and key dims, from the hf-memory document of the model's config."""
-    from layoutlang import loads
-
-    from .families import render_document, statement_at
-    from .hf import concrete, const_values, hf_document
-    from .model import layer_of
-
-    kind = type(module).__name__
-    names = {key_of(pname): pname for pname, _ in params}
-    doc = hf_document(module, tied="lm_head.weight" not in names)
-    text, where = render_document(doc)
-    layout = loads(text, f"<describe {kind}>")
-    consts = const_values(doc.consts)
-    described = {t.name: t for t in layout.tensors}
-    out = {}
-    for pname, p in params:
-        name = key_of(pname)
-        t = described.get(name)
-        shape = tuple(p.ds_shape)
-        if t is None:
-            raise BridgeError(f"{kind} stores `{pname}` {list(shape)}, which the {layout.name} layout does not "
-                              "describe", help="describe() knows the *ForCausalLM models of the families in "
-                                               "layoutlang.bridges.families.FAMILIES as transformers 5 builds them")
-        if shape != t.logical_shape:
-            raise BridgeError(f"{kind} stores `{pname}` with ds_shape {list(shape)}, the layout says "
-                              f"{list(t.logical_shape)}", help="the model's config does not match its parameters")
-        stmt = statement_at(doc, where[t.span.line])
-        if t.regions is None and not stmt.transposed:
-            layer = layer_of(stmt.name, name)
-            dims = [concrete(d, consts, layer) if not isinstance(dim.mode, PlainM) else str(shape[i])
-                    for i, (d, dim) in enumerate(zip(stmt.dims, t.dims))]
-            out[pname] = [(dims, t.key)]
-            continue
-        out[pname] = _regions(pname, t, shape)
-    missing = [n for n in described if n not in names]
-    if missing:
-        raise BridgeError(f"the layout describes `{missing[0]}` but {kind} has no such parameter",
-                          help="the model's config does not match its parameters")
-    return out
-
-
-def _regions(pname: str, t, shape: tuple[int, ...]) -> list[tuple[list[str], str]]:
-    """A parameter holding several keys (stacked experts, fused parts) as flat keys in storage order.
-
-    Each key must be a row-major contiguous range of the stored tensor (a stacked
-    expert's gate rows, its up rows) and stored as it is read (no transposed key,
-    no structure inside a part): then the flat dim lists them one after another.
-    """
-    for dim in t.dims:
-        mode = dim.mode
-        ok = isinstance(mode, PlainM) or (isinstance(mode, ConcatM)
-                                          and all(isinstance(part.mode, PlainM) for part in mode.parts))
-        if not ok:
-            raise BridgeError(f"parameter `{pname}` stores its keys in a dim of structure `{mode}`, which a flat "
-                              "dim of whole keys cannot list", help="describe this parameter by hand")
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    spans = []
-    for r in t.regions:
-        if r.transposed:
-            raise BridgeError(f"parameter `{pname}` stores key `{r.key}` transposed: a flat key is row-major",
-                              help="describe this parameter by hand")
-        extents = [hi - lo for lo, hi in r.box]
-        inner = next((i for i, e in enumerate(extents) if e != 1), len(extents))
-        if any(extents[i] != shape[i] for i in range(inner + 1, len(shape))):
-            raise BridgeError(f"parameter `{pname}`: key `{r.key}` is not one contiguous run of its storage",
-                              help="describe this parameter by hand")
-        start = sum(lo * s for (lo, _), s in zip(r.box, strides))
-        spans.append((start, math.prod(extents), [str(n) for n in r.key_shape], r.key))
-    spans.sort()
-    at = 0
-    for start, numel, _, key in spans:
-        if start != at:
-            raise BridgeError(f"parameter `{pname}`: its keys leave elements {at}..{start} unnamed before `{key}`")
-        at += numel
-    return [(dims, key) for _, _, dims, key in spans]
+    """Parameter name -> its flat keys: [(SHAPE dims as text, KEY), ...] in storage order
+    (`flat_layout.hf_flat_keys`, the rule `layoutc new deepspeed` and the FSDP1 bridge share)."""
+    keys = hf_flat_keys(module, {key_of(pname): tuple(p.ds_shape) for pname, p in params}, error=BridgeError)
+    return {pname: keys[key_of(pname)] for pname, _ in params}
 
 
 def _check(text: str, params, offset: int, kind: str) -> None:

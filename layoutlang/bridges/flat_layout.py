@@ -1,4 +1,5 @@
-"""ZeRO-3 and FSDP1 layouts of a known family from its config.json: `layoutc new deepspeed|fsdp1`.
+"""ZeRO-3 and FSDP1 layouts of a known family from its config.json (`layoutc new deepspeed|fsdp1`),
+and the flat keys both live bridges write (`hf_flat_keys`).
 
 The flat-shard bridges (deepspeed.py, fsdp1.py) read a live model's bookkeeping;
 everything they write for a transformers model of a family `layoutc new` knows
@@ -6,11 +7,11 @@ follows from its config and three rules, so the same text is written here
 without the model (docs/bridges.md, "ZeRO-3 and FSDP1 trainers"; `render` is
 what `layoutc new` calls for every framework):
 
-- the tensors, their shapes and HF keys: the `hf-memory` Document of the config
-  (families.py), as the bridges read it (`hf.hf_document`): for deepspeed q/k
-  rows as rotary halves and stacked experts one flat key per expert and part in
-  storage order; for fsdp1 every key's shape plain, as fsdp1.describe writes it
-  (from FSDP1's `_shapes`; a dense family only);
+- the tensors, their HF keys and key dims: the `hf-memory` Document of the config
+  (families.py), each tensor's flat keys by one rule (`document_flat_keys`; the
+  bridges reach it through `hf_flat_keys`, the Document of the live model's
+  config): q/k rows as rotary halves, and (deepspeed) stacked experts one flat
+  key per expert and part in storage order (fsdp1: a dense family only);
 - the order: transformers' registration order, which is `named_parameters()`'s
   (`registration_order`: the embedding, then each decoder layer's `self_attn`,
   `mlp`, `input_layernorm`, `post_attention_layernorm`, then the final norm and
@@ -36,11 +37,12 @@ import math
 import re
 from typing import Mapping
 
+from ..diagnostics import LayoutError
 from ..modes import ConcatM, PlainM
 from . import families
-from .families import FLAT_CONVENTIONS, document
-from .hf import concrete, const_values
-from .model import ConfigError, Model, layer_of, render_document, statement_at
+from .families import FAMILIES, FLAT_CONVENTIONS, document
+from .hf import concrete, const_values, hf_document
+from .model import BridgeError, ConfigError, Document, Model, layer_of, render_document, statement_at
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO3_SUFFIX = ".ds_tensor"  # deepspeed.SUFFIX: NAME = parameter name + it
@@ -72,8 +74,7 @@ def _zero3(m: Model, width: int, offset: int) -> str:
                           "ZeRO-3 partitions, and layoutlang.bridges.deepspeed refuses a model whose layout "
                           "describes it", help="describe DeepSeek-V3 under ZeRO-3 by hand (the buffer whole on "
                                                "every rank), or write it with `layoutc new hf-memory`")
-    tensors, doc, where = _memory_tensors(m)
-    consts = const_values(doc.consts)
+    keys = document_flat_keys(document(m, "hf-memory"))
     kind = m.architecture or m.model_type
     name = re.sub(r"[^A-Za-z0-9_]", "_", kind.lower()) + "_zero3"
     lines = [f"# {kind} under DeepSpeed ZeRO-3, written by `layoutc new deepspeed` from its config.json: every",
@@ -83,17 +84,8 @@ def _zero3(m: Model, width: int, offset: int) -> str:
     if m.dtype != "bf16":
         lines.append(f"default dtype {m.dtype}")
     lines.append("")
-    for t in tensors:
-        stmt = statement_at(doc, where[t.span.line])
-        if t.regions is None and not stmt.transposed:
-            layer = layer_of(stmt.name, t.name)
-            dims = [concrete(d, consts, layer) if not isinstance(dim.mode, PlainM) else str(n)
-                    for d, dim, n in zip(stmt.dims, t.dims, t.logical_shape)]
-            keys = [(dims, t.key)]
-        else:
-            keys = flat_keys(t)
-        flat = " | ".join(f"[{', '.join(dims)}] as {key}" for dims, key in keys)
-        lines.append(f"tensor {t.name}{ZERO3_SUFFIX} [flat({flat}) pad dp over dp]")
+    for pname in registration_order(m, list(keys)):
+        lines.append(f"tensor {pname}{ZERO3_SUFFIX} [flat({flat_text_of(keys[pname])}) pad dp over dp]")
     return "\n".join(lines) + "\n"
 
 
@@ -105,11 +97,11 @@ def _fsdp1(m: Model, width: int, offset: int, orig: bool) -> str:
                           "stacked-experts parameter (a flat key is one whole tensor)",
                           help="`layoutc new fsdp1` writes the dense families (llama, mistral, qwen2, qwen3); "
                                "describe the stacked experts by hand")
-    tensors, _, _ = _memory_tensors(m)
-    units: dict[int | None, list] = {None: []}
-    for t in tensors:
-        layer = int(t.name.split(".")[2]) if t.name.startswith("model.layers.") else None
-        units.setdefault(layer, []).append(t)
+    keys = document_flat_keys(document(m, "hf-memory"))
+    units: dict[int | None, list[str]] = {None: []}
+    for pname in registration_order(m, list(keys)):
+        layer = int(pname.split(".")[2]) if pname.startswith("model.layers.") else None
+        units.setdefault(layer, []).append(pname)
     align = 16 // ITEMSIZE[m.dtype] if orig else 1
     lines = [f"# {m.model_type} in torch FSDP1, written by `layoutc new fsdp1` from its config.json as",
              "# layoutlang.bridges.fsdp1 describes it: each decoder layer a unit inside the root unit, each",
@@ -118,25 +110,86 @@ def _fsdp1(m: Model, width: int, offset: int, orig: bool) -> str:
              "layout fsdp1_model", "", f"mesh fsdp (dp={width})" + (f" at {offset}" if offset else ""), ""]
     for layer, members in units.items():
         name = FSDP1_FLAT if layer is None else f"_fsdp_wrapped_module.model.layers.{layer}.{FSDP1_FLAT}"
-        flat = " | ".join(f"[{', '.join(str(n) for n in t.logical_shape)}] as {t.name}" for t in members)
+        flat = " | ".join(flat_text_of(keys[pname]) for pname in members)
         lines.append(f"tensor {name} [flat({flat}){f' align {align}' if align > 1 else ''} pad dp over dp] "
                      f"{m.dtype}")
     return "\n".join(lines) + "\n"
 
 
-def _memory_tensors(m: Model):
-    """The parameters of a transformers model of `m` (its hf-memory tensors), in registration order;
-    with the Document and the statement paths by line, for their dims as written."""
+def flat_text_of(keys: list[tuple[list[str], str]]) -> str:
+    """Flat keys as a flat dim lists them: `[D, D] as KEY | ...`."""
+    return " | ".join(f"[{', '.join(dims)}] as {key}" for dims, key in keys)
+
+
+def hf_flat_keys(module, shapes: Mapping[str, tuple[int, ...]], *, error: type[LayoutError] = BridgeError,
+                 every: bool = True) -> dict[str, list[tuple[list[str], str]]]:
+    """Each parameter of a live `module` as the flat keys deepspeed.describe and fsdp1.describe write:
+    name -> [(SHAPE dims as text, KEY), ...] in storage order.
+
+    `shapes`: each parameter's name (torch's wrapper prefixes dropped; a tied one once) -> its
+    full shape; every parameter the model's config says, unless `every` is false (FSDP1 flattens
+    the parameters of its units, not those of ignored modules). A transformers model of a family
+    in FAMILIES (its `config.model_type`) gets the HF checkpoint keys and key dims of its
+    hf-memory Document (`document_flat_keys`: q/k rows as rotary halves, stacked experts one key
+    per expert and part); any other module one plain key per parameter, its name.
+    """
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict") or config.to_dict().get("model_type") not in FAMILIES:
+        return {name: [([str(n) for n in shape], name)] for name, shape in shapes.items()}
+    doc = hf_document(module, tied="lm_head.weight" not in shapes)
+    return document_flat_keys(doc, shapes, error=error, kind=type(module).__name__, every=every)
+
+
+def document_flat_keys(doc: Document, shapes: Mapping[str, tuple[int, ...]] | None = None, *,
+                       error: type[LayoutError] = ConfigError, kind: str = "the model",
+                       every: bool = True) -> dict[str, list[tuple[list[str], str]]]:
+    """Each tensor of an hf-memory Document as flat keys: name -> [(SHAPE dims as text, KEY), ...]
+    in storage order (what `layoutc new deepspeed|fsdp1` and the flat bridges write).
+
+    A tensor that is one key keeps its statement's dims as written, its consts replaced
+    (`(2, (re: 4/2 | im: 4/2))`: a flat key's storage order is its own, so the parts are
+    written, docs/language.md 14.9); a tensor holding several keys lists them by `_regions`.
+    With `shapes` (a live model's parameters: name -> shape) exactly those, each checked against
+    the Document, and (`every`) every tensor of the Document among them (`error` names a
+    mismatch: BridgeError from a bridge); without, every tensor in the Document's order.
+    """
     from layoutlang import loads
 
-    doc = document(m, "hf-memory")
     text, where = render_document(doc)
-    layout = loads(text, f"<{doc.name}>")
-    return registration_order(m, layout.tensors), doc, where
+    layout = loads(text, f"<describe {kind}>" if shapes is not None else f"<{doc.name}>")
+    consts = const_values(doc.consts)
+    described = {t.name: t for t in layout.tensors}
+    if shapes is None:
+        shapes = {name: t.logical_shape for name, t in described.items()}
+    for name, shape in shapes.items():
+        t = described.get(name)
+        if t is None:
+            raise error(f"{kind} stores `{name}` {list(shape)}, which the {layout.name} layout does not describe",
+                        help="describe() knows the *ForCausalLM models of the families in "
+                             "layoutlang.bridges.families.FAMILIES as transformers 5 builds them")
+        if tuple(shape) != t.logical_shape:
+            raise error(f"{kind} stores `{name}` with shape {list(shape)}, the layout says {list(t.logical_shape)}",
+                        help="the model's config does not match its parameters")
+    missing = [n for n in described if n not in shapes] if every else []
+    if missing:
+        raise error(f"the layout describes `{missing[0]}` but {kind} has no such parameter",
+                    help="the model's config does not match its parameters")
+    out = {}
+    for name in shapes:
+        t = described[name]
+        stmt = statement_at(doc, where[t.span.line])
+        if t.regions is None and not stmt.transposed:
+            layer = layer_of(stmt.name, name)
+            dims = [concrete(d, consts, layer) if not isinstance(dim.mode, PlainM) else str(n)
+                    for d, dim, n in zip(stmt.dims, t.dims, t.logical_shape)]
+            out[name] = [(dims, t.key)]
+        else:
+            out[name] = _regions(t, error)
+    return out
 
 
 def registration_order(m: Model, tensors) -> list:
-    """`tensors` (hf-memory tensor instances, or anything with a `.name`) in the order a transformers
+    """`tensors` (hf-memory tensor names, or anything with a `.name`) in the order a transformers
     5 `*ForCausalLM` of `m`'s config registers them, which `named_parameters()` lists.
 
     transformers builds `model.embed_tokens`, `model.layers`, `model.norm`, then `lm_head`; each
@@ -154,7 +207,7 @@ def registration_order(m: Model, tensors) -> list:
 
     def key(item):
         index, t = item
-        parts = t.name.split(".")
+        parts = (t if isinstance(t, str) else t.name).split(".")
         if parts[:2] != ["model", "layers"]:
             return (top[".".join(parts[:2]) if parts[0] == "model" else parts[0]], 0, 0, 0, index)
         part, inner = parts[3], 0
@@ -172,39 +225,42 @@ def registration_order(m: Model, tensors) -> list:
     return [t for _, t in sorted(enumerate(tensors), key=key)]
 
 
-def flat_keys(t) -> list[tuple[list[str], str]]:
-    """A tensor holding several keys (stacked experts, fused parts) as flat keys in storage order:
-    [(SHAPE dims as text, KEY), ...], as deepspeed.describe lists them (its `_regions` is this rule
-    over a live parameter's `ds_shape`).
+def _regions(t, error: type[LayoutError]) -> list[tuple[list[str], str]]:
+    """A tensor holding several keys (stacked experts, fused parts) as flat keys in storage order.
 
     Each key must be a row-major contiguous range of the stored tensor (a stacked
     expert's gate rows, its up rows) and stored as it is read (no transposed key,
-    no structure inside a part): then the flat dim lists them one after another.
+    no structure inside a part), and together they must fill it: then the flat dim
+    lists them one after another. Anything else is an `error` naming the tensor.
     """
     for dim in t.dims:
         mode = dim.mode
         ok = isinstance(mode, PlainM) or (isinstance(mode, ConcatM)
                                           and all(isinstance(part.mode, PlainM) for part in mode.parts))
         if not ok:
-            raise ConfigError(f"parameter `{t.name}` stores its keys in a dim of structure `{mode}`, which a "
-                              "flat dim of whole keys cannot list (layoutlang.bridges.deepspeed refuses it too)",
-                              help="describe this parameter by hand")
+            raise error(f"parameter `{t.name}` stores its keys in a dim of structure `{mode}`, which a flat dim of "
+                        "whole keys cannot list", help="describe this parameter by hand")
     shape = t.logical_shape
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
     spans = []
     for r in t.regions:
         if r.transposed:
-            raise ConfigError(f"parameter `{t.name}` stores key `{r.key}` transposed: a flat key is row-major "
-                              "(layoutlang.bridges.deepspeed refuses it too)", help="describe this parameter by hand")
+            raise error(f"parameter `{t.name}` stores key `{r.key}` transposed: a flat key is row-major",
+                        help="describe this parameter by hand")
         extents = [hi - lo for lo, hi in r.box]
         inner = next((i for i, e in enumerate(extents) if e != 1), len(extents))
         if any(extents[i] != shape[i] for i in range(inner + 1, len(shape))):
-            raise ConfigError(f"parameter `{t.name}`: key `{r.key}` is not one contiguous run of its storage",
-                              help="describe this parameter by hand")
+            raise error(f"parameter `{t.name}`: key `{r.key}` is not one contiguous run of its storage",
+                        help="describe this parameter by hand")
         start = sum(lo * s for (lo, _), s in zip(r.box, strides))
         spans.append((start, math.prod(extents), [str(n) for n in r.key_shape], r.key))
     spans.sort()
+    at = 0
+    for start, numel, _, key in spans:
+        if start != at:
+            raise error(f"parameter `{t.name}`: its keys leave elements {at}..{start} unnamed before `{key}`")
+        at += numel
     return [(dims, key) for _, _, dims, key in spans]
 
 
-__all__ = ["render", "flat_text", "flat_keys", "registration_order"]
+__all__ = ["render", "flat_text", "flat_text_of", "hf_flat_keys", "document_flat_keys", "registration_order"]

@@ -11,7 +11,11 @@ says all of it, so `describe` reads it and writes one flat dim per unit:
 - the keys are the unit's `_fqns` with its module path in front (torch's wrapper
   prefixes `_fsdp_wrapped_module.` / `_checkpoint_wrapped_module.` dropped): the
   original parameter names, which for a transformers model of a dense family are
-  its HF checkpoint names; shapes from `_shapes`, in the flat parameter's order;
+  its HF checkpoint names; shapes from `_shapes`, in the flat parameter's order,
+  written for a transformers model of a family `layoutc new` knows as the ZeRO-3
+  bridge writes them (`flat_layout.hf_flat_keys`): q/k rows as HF's rotary
+  halves, `[(2, (re: 4/2 | im: 4/2)), 18]`, the same storage named so that it
+  pairs with every convention (a flat key pairs strictly, docs/language.md 14.9);
 - `align A` is FSDP1's own rule, read from the handle (`_aligned_numel`: 16 bytes
   of the forward dtype, with `use_orig_params=True` only), and checked against
   the padding torch inserted (`_numels_with_padding`, `_is_padding_mask`): a
@@ -27,7 +31,8 @@ says all of it, so `describe` reads it and writes one flat dim per unit:
 Before the text is returned it is loaded and checked against the live units: on
 this rank, every local element the layout places must be the element torch's
 `_shard_param_infos` says the shard holds there (which parameter, which flat
-index), the padding where torch has none, and the local extent the shard's.
+index, read through the key's storage order), the padding where torch has none,
+and the local extent the shard's.
 
 `tensors(model)` maps each NAME to the unit's local shard (`_local_shard`, which
 is the flat parameter's data between forward passes), the very storage: a
@@ -40,8 +45,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..modes import PadM
 from .dtensor import TORCH_DTYPES, key_of
 from .families import BridgeError
+from .flat_layout import flat_text_of, hf_flat_keys
 
 FLAT_PARAM = "_flat_param"
 WRAPPED = "_fsdp_wrapped_module"
@@ -67,12 +74,13 @@ class Unit:
 def describe(model, *, name: str = "fsdp1_model", mesh_name: str = "fsdp") -> str:
     """The `.layout` text of `model`'s FSDP1 units (identical on every rank of the sharding group)."""
     units, (ranks, rank) = _units(model)
+    described = _flat_keys(model, units)
     offset = ranks[0]
     mesh = f"mesh {mesh_name} (dp={len(ranks)})" + (f" at {offset}" if offset else "")
     lines = ["# Described by layoutlang.bridges.fsdp1 from the live FSDP1 units' FlatParameter bookkeeping.",
              f"layout {name}", "", mesh, ""]
     for u in units:
-        keys = " | ".join(f"[{', '.join(str(n) for n in shape)}] as {key}" for key, shape in u.keys)
+        keys = " | ".join(flat_text_of(described[key]) for key, _ in u.keys)
         align = f" align {u.align}" if u.align > 1 else ""
         lines.append(f"tensor {u.name} [flat({keys}){align} pad dp over dp] {u.dtype}")
     text = "\n".join(lines) + "\n"
@@ -87,6 +95,24 @@ def tensors(model) -> dict:
     for u in units:
         out[u.name] = _local_shard(u)
     return out
+
+
+def _flat_keys(model, units: list[Unit]) -> dict[str, list[tuple[list[str], str]]]:
+    """Each parameter's flat key, by its key: for a transformers model of a family `layoutc new`
+    knows, its HF key and key dims (q/k rows as rotary halves), as the ZeRO-3 bridge and `layoutc
+    new fsdp1` write them (`flat_layout.hf_flat_keys`); for any other module its shape, plain."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    module = model.module if isinstance(model, FSDP) else model
+    # every=False: the parameters of ignored modules, or outside every unit, are not in a FlatParameter
+    keys = hf_flat_keys(module, {key: shape for u in units for key, shape in u.keys}, error=BridgeError,
+                        every=False)
+    for key, found in keys.items():
+        if len(found) != 1:
+            raise BridgeError(f"parameter `{key}` holds {len(found)} checkpoint keys ({found[0][1]}, ...): a flat "
+                              "key of a FlatParameter is one whole parameter",
+                              help="describe this parameter by hand, or use a dense model")
+    return keys
 
 
 def _local_shard(u: Unit):
@@ -211,22 +237,43 @@ def _check(text: str, name: str, units: list[Unit], coordinate: int) -> None:
     for u in units:
         t = by_name[u.name]
         dim = t.dims[0]
+        flat = dim.mode.inner if isinstance(dim.mode, PadM) else dim.mode
         got = dim_elements(dim.runs_at(coordinate, 0))
         want: list[int | None] = [None] * u.shard_numel
         logical = 0
-        for (key, shape), info in zip(u.keys, u.flat_param._shard_param_infos):
+        for (key, shape), key_mode, info in zip(u.keys, flat.keys, u.flat_param._shard_param_infos):
             n = 1
             for e in shape:
                 n *= e
             if info.in_shard:
+                order = _logical_index(key_mode)
                 for j in range(info.numel_in_shard):
-                    want[info.offset_in_shard + j] = logical + info.intra_param_start_idx + j
+                    want[info.offset_in_shard + j] = logical + order(info.intra_param_start_idx + j)
             logical += n
         if got != want:
             first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             raise BridgeError(f"unit `{u.module_path or '<root>'}`: the layout places logical element "
                               f"{got[first] if first < len(got) else None} at local element {first} of its shard, "
                               f"torch's _shard_param_infos {want[first] if first < len(want) else None}")
+
+
+def _logical_index(key_mode):
+    """Element j of a parameter as torch flattens it (row-major in memory: the flat key's storage
+    order) -> the key's logical row-major index: itself, unless a key dim is written with parts
+    (rotary halves: each head's re rows, then its im rows, are logically all re rows first)."""
+    from .dtensor import dim_elements
+
+    if key_mode.identity:
+        return lambda j: j
+    tables = [dim_elements(runs) for runs in key_mode.dim_runs]  # per dim: stored index -> logical
+
+    def index(j: int) -> int:
+        out = 0
+        for table, stride in reversed(list(zip(tables, key_mode.strides))):
+            j, i = divmod(j, len(table))
+            out += table[i] * stride
+        return out
+    return index
 
 
 def _join(path: str, name: str) -> str:
