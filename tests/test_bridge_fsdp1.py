@@ -123,3 +123,37 @@ def test_alignment_that_is_not_one_uniform_rule_is_refused():
         _check_offsets("unit `<root>`", keys, _bookkeeping((15, 1, 3), (False, True, False), 12), 4, 2)
     assert str(e.value) == ("error: unit `<root>`: its parameters end at flat element 19, and its 2 shards hold 24: "
                             "not `pad dp` (the next multiple of 2)")
+
+
+def test_flat_keys_of_a_transformers_model_are_its_hf_keys_and_dims():
+    """The rule both flat bridges write keys by (flat_layout.hf_flat_keys): a transformers Llama's q/k rows
+    as HF's rotary halves (Q = KV = 2 heads of D = 4, by hand), every other key plain; FSDP1's units may
+    hold some parameters only (`every=False`), ZeRO-3 must partition all of them; a plain module's keys
+    are its parameter names with their shapes."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from fsdp1_refit_program import config
+    from layoutlang.bridges.families import BridgeError
+    from layoutlang.bridges.flat_layout import hf_flat_keys
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("model.layers.1.")}
+    keys = hf_flat_keys(model, shapes, every=False)
+    assert list(keys) == list(shapes)
+    for part in ("q_proj", "k_proj"):
+        name = f"model.layers.1.self_attn.{part}.weight"
+        assert keys[name] == [(["(2, (re: 4/2 | im: 4/2))", "18"], name)]
+    assert keys["model.layers.1.mlp.down_proj.weight"] == [(["18", "24"], "model.layers.1.mlp.down_proj.weight")]
+    with pytest.raises(BridgeError) as e:
+        hf_flat_keys(model, shapes)
+    assert str(e.value).startswith("error: the layout describes `model.embed_tokens.weight` but LlamaForCausalLM "
+                                   "has no such parameter")
+    with pytest.raises(BridgeError) as e:
+        hf_flat_keys(model, {**shapes, "model.layers.1.mlp.up_proj.weight": (24, 17)}, every=False)
+    assert str(e.value).startswith("error: LlamaForCausalLM stores `model.layers.1.mlp.up_proj.weight` with shape "
+                                   "[24, 17], the layout says [24, 18]")
+    linear = torch.nn.Linear(5, 3)
+    assert hf_flat_keys(linear, {"weight": (3, 5), "bias": (3,)}) == {"weight": [(["3", "5"], "weight")],
+                                                                       "bias": [(["3"], "bias")]}
