@@ -422,6 +422,27 @@ def moe(job: dict, rank: int) -> str:
     engine.step()
     after = gathered(model)
     assert any(not torch.equal(after[n], 1.0 - back[n]) for n in back), "the MoE step changed nothing"
+    if "ours" in job:  # checkpoint.save from the partitions (per-expert keys) and save_pretrained of the gather
+        from layoutlang import checkpoint
+
+        ours, theirs = job["ours"] + "_moe", job["theirs"] + "_moe"
+        checkpoint.save(ours, src, ds.tensors(engine), group=dist.group.WORLD, config=model.config.to_dict())
+        if rank == 0:
+            plain = Qwen3MoeForCausalLM(config)
+            plain.load_state_dict(after)
+            plain.save_pretrained(theirs)
+            model.config.save_pretrained(ours)  # the load reads it (q/k rows: halves), as from_pretrained would
+        dist.barrier()
+        with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+            fresh = Qwen3MoeForCausalLM(config)
+        assert ds.describe(fresh) == text
+        for name, p in fresh.named_parameters():
+            p.ds_tensor.fill_(7.0)
+        checkpoint.load(ours, src, ds.tensors(fresh), group=dist.group.WORLD)
+        for name, p in fresh.named_parameters():
+            want, data = partition(after[name], rank, width)
+            assert torch.equal(p.ds_tensor[:data], want), f"loaded MoE ds_tensor of {name} on rank {rank} differs"
+            assert bool((p.ds_tensor[data:] == 7.0).all()), f"the load wrote the padding of {name}"
     return text
 
 

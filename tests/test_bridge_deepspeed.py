@@ -97,10 +97,23 @@ def test_zero3_llama_refits_into_vllm_tp2_and_back_and_saves_and_loads(tmp_path)
     _same_checkpoint(tmp_path)
 
 
-def _same_checkpoint(tmp_path: Path) -> None:
+def _same_checkpoint(tmp_path: Path, moe: bool = True) -> None:
     """checkpoint.save from the shards wrote what save_pretrained of the gathered model writes: the
     same files and index, byte for byte (and, said per tensor for a readable failure, every key,
-    dtype, shape and bytes); the program checked the load into a fresh model."""
+    dtype, shape and bytes); the program checked the load into a fresh model. The Qwen3-MoE's too
+    (one file: its experts one key each, as transformers 5 saves its stacked experts)."""
+    if moe:
+        moe_dir = tmp_path / "moe"
+        moe_dir.mkdir()
+        for side in ("ours", "theirs"):
+            (tmp_path / f"{side}_moe").rename(moe_dir / side)
+        names = sorted(p.name for p in (moe_dir / "theirs").glob("*.safetensors"))
+        assert names == ["model.safetensors"] == sorted(p.name for p in (moe_dir / "ours").glob("*.safetensors"))
+        ours = (moe_dir / "ours" / names[0]).read_bytes()
+        theirs = (moe_dir / "theirs" / names[0]).read_bytes()
+        with safe_open(str(moe_dir / "theirs" / names[0]), "pt") as f:
+            assert "model.layers.0.mlp.experts.3.down_proj.weight" in f.keys()  # per expert, as checkpoints are
+        assert ours == theirs
     files = sorted(p.name for p in (tmp_path / "theirs").glob("*.safetensors"))
     assert len(files) > 1 and files == sorted(p.name for p in (tmp_path / "ours").glob("*.safetensors"))
     index = "model.safetensors.index.json"
