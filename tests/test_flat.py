@@ -250,3 +250,28 @@ def test_checkpoint_save_and_load_of_flat_shards_on_gloo(tmp_path):
     assert sorted(files) == sorted(t.name for t in whole.tensors)
     for t in whole.tensors:
         assert torch.equal(files[t.name], source_tensor(t, 0)), t.name
+
+
+def test_flat_rotary_keys_save_and_load_without_a_config(tmp_path):
+    """ZeRO-3 shards whose q/k keys are HF's rotary halves (as the bridges write them) save into an
+    empty directory and load back without the model's config: the files' q/k rows are read as
+    the halves the flat keys write (a flat key pairs strictly). The halves name HF's own storage
+    order, so each saved tensor is the flat storage's range of its key, row-major, as it is; and
+    the load gives the storage back, padding untouched."""
+    from safetensors.torch import load_file
+
+    from layoutlang import checkpoint
+
+    text = ("mesh z (dp=1)\n"
+            "tensor q.ds [flat([(2, (re: 4/2 | im: 4/2)), 6] as model.layers.0.self_attn.q_proj.weight) pad 5 over dp] fp32\n"
+            "tensor k.ds [flat([(1, (re: 4/2 | im: 4/2)), 6] as model.layers.0.self_attn.k_proj.weight) pad 5 over dp] fp32\n")
+    layout = loads(text, "z3.layout")
+    mine = {"q.ds": torch.arange(50, dtype=torch.float32), "k.ds": torch.arange(25, dtype=torch.float32) + 100}
+    checkpoint.save(tmp_path / "ckpt", layout, mine, rank=0)
+    saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert torch.equal(saved["model.layers.0.self_attn.q_proj.weight"], torch.arange(48.0).reshape(8, 6))
+    assert torch.equal(saved["model.layers.0.self_attn.k_proj.weight"], (torch.arange(24.0) + 100).reshape(4, 6))
+    back = {"q.ds": torch.full((50,), 7.0), "k.ds": torch.full((25,), 7.0)}
+    checkpoint.load(tmp_path / "ckpt", layout, back, rank=0)
+    assert torch.equal(back["q.ds"][:48], mine["q.ds"][:48]) and back["q.ds"][48:].tolist() == [7.0, 7.0]
+    assert torch.equal(back["k.ds"][:24], mine["k.ds"][:24]) and back["k.ds"][24:].tolist() == [7.0]

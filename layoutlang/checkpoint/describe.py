@@ -258,6 +258,33 @@ def _rotary(config: Mapping | None, source: str | None) -> tuple[dict[str, tuple
                    f"for {config.get('model_type')}'s attention")
 
 
+def flat_rotary(layout) -> dict[str, tuple[int, int]]:
+    """{"q": (Q, D), "k": (KV, D)} as the flat keys of `layout` (ZeRO-3 / FSDP1 shards) write their
+    q/k rows: dim 0 `(heads, (re: D/2 | im: D/2))`, two equal halves per head; {} where no flat key
+    writes them so, or two disagree."""
+    from ..bridges.model import ROTARY_KEY
+    from ..modes import ConcatM, FlatM, PadM, PlainM, ProductM
+
+    heads: dict[str, set] = {}
+    for t in layout.tensors:
+        for dim in t.dims:
+            flat = dim.mode.inner if isinstance(dim.mode, PadM) else dim.mode
+            if not isinstance(flat, FlatM) or t.regions is None or len(t.regions) != len(flat.keys):
+                continue
+            for region, key in zip(t.regions, flat.keys):
+                m = ROTARY_KEY.fullmatch(region.key)
+                rows = key.dims[0] if m and key.dims else None
+                if not isinstance(rows, ProductM) or not isinstance(rows.inner, ConcatM):
+                    continue
+                halves = [p.mode for p in rows.inner.parts]
+                if len(halves) == 2 and all(isinstance(h, PlainM) for h in halves) and \
+                        halves[0].extent == halves[1].extent:
+                    heads.setdefault(m.group(1), set()).add((rows.count, 2 * halves[0].extent))
+    if any(len(v) != 1 for v in heads.values()):
+        return {}
+    return {g: next(iter(v)) for g, v in heads.items()}
+
+
 def _rows(key: str, shape: tuple[int, ...], heads: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:
     from ..bridges.model import ROTARY_KEY
 
@@ -354,11 +381,14 @@ def _text(files: CheckpointFiles, stored: tuple[Stored, ...], skipped: tuple[Ski
     return "\n".join(lines) + "\n"
 
 
-def describe(path: str | os.PathLike, config=None) -> Checkpoint:
+def describe(path: str | os.PathLike, config=None, *, like=None) -> Checkpoint:
     """The checkpoint at `path` (a directory of safetensors files, or one file), from its headers only.
 
     `config`: the model's HF config (a dict or a config.json path); default: `config.json`
-    beside the files, if there is one. It only gives q/k rows their rotary halves."""
+    beside the files, if there is one. It only gives q/k rows their rotary halves. `like`: the
+    Layout a save or load pairs the files with: where no config says, the rotary halves its
+    flat keys write (`flat_rotary`: a flat dim's keys pair strictly, docs/language.md 14.9,
+    where any other side's plain rows are read as the halves they meet)."""
     files = read_checkpoint(path)
     from .ranked import is_ranked, ranked_source
 
@@ -370,6 +400,9 @@ def describe(path: str | os.PathLike, config=None) -> Checkpoint:
         return Checkpoint(files.path, files.files, None, (), (), files.ignored, head + layout.source_text,
                           per_rank=True, args=tuple(layout.args))
     heads, rotary = _rotary(*_config(files.path, config))
+    if rotary is None and like is not None:
+        heads = flat_rotary(like)
+        rotary = "q/k rows as rotary halves, as the layout's flat keys write them" if heads else None
     stored, skipped = _describe(files, heads)
     return Checkpoint(files.path, files.files, files.index, stored, skipped, files.ignored,
                       _text(files, stored, skipped, rotary), rotary=rotary)

@@ -86,8 +86,8 @@ def plan_load(path, layout, *, args: dict[str, int] | None = None, exchange: boo
     """The plan of a load (what `layoutc plan DIR LAYOUT` shows): checkpoint -> `layout`."""
     from ..compiler.plan import as_layout, compile_plan
 
-    ckpt = path if isinstance(path, Checkpoint) else describe(path)
     dst = as_layout(layout, args or {})
+    ckpt = path if isinstance(path, Checkpoint) else describe(path, like=dst)
     if ckpt.per_rank:  # per-rank shard files (ranked.py): every op a copy out of its source rank's file
         return ckpt, compile_plan(ckpt.layout, dst, wire="bf16", relay=False)
     return ckpt, compile_plan(reader_layout(ckpt, dst.ranks, exchange=exchange), dst)
@@ -107,7 +107,11 @@ def load(path: str | os.PathLike | Checkpoint, layout, tensors: dict, *, rank: i
     """
     from ..runtime.loopback import run_rank
 
-    ckpt = path if isinstance(path, Checkpoint) else describe(path)
+    if not isinstance(path, Checkpoint):
+        from ..compiler.plan import as_layout
+
+        path = describe(path, like=as_layout(layout, args or {}))
+    ckpt = path
     if ckpt.per_rank:
         return _load_ranked(ckpt, layout, tensors, rank, group, args, device, timeout)
     ckpt, plan = plan_load(ckpt, layout, args=args, exchange=exchange)

@@ -186,7 +186,7 @@ def plan_save(layout: Layout, target: str, *, max_shard_size: int | str = "5GB",
         if len(files) > 1:
             with open(os.path.join(tmp, INDEX_NAME), "wb") as fh:
                 fh.write(_index(files))
-        ckpt = describe(tmp, config if config is not None else _target_config(target))
+        ckpt = describe(tmp, config if config is not None else _target_config(target), like=layout)
         plan = file_plan(layout, ckpt, f"<checkpoint {target}>")
         _all_written(plan)
         return plan
@@ -299,7 +299,7 @@ def save(path: str | os.PathLike, layout, tensors: dict, *, rank: int | None = N
         if per_rank:
             written = write_rank(os.path.join(partial, names[me]), src, me, tensors)
         else:
-            ckpt = describe(partial, config if config is not None else _target_config(target))
+            ckpt = describe(partial, config if config is not None else _target_config(target), like=src)
             plan = file_plan(src, ckpt, f"<checkpoint {target}>")
             _all_written(plan)
             exchanged = _exchanged(plan, ckpt, src.ranks, exchange) if group is not None else []
