@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import os
 import pkgutil
 import re
@@ -147,14 +148,18 @@ def test_transports_small_run_checks_every_transport():
 @pytest.mark.timeout(300)
 def test_transports_between_jobs_small_run():
     """`--jobs`: a trainer job and 2 engine replicas (6 processes), TrainerJob/EngineJob on
-    "memory" and on "group" against the floor, each checked, the reports naming the transport."""
+    "memory", on "group" and (NIXL installed, as in CI) on "nixl" against the floor, each checked,
+    the reports naming the transport."""
     proc = _run("benchmarks/transports.py", "--jobs", "--small", "--rows", "256", "--cols", "512", "--rounds", "6")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    for method in ("floor", "jobs_memory", "jobs_group"):
+    nixl = importlib.util.find_spec("nixl") is not None or importlib.util.find_spec("nixl_cu12") is not None
+    for method in ("floor", "jobs_memory", "jobs_group") + (("jobs_nixl",) if nixl else ()):
         assert re.search(rf"\n  {method} +median +[\d.]+ ms +[\d.]+ GiB/s  check: exact", out), out
-    assert ("the jobs' reports: {'memory': {'r0': 'memory (cma)', 'r1': 'memory (cma)'}, "
-            "'group': {'r0': 'group (gloo)', 'r1': 'group (gloo)'}}") in out, out
+    reports = re.search(r"the jobs' reports: (.*)\n", out).group(1)
+    assert "'memory': {'r0': 'memory (cma)', 'r1': 'memory (cma)'}" in reports, out
+    assert "'group': {'r0': 'group (gloo)', 'r1': 'group (gloo)'}" in reports, out
+    assert ("'nixl': {'r0': 'nixl (UCX)', 'r1': 'nixl (UCX)'}" in reports) == nixl, out
     assert re.search(r"\n  jobs_memory / floor: [\d.]+ \(95 % interval [\d.]+-[\d.]+\)  target <= 1.25: ", out), out
 
 
