@@ -151,6 +151,8 @@ class Expected:
 
     `values`: in the wire dtype (bf16 for a quantized destination), padding zero;
     `data`: the mask of data (non-padding) elements;
+    `kept`: None, or the mask of padding a refit leaves as it is (a flat dim's), which must
+    still hold the NaN `empty_destination` put there;
     `choices`: empty when every element has one possible value; otherwise one
     tensor per distinct source shard, the value that shard would send (NaN
     where it holds nothing): where quantized source shards overlap and quantize
@@ -160,6 +162,7 @@ class Expected:
     values: torch.Tensor
     data: torch.Tensor
     choices: tuple[torch.Tensor, ...] = ()
+    kept: torch.Tensor | None = None
 
 
 def _key_coordinates(r: KeyRegion, coords: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -244,7 +247,7 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
     index = plan.src.key_index if plan is not None else {}
     holders = [(s, rs, rt) for rt in regions(t) for s, rs in index.get(rt.key, ())]
     if not any(s.dtype in QUANTIZED for s, _, _ in holders):
-        return Expected(torch.where(_kept(t, rank), float("nan"), exact).to(wire), mask)
+        return Expected(exact.to(wire), mask, kept=_kept(t, rank))
     coords = _coords(t, rank)
     shards, seen, stored = [], set(), {}
     for s, rs, rt in holders:
@@ -276,11 +279,14 @@ def expected_destination(t: TensorIR, rank: int, plan=None) -> Expected:
     ambiguous = any(bool((held & (sent != want)).any()) for held, sent in shards)
     choices = tuple(torch.where(held, sent, float("nan")).to(wire).expand(t.local_shape_at(rank))
                     for held, sent in shards) if ambiguous else ()
-    return Expected(want.to(wire), mask, choices)
+    return Expected(want.to(wire), mask, choices, kept=_kept(t, rank))
 
 
-def _kept(t: TensorIR, rank: int) -> torch.Tensor:
-    """Mask of the local padding a refit leaves as it is (a flat dim's: `TensorIR.zeroed_padding`)."""
+def _kept(t: TensorIR, rank: int) -> torch.Tensor | None:
+    """Mask of the local padding a refit leaves as it is (a flat dim's: `TensorIR.zeroed_padding`),
+    None where there is none."""
+    if not any(dim.flat for dim in t.dims):
+        return None
     shape = t.local_shape_at(rank)
     kept = torch.zeros([1] * len(shape), dtype=torch.bool)
     for d, (n, dim, runs) in enumerate(zip(shape, t.dims, t.runs(rank))):
@@ -346,7 +352,9 @@ def check_destination(t: TensorIR, rank: int, value, plan=None) -> str | None:
             return f"`{t.name}` on rank {rank}: quantization scales differ"
         return None
     got = value.cpu()
-    ok = (got == want.values) | (torch.isnan(got) & torch.isnan(want.values))  # NaN: padding left as it was
+    ok = got == want.values
+    if want.kept is not None:  # a flat dim's padding: left as it was (NaN)
+        ok = torch.where(want.kept, torch.isnan(got), ok)
     for choice in want.choices:
         ok = ok | (got == choice)
     if not bool(ok.all()):
